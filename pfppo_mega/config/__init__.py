@@ -1,0 +1,22 @@
+"""Typed config tree, its YAML loader and the generated reference (docs/config_reference.md)."""
+
+from pfppo_mega.config.loader import (
+    AliasUse,
+    Resolved,
+    ValueAliasUse,
+    apply_overrides,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+    load_config_dict,
+    resolve_config,
+    resolve_config_dict,
+    validate_main,
+)
+from pfppo_mega.config.tree import Config, ConfigError, Problem
+
+__all__ = [
+    "AliasUse", "Config", "ConfigError", "Problem", "Resolved", "ValueAliasUse",
+    "apply_overrides", "config_to_dict", "dump_yaml", "load_config", "load_config_dict",
+    "resolve_config", "resolve_config_dict", "validate_main",
+]

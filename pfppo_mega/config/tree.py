@@ -1,0 +1,491 @@
+"""The typed config tree. The YAML mirrors it 1:1: one section a dataclass, one key a field.
+
+Each field carries its documentation in ``metadata["doc"]`` (the config reference is generated
+from it, see ``pfppo_mega.config.reference``). Each section checks its own values in
+``__post_init__`` and reports every problem it finds with the key, the value and the rule.
+Types, unknown keys, aliases and command-line overrides are handled by
+``pfppo_mega.config.loader`` before the sections are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Optional
+
+
+# ----------------------------------------------------------------------------- error reporting
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in a config: the dotted key, the value found and the rule it breaks."""
+
+    key: str
+    value: Any
+    rule: str
+
+    def prefixed(self, prefix: str) -> "Problem":
+        return Problem(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.rule)
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r}: {self.rule}"
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, so one run of `pfppo validate` lists them all."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} config problem(s):\n{lines}")
+
+
+def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
+    """A config field with its documentation (shown in docs/config_reference.md)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+class Section:
+    """Base of every section: collects the problems of ``_check`` and raises them together."""
+
+    # verl / article spellings accepted on load: alias key path -> canonical key (in this section).
+    ALIASES: ClassVar[dict[str, str]] = {}
+    # key -> the values it may take; checked before ``_check`` and listed in the reference.
+    CHOICES: ClassVar[dict[str, tuple]] = {}
+    # key -> {alternative spelling of a value: canonical value}; applied by the section itself,
+    # declared here so the loader can note the rewrite and the reference can list it.
+    VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {}
+
+    def __post_init__(self) -> None:
+        problems: list[Problem] = []
+        for key, allowed in self.CHOICES.items():
+            _choice(problems, key, getattr(self, key), allowed)
+        self._check(problems)
+        if problems:
+            raise ConfigError(problems)
+
+    def _check(self, p: list[Problem]) -> None:  # overridden by sections with rules
+        pass
+
+
+def _choice(p: list[Problem], key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        p.append(Problem(key, value, f"must be one of {', '.join(map(repr, allowed))}"))
+
+
+def _range(
+    p: list[Problem], key: str, value: Any, *, ge=None, gt=None, le=None, lt=None, optional=False
+) -> None:
+    if value is None:
+        if not optional:
+            p.append(Problem(key, value, "must be set"))
+        return
+    rules = [(ge, ">=", value >= ge if ge is not None else True),
+             (gt, ">", value > gt if gt is not None else True),
+             (le, "<=", value <= le if le is not None else True),
+             (lt, "<", value < lt if lt is not None else True)]
+    bounds = [f"{op} {bound}" for bound, op, _ in rules if bound is not None]
+    if not all(ok for _, _, ok in rules):
+        p.append(Problem(key, value, "must be " + " and ".join(bounds)))
+
+
+# ----------------------------------------------------------------------------- sections
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class ModelConfig(Section):
+    """Shape of the Llama-style decoder shared by actor, critic and reference.
+
+    Every field left unset (null) is read from the checkpoint's config.json
+    (`actor_rollout.model_path`); a field that is set must match the checkpoint.
+    """
+
+    num_layers: Optional[int] = opt(None, "Transformer layers.")
+    hidden_size: Optional[int] = opt(None, "Model width d_model.")
+    ffn_hidden_size: Optional[int] = opt(None, "SwiGLU inner width (HF intermediate_size).")
+    num_attention_heads: Optional[int] = opt(None, "Query heads.")
+    num_query_groups: Optional[int] = opt(
+        None, "Key/value heads for grouped-query attention (HF num_key_value_heads)."
+    )
+    vocab_size: Optional[int] = opt(None, "Vocabulary size (must equal the tokenizer's).")
+    max_position_embeddings: Optional[int] = opt(None, "Longest prompt + response in tokens.")
+    rope_theta: Optional[float] = opt(None, "RoPE base.")
+    norm_epsilon: Optional[float] = opt(None, "RMSNorm epsilon.")
+    tie_word_embeddings: Optional[bool] = opt(None, "Share the input embedding and the LM head.")
+    params_dtype: str = opt("float32", "Parameter and compute dtype of the trainer models.")
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "num_hidden_layers": "num_layers",
+        "intermediate_size": "ffn_hidden_size",
+        "num_key_value_heads": "num_query_groups",
+        "rms_norm_eps": "norm_epsilon",
+        "seq_length": "max_position_embeddings",
+    }
+    CHOICES: ClassVar[dict[str, tuple]] = {"params_dtype": DTYPES}
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "num_query_groups", "vocab_size", "max_position_embeddings", "rope_theta",
+        "norm_epsilon", "tie_word_embeddings",
+    )
+
+    def _check(self, p: list[Problem]) -> None:
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "vocab_size", "max_position_embeddings"):
+            _range(p, key, getattr(self, key), ge=1, optional=True)
+        _range(p, "rope_theta", self.rope_theta, gt=0, optional=True)
+        _range(p, "norm_epsilon", self.norm_epsilon, gt=0, optional=True)
+        h, q = self.num_attention_heads, self.num_query_groups
+        if h and self.hidden_size and self.hidden_size % h:
+            p.append(Problem("hidden_size", self.hidden_size,
+                             f"must be divisible by num_attention_heads ({h})"))
+        if h and q and h % q:
+            p.append(Problem("num_query_groups", q,
+                             f"must divide num_attention_heads ({h})"))
+
+    def is_complete(self) -> bool:
+        return all(getattr(self, k) is not None for k in self.SHAPE_FIELDS)
+
+
+@dataclass
+class ParallelConfig(Section):
+    """Megatron parallel layout. data parallel size = world size / (tp * pp)."""
+
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (TP).")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (PP).")
+    backend: str = opt("auto", "torch.distributed backend: auto (nccl on GPUs, else gloo), gloo or nccl.")
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "tp": "tensor_model_parallel_size",
+        "pp": "pipeline_model_parallel_size",
+        "tensor_parallel_size": "tensor_model_parallel_size",
+        "pipeline_parallel_size": "pipeline_model_parallel_size",
+    }
+    CHOICES: ClassVar[dict[str, tuple]] = {"backend": ("auto", "gloo", "nccl")}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1)
+        _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1)
+
+
+ENGINES = ("builtin", "vllm")
+
+
+@dataclass
+class ActorRolloutConfig(Section):
+    """The policy checkpoint and how rollouts are sampled from it."""
+
+    model_path: Optional[str] = opt(
+        None, "Hugging Face Llama-format checkpoint dir (config.json, *.safetensors, tokenizer)."
+    )
+    engine: str = opt("builtin", "Rollout engine: builtin (pure-torch, KV cache) or vllm.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0).")
+    top_p: float = opt(1.0, "Nucleus sampling mass, in (0, 1].")
+    gpu_memory_utilization: float = opt(
+        0.85, "Fraction of GPU memory a colocated vLLM engine may take (ignored by builtin)."
+    )
+    n_samples_per_prompt: int = opt(1, "Responses sampled for each prompt.")
+
+    ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
+                                         "rollout.temperature": "temperature", "rollout.top_p": "top_p",
+                                         "model.path": "model_path"}
+    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ENGINES}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "temperature", self.temperature, gt=0)
+        _range(p, "top_p", self.top_p, gt=0, le=1)
+        _range(p, "gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
+        _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1)
+
+
+POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
+IS_MODES = ("truncate", "mask", "tis")
+
+
+@dataclass
+class PoolConfig(Section):
+    """PF-PPO behaviour-policy snapshot pool (used when algorithm.use_pf_ppo is true)."""
+
+    pool_size: int = opt(5, "Snapshots kept; the oldest is evicted first.")
+    snapshot_interval: int = opt(10, "Training steps between two snapshots of the current policy.")
+    sampling: str = opt("uniform", "How each rollout request picks its snapshot.")
+    sampling_temperature: float = opt(1.0, "Temperature of the kl / reward / recency weighting (> 0).")
+    include_current: bool = opt(False, "Always keep the current policy in the candidate set.")
+    is_mode: str = opt(
+        "truncate",
+        "Behaviour importance weight pi_prox/pi_behav: truncate at is_clip, mask tokens beyond it, "
+        "or tis (plain truncated IS on pi_theta/pi_behav).",
+    )
+    is_clip: float = opt(2.0, "Truncation / masking threshold of the importance weight (> 1).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"sampling": POOL_SAMPLING, "is_mode": IS_MODES}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "pool_size", self.pool_size, ge=1)
+        _range(p, "snapshot_interval", self.snapshot_interval, ge=1)
+        _range(p, "sampling_temperature", self.sampling_temperature, gt=0)
+        _range(p, "is_clip", self.is_clip, gt=1)
+
+
+REWEIGHT_METHODS = ("pow", "max_min", "max_random")
+
+
+@dataclass
+class FiltrationConfig(Section):
+    """Policy filtration (verl's `pf_ppo`, arXiv 2409.06957): reward-weighted batch resampling."""
+
+    enable: bool = opt(False, "Resample each rollout batch with weights computed from rewards.")
+    reweight_method: str = opt("pow", "How sequence rewards become sampling weights.")
+    weight_pow: float = opt(2.0, "Exponent of the pow method (> 0).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"reweight_method": REWEIGHT_METHODS}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "weight_pow", self.weight_pow, gt=0)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    """PPO / PF-PPO hyper-parameters."""
+
+    name: str = opt("ppo", "Algorithm family.")
+    use_pf_ppo: bool = opt(False, "Sample behaviour policies from a pool of recent snapshots (PF-PPO).")
+    kl_coeff: float = opt(0.05, "Coefficient of the KL to the reference policy (>= 0).")
+    use_kl_loss: bool = opt(
+        False, "true: KL is a loss term (kl_coeff * KL); false: a per-token reward penalty."
+    )
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2, k3 (low variance, >= 0) or abs.")
+    clip_ratio: float = opt(0.2, "PPO clip epsilon.")
+    clip_ratio_low: Optional[float] = opt(None, "Lower epsilon (defaults to clip_ratio).")
+    clip_ratio_high: Optional[float] = opt(None, "Upper epsilon (defaults to clip_ratio).")
+    dual_clip_c: Optional[float] = opt(3.0, "Dual-clip bound c > 1 for negative advantages; null = off.")
+    adv_estimator: str = opt("gae", "Advantage estimator.")
+    lmbda: float = opt(0.95, "GAE lambda, in [0, 1].")
+    gamma: float = opt(1.0, "Discount, in [0, 1].")
+    whiten_advantages: bool = opt(True, "Whiten advantages over the batch's response tokens.")
+    vf_coef: float = opt(0.1, "Weight of the value loss.")
+    value_clip: Optional[float] = opt(0.2, "Clip range of the value update; null = unclipped.")
+    entropy_coeff: float = opt(0.0, "Entropy bonus weight (>= 0).")
+    loss_agg_mode: str = opt("token-mean", "How token losses are averaged.")
+    max_response_length: int = opt(32, "Longest response in tokens; generation stops there.")
+    ppo_epochs: int = opt(1, "Passes over each rollout batch.")
+    pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
+    filtration: FiltrationConfig = opt(factory=FiltrationConfig, doc="Policy filtration.")
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "lam": "lmbda",
+        "kl_ctrl.kl_coef": "kl_coeff",
+        "kl_coef": "kl_coeff",
+        "kl_loss_coef": "kl_coeff",
+        "kl_loss_type": "kl_estimator",
+        "kl_penalty": "kl_estimator",
+        "clip_ratio_c": "dual_clip_c",
+        "cliprange_value": "value_clip",
+        "norm_adv_by_std_in_grpo": "whiten_advantages",
+        "pf_ppo.reweight_method": "filtration.reweight_method",
+        "pf_ppo.weight_pow": "filtration.weight_pow",
+    }
+    # verl's estimator names, accepted as values of kl_estimator.
+    KL_VALUE_ALIASES: ClassVar[dict[str, str]] = {
+        "kl": "k1", "mse": "k2", "low_var_kl": "k3"
+    }
+    VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES}
+    # kl_estimator is checked after __post_init__ has rewritten the verl names above.
+    CHOICES: ClassVar[dict[str, tuple]] = {
+        "name": ("ppo",), "kl_estimator": KL_ESTIMATORS, "adv_estimator": ("gae",),
+        "loss_agg_mode": LOSS_AGG_MODES,
+    }
+
+    def __post_init__(self) -> None:
+        self.kl_estimator = self.KL_VALUE_ALIASES.get(self.kl_estimator, self.kl_estimator)
+        if self.clip_ratio_low is None:
+            self.clip_ratio_low = self.clip_ratio
+        if self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio
+        super().__post_init__()
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "kl_coeff", self.kl_coeff, ge=0)
+        _range(p, "clip_ratio", self.clip_ratio, gt=0, lt=1)
+        for key in ("clip_ratio_low", "clip_ratio_high"):  # when set apart from clip_ratio
+            if getattr(self, key) != self.clip_ratio:
+                _range(p, key, getattr(self, key), gt=0, lt=1)
+        _range(p, "dual_clip_c", self.dual_clip_c, gt=1, optional=True)
+        _range(p, "lmbda", self.lmbda, ge=0, le=1)
+        _range(p, "gamma", self.gamma, ge=0, le=1)
+        _range(p, "vf_coef", self.vf_coef, ge=0)
+        _range(p, "value_clip", self.value_clip, gt=0, optional=True)
+        _range(p, "entropy_coeff", self.entropy_coeff, ge=0)
+        _range(p, "max_response_length", self.max_response_length, ge=1)
+        _range(p, "ppo_epochs", self.ppo_epochs, ge=1)
+
+
+REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
+
+
+@dataclass
+class RewardConfig(Section):
+    """Preprocessing of the sequence-level scores before they enter GAE."""
+
+    scaling: str = opt("none", "Score normalisation.")
+    clip_range: Optional[float] = opt(None, "Clip scores to [-c, c] after scaling; null = off.")
+    quantile_clip: Optional[float] = opt(
+        None, "Clip scores to their [1-q, q] batch quantiles (e.g. 0.95); null = off."
+    )
+    length_penalty: float = opt(0.0, "Subtract coef * response_length / max_response_length.")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"scaling": REWARD_SCALING}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "clip_range", self.clip_range, gt=0, optional=True)
+        _range(p, "quantile_clip", self.quantile_clip, gt=0.5, lt=1, optional=True)
+        _range(p, "length_penalty", self.length_penalty, ge=0)
+
+
+@dataclass
+class TrainingConfig(Section):
+    """Optimisation schedule."""
+
+    rollout_batch_size: int = opt(64, "Prompts sampled per training step.")
+    batch_size: int = opt(64, "Samples per optimiser step (mini-batch) within the PPO update.")
+    lr: float = opt(1e-6, "Actor learning rate.")
+    critic_lr: Optional[float] = opt(None, "Critic learning rate (defaults to lr).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Clip the global grad norm at this value; 0 = off.")
+    total_training_steps: int = opt(500, "Training steps (one rollout batch each).")
+    critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
+    seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
+    num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "train_batch_size": "rollout_batch_size",
+        "ppo_mini_batch_size": "batch_size",
+        "actor_lr": "lr",
+    }
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1)
+        _range(p, "batch_size", self.batch_size, ge=1)
+        _range(p, "lr", self.lr, gt=0)
+        _range(p, "critic_lr", self.critic_lr, gt=0, optional=True)
+        _range(p, "weight_decay", self.weight_decay, ge=0)
+        _range(p, "grad_clip", self.grad_clip, ge=0)
+        _range(p, "total_training_steps", self.total_training_steps, ge=1)
+        _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0)
+        _range(p, "num_threads", self.num_threads, ge=1)
+        if self.critic_lr is None:
+            self.critic_lr = self.lr
+
+
+TASKS = ("addition",)
+
+
+@dataclass
+class DataConfig(Section):
+    """The prompt source and its rule-based reward."""
+
+    task: str = opt("addition", "Built-in task with a verifiable reward.")
+    num_digits: int = opt(3, "Largest operand has this many digits (addition).")
+    eval_size: int = opt(256, "Held-out prompts scored greedily at each evaluation.")
+    max_prompt_length: int = opt(16, "Longest prompt in tokens; longer prompts are an error.")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"task": TASKS}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "num_digits", self.num_digits, ge=1, le=9)
+        _range(p, "eval_size", self.eval_size, ge=1)
+        _range(p, "max_prompt_length", self.max_prompt_length, ge=1)
+
+
+@dataclass
+class LoggingConfig(Section):
+    """Where results go and how often."""
+
+    output_dir: str = opt("runs/default", "Run directory (metrics, plots, checkpoints, export).")
+    log_interval: int = opt(1, "Steps between metric records.")
+    eval_interval: int = opt(10, "Steps between held-out evaluations; 0 = only at start and end.")
+    tensorboard: bool = opt(True, "Write TensorBoard event files.")
+    plots: bool = opt(True, "Write PNG plots of the main curves at the end.")
+    progress: bool = opt(True, "Print a progress line per logged step.")
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "log_interval", self.log_interval, ge=1)
+        _range(p, "eval_interval", self.eval_interval, ge=0)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """Atomic, verified training checkpoints."""
+
+    save_interval: int = opt(0, "Steps between checkpoints; 0 = only the final one.")
+    keep_last: int = opt(2, "Checkpoints kept on disk (older are removed after a good save).")
+    resume: bool = opt(True, "Resume from the latest valid checkpoint in output_dir if one exists.")
+    export_hf: bool = opt(True, "Export the final actor as a Hugging Face checkpoint.")
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "save_interval", self.save_interval, ge=0)
+        _range(p, "keep_last", self.keep_last, ge=1)
+
+
+@dataclass
+class SFTConfig(Section):
+    """Supervised warm start (`pfppo sft`): trains the model section's shape from scratch on
+    demonstrations of the built-in task and writes a Hugging Face checkpoint."""
+
+    output_dir: str = opt("runs/sft", "Where the SFT checkpoint (config.json, model.safetensors, tokenizer) goes.")
+    steps: int = opt(300, "Optimiser steps.")
+    batch_size: int = opt(64, "Demonstrations per step.")
+    lr: float = opt(3e-3, "AdamW learning rate (cosine decay to 10%).")
+    noise: float = opt(0.3, "Fraction of demonstrations with one wrong digit (imperfect labels).")
+    max_seconds: float = opt(120.0, "Stop early after this wall time; 0 = no limit.")
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "steps", self.steps, ge=1)
+        _range(p, "batch_size", self.batch_size, ge=1)
+        _range(p, "lr", self.lr, gt=0)
+        _range(p, "noise", self.noise, ge=0, lt=1)
+        _range(p, "max_seconds", self.max_seconds, ge=0)
+
+
+KERNEL_MODES = ("auto", "torch", "fused")
+
+
+@dataclass
+class Config(Section):
+    """Root of the tree."""
+
+    model: ModelConfig = opt(factory=ModelConfig, doc="Model shape.")
+    parallel: ParallelConfig = opt(factory=ParallelConfig, doc="Parallel layout.")
+    actor_rollout: ActorRolloutConfig = opt(factory=ActorRolloutConfig, doc="Policy and sampling.")
+    algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig, doc="PPO / PF-PPO.")
+    reward: RewardConfig = opt(factory=RewardConfig, doc="Reward preprocessing.")
+    training: TrainingConfig = opt(factory=TrainingConfig, doc="Optimisation.")
+    data: DataConfig = opt(factory=DataConfig, doc="Task and prompts.")
+    logging: LoggingConfig = opt(factory=LoggingConfig, doc="Outputs.")
+    checkpoint: CheckpointConfig = opt(factory=CheckpointConfig, doc="Checkpoints.")
+    sft: SFTConfig = opt(factory=SFTConfig, doc="Supervised warm start (pfppo sft).")
+    kernels: str = opt("auto", "PPO math kernels: auto (fused when built), torch or fused.")
+
+    ALIASES: ClassVar[dict[str, str]] = {"trainer.total_training_steps": "training.total_training_steps"}
+    CHOICES: ClassVar[dict[str, tuple]] = {"kernels": KERNEL_MODES}
+
+    def _check(self, p: list[Problem]) -> None:
+        samples = self.training.rollout_batch_size * self.actor_rollout.n_samples_per_prompt
+        # batch_size < 1 is already reported by TrainingConfig (and would divide by zero here).
+        if self.training.batch_size >= 1 and samples % self.training.batch_size:
+            p.append(Problem(
+                "training.batch_size", self.training.batch_size,
+                f"must divide rollout_batch_size * n_samples_per_prompt ({samples})"))
+        if self.actor_rollout.model_path is None and not self.model.is_complete():
+            missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(self.model, k) is None]
+            p.append(Problem("model", "incomplete",
+                             f"set actor_rollout.model_path or every shape field (missing: {', '.join(missing)})"))
