@@ -1,0 +1,50 @@
+"""Generalised advantage estimation (Schulman et al. 2016) over right-padded responses."""
+
+import torch
+
+from pfppo_mega.ppo.masked import check_same_shape, zero_padding
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GAE advantages and returns.
+
+        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * m_{t+1} * A_{t+1}
+        R_t     = A_t + V_t
+
+    rewards, values, mask: [B, T] (mask 1 on real tokens, right-padded). m_T = 0, so the value
+    after the last real token is 0: the episode ends at EOS or the length limit. Both outputs
+    are [B, T] and 0 at masked positions; padding of rewards/values is never read.
+
+    Reference implementation: vectorised over B, a Python loop over T in reverse. Pass detached
+    tensors (the loop is autograd-transparent but nothing upstream should need its gradient).
+    """
+    check_same_shape("compute_gae", rewards=rewards, values=values, mask=mask)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"compute_gae: gamma={gamma} must be in [0, 1]")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"compute_gae: lam={lam} must be in [0, 1]")
+    m = mask.to(values.dtype)  # [B, T]
+    r = zero_padding(rewards.to(values.dtype), mask)  # [B, T]
+    v = zero_padding(values, mask)  # [B, T]
+    num_tokens = v.shape[1]
+
+    next_value = torch.zeros_like(v[:, 0])  # [B]  V_{t+1} * m_{t+1}
+    next_adv = torch.zeros_like(v[:, 0])  # [B]  m_{t+1} * A_{t+1}
+    advs_reversed = []
+    for t in reversed(range(num_tokens)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv = (delta + gamma * lam * next_adv) * m[:, t]
+        advs_reversed.append(adv)
+        next_value = v[:, t]  # already 0 where m_t == 0
+        next_adv = adv  # already 0 where m_t == 0
+    advantages = torch.stack(advs_reversed[::-1], dim=1)  # [B, T]
+    returns = (advantages + v) * m
+    return advantages, returns
