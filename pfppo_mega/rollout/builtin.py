@@ -1,0 +1,256 @@
+"""Built-in rollout engine: the pure-torch LlamaDecoder with a preallocated KV cache.
+
+generate(): left-pad the prompts, prefill them in one forward, then decode one token per step
+for all rows at once; a row that emitted EOS keeps being computed (its outputs are discarded)
+until every row is finished or max_new_tokens is reached.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from pfppo_mega.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from pfppo_mega.rollout.llama import (
+    KVCache,
+    LlamaDecoder,
+    LlamaShape,
+    positions_from_mask,
+    prefill_mask,
+)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [B, V] -> probs with every token outside the nucleus set to 0 (not renormalised).
+
+    The nucleus keeps, in order of decreasing probability, each token whose preceding
+    cumulative mass is < top_p; the most likely token is always kept.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V]
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 -> (tokens [B] int64, logprobs [B] fp32).
+
+    logprob = log_softmax(logits / T)[token] (T = 1 when greedy); top-p only restricts the draw.
+    """
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)  # [B]
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)  # [B, V]
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            probs = top_p_filter(probs, params.top_p)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class BuiltinEngine(RolloutEngine):
+    """In-process generation with LlamaDecoder.
+
+    max_batch_size bounds the KV cache: larger batches are generated in chunks of that size
+    (one seeded generator runs through the chunks in order, so results stay reproducible).
+    """
+
+    def __init__(self, shape: LlamaShape, *, pad_token_id: int,
+                 dtype: torch.dtype = torch.float32, max_batch_size: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
+        self.shape = shape
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device)
+        self.model = LlamaDecoder(shape, dtype=dtype, device=self.device)
+        self._expected = shape.parameter_shapes()
+        self._params = dict(self.model.named_parameters())
+        assert self._params.keys() == self._expected.keys(), "decoder names drifted from shape"
+        self._version = -1
+
+    # ----------------------------------------------------------------- weights
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Copy the tensors in place (cast to the engine dtype). Strict: every expected name
+        exactly once, nothing else, exact shapes; on any error nothing is copied.
+
+        With tied embeddings a `lm_head.weight` equal to `model.embed_tokens.weight` is
+        accepted and skipped (Hugging Face state_dicts list the tied tensor under both names).
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weight version={version!r} must be an int >= 0")
+        received: dict[str, torch.Tensor] = {}
+        duplicates: list[str] = []
+        for name, tensor in named_tensors:
+            if name in received:
+                duplicates.append(name)
+            received[name] = tensor
+        tied_head = None
+        if self.shape.tie_word_embeddings and "lm_head.weight" in received:
+            tied_head = received.pop("lm_head.weight")
+
+        missing = [n for n in self._expected if n not in received]
+        unexpected = [n for n in received if n not in self._expected]
+        misshaped = [
+            f"{n}: got {tuple(t.shape)}, expected {self._expected[n]}"
+            for n, t in received.items()
+            if n in self._expected and tuple(t.shape) != self._expected[n]
+        ]
+        problems = []
+        if missing:
+            problems.append("missing: " + ", ".join(f"{n} {self._expected[n]}" for n in missing))
+        if unexpected:
+            problems.append("unexpected: " + ", ".join(unexpected))
+        if duplicates:
+            problems.append("given more than once: " + ", ".join(duplicates))
+        if misshaped:
+            problems.append("wrong shape: " + "; ".join(misshaped))
+        if tied_head is not None and not problems:
+            embed = received["model.embed_tokens.weight"]
+            if tied_head.shape != embed.shape or not torch.equal(tied_head, embed):
+                problems.append("unexpected: lm_head.weight differs from "
+                                "model.embed_tokens.weight but tie_word_embeddings=True")
+        if problems:
+            raise ValueError("load_weights(version=%d) rejected: %s"
+                             % (version, " | ".join(problems)))
+
+        for name, tensor in received.items():
+            self._params[name].copy_(tensor)
+        self._version = version
+
+    # ----------------------------------------------------------------- scoring
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [B, S] (1 = real token, left or right padding) ->
+        logits [B, S, V] fp32, one full forward without a cache. Padded positions hold
+        finite values that mean nothing."""
+        key_valid = attention_mask.to(self.device).bool()
+        input_ids = input_ids.to(self.device)
+        logits = self.model(input_ids, positions_from_mask(key_valid), prefill_mask(key_valid))
+        return logits.float()
+
+    # -------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        output, _ = self._generate(prompts, params, keep_logits=False)
+        return output
+
+    def generate_with_logits(self, prompts: list[list[int]],
+                             params: SamplingParams) -> tuple[RolloutOutput, torch.Tensor]:
+        """generate(), plus the raw logits [B, T, V] fp32 each response token was drawn from
+        (0 on padding). For tests and debugging."""
+        output, logits = self._generate(prompts, params, keep_logits=True)
+        assert logits is not None
+        return output, logits
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if self._version < 0:
+            raise RuntimeError("generate() called before any load_weights()")
+        if len(prompts) == 0:
+            raise ValueError("generate() got an empty batch; need at least one prompt")
+        limit = self.shape.max_position_embeddings - params.max_new_tokens
+        V = self.shape.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"prompt {i} has length {len(prompt)} > {limit} = max_position_embeddings"
+                    f"({self.shape.max_position_embeddings}) - max_new_tokens"
+                    f"({params.max_new_tokens})"
+                )
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {V})")
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  keep_logits: bool) -> tuple[RolloutOutput, torch.Tensor | None]:
+        self._check_prompts(prompts, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        chunk = self.max_batch_size or len(prompts)
+        parts = [self._generate_chunk(prompts[i:i + chunk], params, generator, keep_logits)
+                 for i in range(0, len(prompts), chunk)]
+        T = max(p[0].shape[1] for p in parts)
+
+        def cat(index: int, fill: float) -> torch.Tensor:
+            padded = []
+            for p in parts:
+                x = p[index]
+                pad_shape = (x.shape[0], T - x.shape[1]) + tuple(x.shape[2:])
+                padded.append(torch.cat([x, x.new_full(pad_shape, fill)], dim=1))
+            return torch.cat(padded)
+
+        responses = cat(0, self.pad_token_id)
+        logprobs = cat(1, 0.0)
+        lengths = torch.cat([p[2] for p in parts])
+        finished = torch.cat([p[3] for p in parts])
+        mask = (torch.arange(T, device=self.device)[None, :] < lengths[:, None]).float()
+        output = RolloutOutput(
+            prompts=[list(p) for p in prompts],
+            responses=responses,
+            response_mask=mask,
+            logprobs=logprobs,
+            lengths=lengths,
+            finished=finished,
+            weight_version=self._version,
+        )
+        return output, (cat(4, 0.0) if keep_logits else None)
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator | None, keep_logits: bool):
+        """-> responses [B, T], logprobs [B, T], lengths [B], finished [B], logits [B, T, V]|None"""
+        B, N = len(prompts), params.max_new_tokens
+        P = max(len(p) for p in prompts)
+        dev = self.device
+        input_ids = torch.zeros(B, P, dtype=torch.long, device=dev)  # left-padded
+        key_valid = torch.zeros(B, P + N, dtype=torch.bool, device=dev)  # [B, K_max]
+        for b, prompt in enumerate(prompts):
+            input_ids[b, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            key_valid[b, P - len(prompt):] = True  # the response slots are real too
+        prompt_valid = key_valid[:, :P]
+        cache = KVCache.allocate(self.shape, B, P + N, dtype=self.dtype, device=dev)
+
+        logits = self.model(input_ids, positions_from_mask(prompt_valid),
+                            prefill_mask(prompt_valid), cache, start=0, last_only=True)
+        next_pos = prompt_valid.sum(-1)  # [B] position of the token about to be sampled
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        tokens_out, logprobs_out, logits_out = [], [], []
+        for t in range(N):
+            step_logits = logits[:, -1].float()  # [B, V]
+            tokens, logprobs = sample_tokens(step_logits, params, generator)
+            alive = ~finished
+            tokens_out.append(torch.where(alive, tokens, self.pad_token_id))
+            logprobs_out.append(torch.where(alive, logprobs, 0.0))
+            if keep_logits:
+                logits_out.append(step_logits * alive[:, None])
+            lengths += alive.long()
+            if params.eos_token_id is not None:
+                finished |= tokens == params.eos_token_id
+            if t == N - 1 or bool(finished.all()):  # host sync, once per step
+                break
+            mask = key_valid[:, None, None, :P + t + 1]  # [B, 1, 1, K]
+            logits = self.model(tokens[:, None], next_pos[:, None], mask, cache,
+                                start=P + t, last_only=True)
+            next_pos = next_pos + 1
+        return (
+            torch.stack(tokens_out, dim=1),
+            torch.stack(logprobs_out, dim=1),
+            lengths,
+            finished,
+            torch.stack(logits_out, dim=1) if keep_logits else None,
+        )
