@@ -1,0 +1,75 @@
+"""Built-in task: integer addition with an exact, rule-based reward.
+
+Prompt ``"<s>123+45="``, correct response ``"168</s>"``. The operand pairs are split into a
+training and a held-out set by a fixed hash, so evaluation never sees a training prompt.
+
+Why RL has something to add here: the SFT warm start learns from *noisy* demonstrations
+(`sft_noise`: a fraction of the answers carry one wrong digit, as imperfect human labels would),
+while the PPO reward is the exact verifier. The reward carries what the SFT data does not:
+which answers are right.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}+{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b)
+
+
+class AdditionTask:
+    """Operands in [0, 10**num_digits); about 1 pair in `holdout_every` is held out."""
+
+    def __init__(self, num_digits: int, *, holdout_every: int = 8):
+        if num_digits < 1:
+            raise ValueError(f"num_digits = {num_digits}: must be >= 1")
+        self.num_digits = num_digits
+        self.limit = 10**num_digits
+        self.holdout_every = holdout_every
+
+    def is_held_out(self, p: Problem) -> bool:
+        # A fixed multiplicative hash: independent of the seed, so every run agrees on the split.
+        return ((p.a * 2654435761 + p.b * 40503) >> 7) % self.holdout_every == 0
+
+    def _draw(self, rng: random.Random, held_out: bool) -> Problem:
+        while True:
+            p = Problem(rng.randrange(self.limit), rng.randrange(self.limit))
+            if self.is_held_out(p) == held_out:
+                return p
+
+    def train_prompts(self, n: int, rng: random.Random) -> list[Problem]:
+        return [self._draw(rng, held_out=False) for _ in range(n)]
+
+    def eval_prompts(self, n: int, *, seed: int = 12345) -> list[Problem]:
+        rng = random.Random(seed)
+        return [self._draw(rng, held_out=True) for _ in range(n)]
+
+    def demonstration(self, p: Problem, rng: random.Random, *, noise: float) -> str:
+        """The SFT target for `p`; with probability `noise` one digit of it is wrong."""
+        ans = p.answer
+        if rng.random() < noise:
+            i = rng.randrange(len(ans))
+            wrong = rng.choice([d for d in "0123456789" if d != ans[i]])
+            ans = ans[:i] + wrong + ans[i + 1:]
+        return ans
+
+    @staticmethod
+    def reward(p: Problem, response: str, finished: bool) -> float:
+        """1 for the exact sum followed by EOS, else 0."""
+        return 1.0 if finished and response == p.answer else 0.0
+
+    @property
+    def max_answer_tokens(self) -> int:
+        return self.num_digits + 2  # digits of the sum + EOS
