@@ -1,0 +1,328 @@
+"""Llama-style megatron-core GPTModel: the actor (LM head) and the critic (scalar value head).
+
+Architecture, for every checkpoint this project loads: pre-norm decoder, RMSNorm, SwiGLU MLP
+(linear_fc1 = [gate; up], silu(gate) * up, linear_fc2), RoPE (rotate-half, base = rope_theta),
+grouped-query attention (num_query_groups key/value heads), no biases, LM head tied or untied.
+
+Layer spec: megatron's local (pure torch) spec, ``get_gpt_layer_local_spec``, on every machine.
+The transformer-engine spec is faster on GPUs but fuses the norms into the linear layers
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), which changes the
+parameter names ``pfppo_mega.models.hf_io`` converts; transformer-engine is never imported.
+
+Prerequisite: ``pfppo_mega.parallel.init_parallel`` (megatron layers read its process groups and
+RNG tracker, and it enables the CPU compatibility layer).
+
+Training sequence with megatron DDP and optimizer (``wrap_ddp`` and ``build_optimizer`` set it up):
+
+    zero_grads(ddp_model, optimizer)
+    loss = loss_fn(actor_logits(ddp_model, input_ids, mask)); loss.backward()   # per micro-batch
+    stats = optimizer_step(ddp_model, optimizer)   # finalize_model_grads, clip, AdamW step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@contextlib.contextmanager
+def _quiet_megatron() -> Iterator[None]:
+    """Hide megatron's expected notices: "Apex / Transformer Engine not installed, falling back
+    to torch" at import, and its DeprecationWarnings about arguments we cannot pass (tp_group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
+        yield
+
+
+with _quiet_megatron():
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.module import Float16Module
+
+from pfppo_mega.config.tree import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _require_complete(model: ModelConfig) -> None:
+    missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(model, k) is None]
+    if missing:
+        raise ValueError(
+            f"model config is incomplete (unset: {', '.join(missing)}); fill it from the checkpoint "
+            f"with pfppo_mega.models.hf_io.model_config_from_hf before building a model"
+        )
+
+
+def transformer_config(
+    model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None
+) -> TransformerConfig:
+    """megatron TransformerConfig of the Llama architecture described by ``model``.
+
+    tp / pp default to the sizes of megatron's initialised parallel state (1 when none is).
+    Dropout is 0 (RL fine-tuning; also makes the actor deterministic for log-prob ratios).
+    """
+    _require_complete(model)
+    initialised = parallel_state.model_parallel_is_initialized()
+    if tp is None:
+        tp = parallel_state.get_tensor_model_parallel_world_size() if initialised else 1
+    if pp is None:
+        pp = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
+    dtype = _DTYPES[model.params_dtype]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_backend=AttnBackend.local,
+        attention_softmax_in_fp32=True,
+        # Fusions need apex / TE / CUDA kernels; off everywhere for identical numerics.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,  # unsupported on CPU (megatron's torch norm refuses it)
+        cuda_graph_scope=[],
+    )
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool) -> GPTModel:
+    with _quiet_megatron():
+        return cls(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            parallel_output=True,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type="rope",
+            rotary_base=model.rope_theta,
+        )
+
+
+def build_actor(model: ModelConfig) -> GPTModel:
+    """The policy: GPTModel with the LM head (tied to the embedding if tie_word_embeddings).
+
+    forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, V/tp].
+    """
+    return _gpt(GPTModel, model, transformer_config(model), tie=bool(model.tie_word_embeddings))
+
+
+class ValueHead(torch.nn.Module):
+    """values = hidden @ w, w: [H] -> [S, B, 1]. Replaces GPTModel.output_layer in the critic.
+
+    Zero-initialised, so a fresh critic predicts 0 everywhere. Replicated (not split) across
+    tensor-parallel ranks: its input hidden states are identical on all of them.
+    Accepts and ignores output_layer's keyword arguments (weight, runtime_gather_output).
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_states: Tensor, weight: Optional[Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> tuple[Tensor, None]:
+        return F.linear(hidden_states, self.weight), None  # [S, B, H] -> [S, B, 1]
+
+
+class CriticModel(GPTModel):
+    """The value model: the actor's trunk (same names, loadable from the same checkpoint) with
+    ``output_layer`` replaced by a ValueHead. Never tied to the embedding.
+
+    forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> values [B, S] (fp32
+    compute dtype of the model); on a non-last pipeline stage it returns hidden states.
+    """
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor,
+                attention_mask: Optional[Tensor] = None, **kwargs) -> Tensor:
+        out = super().forward(input_ids, position_ids, attention_mask, **kwargs)
+        if not self.post_process:
+            return out
+        return out.squeeze(-1)  # [B, S, 1] -> [B, S]
+
+
+def build_critic(model: ModelConfig) -> CriticModel:
+    """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
+    config = transformer_config(model)
+    critic = _gpt(CriticModel, model, config, tie=False)
+    if critic.post_process:
+        critic.output_layer = ValueHead(model.hidden_size, config.params_dtype)
+    return critic
+
+
+# ----------------------------------------------------------------------------- forward helpers
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel / CriticModel inside megatron DDP and Float16Module wrappers."""
+    while isinstance(module, (DistributedDataParallel, Float16Module)):
+        module = module.module
+    return module
+
+
+def _check_right_padded(attention_mask: Tensor, input_ids: Tensor) -> None:
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+            f"{tuple(input_ids.shape)} [B, S]"
+        )
+    mask = attention_mask.to(torch.bool)
+    # Right padding: once a row has a 0 it stays 0, i.e. the mask never increases along S.
+    rises = (mask[:, 1:] & ~mask[:, :-1]).any(dim=1)  # [B]; a host sync follows
+    if bool(rises.any()):
+        rows = rises.nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask rows {rows[:8]} are not right-padded (a 1 follows a 0); "
+            f"these models take right-padded batches only (positions 0..S-1, causal attention)"
+        )
+
+
+def _positions(input_ids: Tensor) -> Tensor:
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)  # [B, S]
+
+
+def actor_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                 *, gather_vocab: bool = False) -> Tensor:
+    """Logits [B, S, V/tp] (full V when tp == 1 or gather_vocab) of a right-padded batch.
+
+    input_ids: [B, S] int64; attention_mask: [B, S] (1 = token, 0 = right padding) or None.
+    Attention is causal and positions are 0..S-1, so a right-padded row's real tokens never
+    see its padding and their logits equal those of the unpadded row; logits at padded
+    positions are meaningless. The mask is only checked, never applied.
+    """
+    if attention_mask is not None:
+        _check_right_padded(attention_mask, input_ids)
+    return model(input_ids, _positions(input_ids), None, runtime_gather_output=gather_vocab or None)
+
+
+def critic_values(model: torch.nn.Module, input_ids: Tensor,
+                  attention_mask: Optional[Tensor] = None) -> Tensor:
+    """Values [B, S] of a right-padded batch (same conventions as actor_logits)."""
+    if attention_mask is not None:
+        _check_right_padded(attention_mask, input_ids)
+    return model(input_ids, _positions(input_ids), None)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False) -> DistributedDataParallel:
+    """Wrap in megatron DDP (and Float16Module first when bf16); set finalize_model_grads_func.
+
+    ``config.finalize_model_grads_func = finalize_model_grads`` makes megatron's schedules
+    all-reduce gradients across data-parallel ranks (without it DP replicas silently drift).
+    Gradients are reduced in fp32. Use the returned module for forward and backward.
+    """
+    config = model.config
+    module: torch.nn.Module = Float16Module(config, model) if config.bf16 else model
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config, ddp_config, module)
+
+
+def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float, grad_clip: float,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> MegatronOptimizer:
+    """AdamW through megatron's get_megatron_optimizer. ``model`` comes from wrap_ddp (megatron's
+    optimizer reads gradients from DDP's buffers). grad_clip = 0 disables clipping (else the
+    global grad norm, over all ranks, is clipped to grad_clip). 1-D parameters (norms) get no
+    weight decay (megatron's default grouping). A learning-rate schedule may rewrite
+    ``group["lr"]`` of ``optimizer.param_groups`` (each group carries ``lr_mult``)."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"build_optimizer needs the megatron DDP module returned by wrap_ddp(model), got "
+            f"{type(model).__name__}: megatron's optimizer reads gradients from DDP's buffers"
+        )
+    for name, value, ok in (("lr", lr, lr > 0), ("weight_decay", weight_decay, weight_decay >= 0),
+                            ("grad_clip", grad_clip, grad_clip >= 0)):
+        if not ok:
+            raise ValueError(f"{name}({value}) must be {'> 0' if name == 'lr' else '>= 0'}")
+    config = model.config
+    opt_config = OptimizerConfig(
+        optimizer="adam",  # megatron's "adam" is AdamW (decoupled weight decay)
+        lr=lr,
+        min_lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=grad_clip,
+        bf16=config.bf16,
+        fp16=False,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=model.ddp_config.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    # megatron groups 1-D params (norms) and biases with wd_mult = 0, but only its
+    # OptimizerParamScheduler applies the multipliers; without one, apply them here.
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+    return optimizer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Outcome of one optimizer step. grad_norm is before clipping."""
+
+    update_successful: bool
+    grad_norm: float
+
+
+def zero_grads(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> None:
+    """Clear DDP's gradient buffers and the optimizer's grads before a new accumulation."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def optimizer_step(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> StepStats:
+    """Reduce gradients across data-parallel ranks (finalize_model_grads), clip, and step.
+
+    Call after the backward passes of all micro-batches, unless a megatron schedule already
+    ran config.finalize_model_grads_func.
+    """
+    finalize_model_grads([model])
+    ok, grad_norm, _ = optimizer.step()
+    norm = float(grad_norm) if grad_norm is not None else float("nan")
+    return StepStats(update_successful=bool(ok), grad_norm=norm)

@@ -1,0 +1,162 @@
+"""Process groups, in one place: torch.distributed, megatron's parallel state, seeds, CPU compat.
+
+Layout (megatron's default order "tp-cp-ep-dp-pp"): WORLD_SIZE = tp * dp * pp; consecutive ranks
+form a tensor-parallel group, data parallelism strides over them and pipeline stages are the
+outermost factor. Call ``init_parallel`` once per process before building models and
+``destroy_parallel`` at the end. Model and math code never read these globals: they receive
+what they need (megatron's own modules read parallel_state internally).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pfppo_mega.compat import megatron_cpu
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This process's place in the layout. dp = world_size / (tp * pp)."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    device: torch.device
+
+
+@dataclass
+class _State:
+    info: ParallelInfo
+    store_dir: Optional[str]  # temp dir of the single-process FileStore, removed on destroy
+    owns_process_group: bool
+
+
+_state: Optional[_State] = None
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """dp = world_size / (tp * pp); every factor must be a positive integer."""
+    for name, value in (("tp", tp), ("pp", pp), ("WORLD_SIZE", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}({value!r}) must be an integer >= 1")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"tp({tp}) * pp({pp}) = {tp * pp} does not divide WORLD_SIZE({world_size})"
+        )
+    return world_size // (tp * pp)
+
+
+def resolve_backend(backend: str) -> str:
+    """auto -> nccl when CUDA devices are visible, else gloo. nccl without CUDA is an error."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend({backend!r}) must be one of 'auto', 'gloo', 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "backend('nccl') needs CUDA devices, but torch.cuda.is_available() is False; use gloo"
+        )
+    return backend
+
+
+def _launched_by_env() -> bool:
+    present = [k for k in _LAUNCH_ENV if k in os.environ]
+    if present and len(present) < len(_LAUNCH_ENV):
+        missing = [k for k in _LAUNCH_ENV if k not in os.environ]
+        raise RuntimeError(
+            f"distributed launch environment is incomplete: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing (torchrun / srun set all of {', '.join(_LAUNCH_ENV)})"
+        )
+    return bool(present)
+
+
+def _init_process_group(backend: str) -> tuple[Optional[str], bool]:
+    """Start torch.distributed unless the caller already did. Returns (store dir, owned)."""
+    if dist.is_initialized():
+        return None, False
+    if _launched_by_env():
+        dist.init_process_group(backend=backend, init_method="env://")
+        return None, True
+    # One-process world: a FileStore in a fresh temp dir needs no free port.
+    store_dir = tempfile.mkdtemp(prefix="pfppo_dist_")
+    dist.init_process_group(
+        backend=backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1
+    )
+    return store_dir, True
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> ParallelInfo:
+    """Initialise torch.distributed, megatron's model-parallel groups and RNG, and CPU compat.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK for the GPU) when a launcher
+    set them, else starts a one-process gloo world. Calling it again with the same tp and pp
+    returns the current layout; with another layout it raises (call destroy_parallel first).
+    """
+    global _state
+    from megatron.core import parallel_state
+
+    if _state is not None:
+        if (_state.info.tp, _state.info.pp) != (tp, pp):
+            raise RuntimeError(
+                f"parallel state is already initialised with tp({_state.info.tp}) pp({_state.info.pp}); "
+                f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp})"
+            )
+        return _state.info
+
+    backend = resolve_backend(backend)
+    # Validate the layout before any process group exists, from the launcher's WORLD_SIZE if set.
+    if "WORLD_SIZE" in os.environ:
+        data_parallel_size(int(os.environ["WORLD_SIZE"]), tp, pp)
+    megatron_cpu.enable()  # no-op on a CUDA machine
+    device = _device(backend)  # before the process group: NCCL binds to the current device
+    store_dir, owned = _init_process_group(backend)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    dp = data_parallel_size(world_size, tp, pp)
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    megatron_cpu.model_parallel_manual_seed(seed)
+
+    info = ParallelInfo(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, device=device)
+    _state = _State(info=info, store_dir=store_dir, owns_process_group=owned)
+    return info
+
+
+def current() -> Optional[ParallelInfo]:
+    """The layout set by init_parallel, or None."""
+    return _state.info if _state is not None else None
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and, if init_parallel created it, the process group."""
+    global _state
+    from megatron.core import parallel_state
+
+    if _state is None:
+        return
+    parallel_state.destroy_model_parallel()
+    if _state.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    if _state.store_dir is not None:
+        shutil.rmtree(_state.store_dir, ignore_errors=True)
+    _state = None
