@@ -3,8 +3,11 @@
 Layout (megatron's default order "tp-cp-ep-dp-pp"): WORLD_SIZE = tp * dp * pp; consecutive ranks
 form a tensor-parallel group, data parallelism strides over them and pipeline stages are the
 outermost factor. Call ``init_parallel`` once per process before building models and
-``destroy_parallel`` at the end. Model and math code never read these globals: they receive
-what they need (megatron's own modules read parallel_state internally).
+``destroy_parallel`` at the end. Math code never reads these globals: it receives the groups it
+needs (pfppo_mega.models.vocab_parallel, reshard). megatron's modules read parallel_state
+internally, and so do the entry points built on them (pfppo_mega.models.engine, hf_io), which
+look up the groups of the layout the model was built for and pass them down.
+The same code runs on CPU / gloo and GPU / NCCL (backend "auto" picks by CUDA availability).
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """This process's place in the layout. dp = world_size / (tp * pp)."""
+    """This process's place in the layout. dp = world_size / (tp * pp).
+
+    Every rank of one model replica (same dp_rank) must be given the same batch; each dp_rank
+    its own part of the global batch (pfppo_mega.models.engine).
+    """
 
     world_size: int
     rank: int
@@ -33,6 +40,9 @@ class ParallelInfo:
     pp: int
     dp: int
     device: torch.device
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
 
 
 @dataclass
@@ -137,7 +147,10 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> Para
     )
     megatron_cpu.model_parallel_manual_seed(seed)
 
-    info = ParallelInfo(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, device=device)
+    info = ParallelInfo(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, device=device,
+                        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                        dp_rank=parallel_state.get_data_parallel_rank())
     _state = _State(info=info, store_dir=store_dir, owns_process_group=owned)
     return info
 

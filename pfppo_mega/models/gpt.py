@@ -2,7 +2,13 @@
 
 Architecture, for every checkpoint this project loads: pre-norm decoder, RMSNorm, SwiGLU MLP
 (linear_fc1 = [gate; up], silu(gate) * up, linear_fc2), RoPE (rotate-half, base = rope_theta),
-grouped-query attention (num_query_groups key/value heads), no biases, LM head tied or untied.
+grouped-query attention (num_query_groups key/value heads), LM head tied or untied, no biases
+except optional q/k/v biases (``qkv_bias=True``: Qwen2; megatron's ``add_qkv_bias``).
+
+Tensor / pipeline parallelism: the models are built for the layout of megatron's initialised
+parallel state (``pfppo_mega.parallel.init_parallel``); ``check_layout`` refuses shapes the layout
+cannot split. The vocabulary is padded to a multiple of tp (``reshard.padded_vocab_size``); the
+padded logits are masked by the consumers (``pfppo_mega.models.engine``).
 
 Layer spec: megatron's local (pure torch) spec, ``get_gpt_layer_local_spec``, on every machine.
 The transformer-engine spec is faster on GPUs but fuses the norms into the linear layers
@@ -53,6 +59,7 @@ with _quiet_megatron():
     from megatron.core.transformer.module import Float16Module
 
 from pfppo_mega.config.tree import ModelConfig
+from pfppo_mega.models.reshard import padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -69,20 +76,42 @@ def _require_complete(model: ModelConfig) -> None:
         )
 
 
-def transformer_config(
-    model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None
-) -> TransformerConfig:
-    """megatron TransformerConfig of the Llama architecture described by ``model``.
-
-    tp / pp default to the sizes of megatron's initialised parallel state (1 when none is).
-    Dropout is 0 (RL fine-tuning; also makes the actor deterministic for log-prob ratios).
-    """
+def check_layout(model: ModelConfig, *, tp: int, pp: int) -> None:
+    """Raise ValueError listing every shape that tensor parallelism tp or pipeline parallelism
+    pp cannot split (the vocabulary is padded instead, see reshard.padded_vocab_size)."""
     _require_complete(model)
+    rules = (
+        ("num_attention_heads", model.num_attention_heads, "tp", tp),
+        ("num_query_groups", model.num_query_groups, "tp", tp),
+        ("ffn_hidden_size", model.ffn_hidden_size, "tp", tp),
+        ("num_layers", model.num_layers, "pp", pp),
+    )
+    problems = [f"  - {name}({value}) is not divisible by {factor}({size})"
+                for name, value, factor, size in rules if value % size]
+    if problems:
+        raise ValueError(f"the model cannot be split over tp({tp}) x pp({pp}):\n" + "\n".join(problems))
+
+
+def _layout(tp: Optional[int], pp: Optional[int]) -> tuple[int, int]:
     initialised = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialised else 1
     if pp is None:
         pp = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
+    return tp, pp
+
+
+def transformer_config(
+    model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None, qkv_bias: bool = False
+) -> TransformerConfig:
+    """megatron TransformerConfig of the Llama architecture described by ``model``.
+
+    tp / pp default to the sizes of megatron's initialised parallel state (1 when none is);
+    check_layout runs first. qkv_bias adds biases to the q/k/v projections (Qwen2).
+    Dropout is 0 (RL fine-tuning; also makes the actor deterministic for log-prob ratios).
+    """
+    tp, pp = _layout(tp, pp)
+    check_layout(model, tp=tp, pp=pp)
     dtype = _DTYPES[model.params_dtype]
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -96,7 +125,7 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_backend=AttnBackend.local,
@@ -122,11 +151,13 @@ def transformer_config(
 
 
 def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool) -> GPTModel:
+    """The GPTModel of this rank's pipeline stage. ``unpadded_vocab_size`` records the true V
+    (the model's own vocab_size is padded to a multiple of tp)."""
     with _quiet_megatron():
-        return cls(
+        module = cls(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=model.vocab_size,
+            vocab_size=padded_vocab_size(model.vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
@@ -135,14 +166,18 @@ def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool)
             position_embedding_type="rope",
             rotary_base=model.rope_theta,
         )
+    module.unpadded_vocab_size = model.vocab_size
+    return module
 
 
-def build_actor(model: ModelConfig) -> GPTModel:
+def build_actor(model: ModelConfig, *, qkv_bias: bool = False) -> GPTModel:
     """The policy: GPTModel with the LM head (tied to the embedding if tie_word_embeddings).
 
-    forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, V/tp].
+    forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, Vp/tp]
+    on the last pipeline stage (Vp = vocab padded to a multiple of tp), hidden states elsewhere.
     """
-    return _gpt(GPTModel, model, transformer_config(model), tie=bool(model.tie_word_embeddings))
+    config = transformer_config(model, qkv_bias=qkv_bias)
+    return _gpt(GPTModel, model, config, tie=bool(model.tie_word_embeddings))
 
 
 class ValueHead(torch.nn.Module):
@@ -178,9 +213,9 @@ class CriticModel(GPTModel):
         return out.squeeze(-1)  # [B, S, 1] -> [B, S]
 
 
-def build_critic(model: ModelConfig) -> CriticModel:
+def build_critic(model: ModelConfig, *, qkv_bias: bool = False) -> CriticModel:
     """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
-    config = transformer_config(model)
+    config = transformer_config(model, qkv_bias=qkv_bias)
     critic = _gpt(CriticModel, model, config, tie=False)
     if critic.post_process:
         critic.output_layer = ValueHead(model.hidden_size, config.params_dtype)
@@ -221,7 +256,9 @@ def _positions(input_ids: Tensor) -> Tensor:
 
 def actor_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                  *, gather_vocab: bool = False) -> Tensor:
-    """Logits [B, S, V/tp] (full V when tp == 1 or gather_vocab) of a right-padded batch.
+    """Logits [B, S, Vp/tp] (Vp when gather_vocab) of a right-padded batch, one forward pass
+    without the pipeline schedule (pp = 1 only; pfppo_mega.models.engine works at any layout).
+    Vp = vocab padded to a multiple of tp (= V at tp = 1); padded columns are not masked here.
 
     input_ids: [B, S] int64; attention_mask: [B, S] (1 = token, 0 = right padding) or None.
     Attention is causal and positions are 0..S-1, so a right-padded row's real tokens never

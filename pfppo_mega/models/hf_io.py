@@ -1,44 +1,59 @@
-"""Hugging Face Llama checkpoints <-> megatron-core GPTModel (local layer spec) state dicts.
+"""Hugging Face Llama / Qwen2 checkpoints <-> megatron-core GPTModel (local layer spec), any TP x PP.
 
 Name map (layer i; H hidden, nh query heads, ng key/value groups, d = H / nh, F ffn):
 
     model.embed_tokens.weight                  [V, H]   embedding.word_embeddings.weight
     model.layers.i.input_layernorm.weight      [H]      decoder.layers.i.input_layernorm.weight
     model.layers.i.self_attn.{q,k,v}_proj      see QKV  decoder.layers.i.self_attention.linear_qkv.weight
+    model.layers.i.self_attn.{q,k,v}_proj.bias see QKV  decoder.layers.i.self_attention.linear_qkv.bias (Qwen2)
     model.layers.i.self_attn.o_proj.weight     [H, H]   decoder.layers.i.self_attention.linear_proj.weight
     model.layers.i.post_attention_layernorm    [H]      decoder.layers.i.pre_mlp_layernorm.weight
     model.layers.i.mlp.{gate,up}_proj.weight   [F, H]   decoder.layers.i.mlp.linear_fc1.weight = [gate; up]  [2F, H]
     model.layers.i.mlp.down_proj.weight        [H, F]   decoder.layers.i.mlp.linear_fc2.weight
     model.norm.weight                          [H]      decoder.final_layernorm.weight
-    lm_head.weight (absent when tied)          [V, H]   output_layer.weight (absent when tied)
+    lm_head.weight (absent when tied)          [V, H]   output_layer.weight (absent when tied, pp = 1)
 
 QKV: megatron views linear_qkv's output as [ng, (nh/ng + 2) * d], i.e. for each key/value group
 g the rows are the group's nh/ng query heads, then its key head, then its value head:
 
     linear_qkv = stack_g [ q_proj[g*(nh/ng)*d : (g+1)*(nh/ng)*d]; k_proj[g*d:(g+1)*d]; v_proj[g*d:(g+1)*d] ]
 
-Both sides use rotate-half RoPE, so q/k need no permutation. Conversions work on full
-(tensor-parallel size 1) tensors; loading into / reading from a model is implemented for
-tp = pp = 1 only and says so otherwise.
+(the q/k/v biases are fused the same way). Both sides use rotate-half RoPE, so q/k need no
+permutation.
+
+Layouts: the functions that take a model (``load_actor_from_hf``, ``gather_hf_weights``,
+``export_hf``) work at the layout of megatron's parallel state. On import each rank reads only
+the tensors of its pipeline stage and keeps its tensor-parallel slice (``reshard``: fused QKV
+split by query groups, fc1 as cat(gate shard, up shard), o_proj / down_proj split on the input
+dim, embedding / LM head split on the vocabulary padded to a multiple of tp with zero rows). A
+tied LM head at pp > 1 is loaded into both the first stage's embedding and the last stage's
+output_layer (megatron keeps them equal by all-reducing their gradients). On export the slices
+are all-gathered over the tensor-parallel group and each stage's tensors broadcast over the
+pipeline group, so every rank ends with the full HF tensors; rank 0 writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from pfppo_mega.config.tree import ModelConfig
-from pfppo_mega.models.gpt import unwrap
+from pfppo_mega.models import reshard
+from pfppo_mega.models.gpt import CriticModel, unwrap
+from pfppo_mega.models.reshard import Split, Stage
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -100,15 +115,35 @@ _HF_KEYS: dict[str, tuple[str, Any]] = {
 }
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _model_type(hf: dict) -> Optional[str]:
+    model_type = hf.get("model_type")
+    if model_type is None:
+        archs = hf.get("architectures") or []
+        model_type = next((t for t, a in _ARCHITECTURES.items() if a in archs), None)
+    return model_type
+
+
+def qkv_bias_from_hf(hf_cfg: dict) -> bool:
+    """True when the checkpoint's q/k/v projections carry biases (Qwen2): build the models with
+    ``qkv_bias=True``."""
+    return _model_type(hf_cfg) == "qwen2"
+
+
 def _architecture_problems(hf: dict) -> list[str]:
     problems = []
-    model_type = hf.get("model_type")
-    archs = hf.get("architectures") or []
-    if model_type is not None and model_type != "llama":
-        problems.append(f"model_type = {model_type!r}: only 'llama' is supported")
-    if model_type is None and "LlamaForCausalLM" not in archs:
-        problems.append(f"architectures = {archs!r}: expected LlamaForCausalLM")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    model_type = _model_type(hf)
+    if hf.get("model_type") is not None and hf["model_type"] not in _ARCHITECTURES:
+        problems.append(f"model_type = {hf['model_type']!r}: only {', '.join(map(repr, _ARCHITECTURES))} "
+                        f"are supported")
+    elif model_type is None:
+        problems.append(f"architectures = {hf.get('architectures')!r}: expected one of "
+                        f"{', '.join(_ARCHITECTURES.values())}")
+    # Llama's attention_bias also adds an o_proj bias, which megatron's add_qkv_bias does not have.
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                      ("use_sliding_window", False)):
         if key in hf and hf[key] != want:
             problems.append(f"{key} = {hf[key]!r}: must be {want!r}")
     _, rope_type = _rope_theta(hf)
@@ -145,8 +180,9 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
     """``base`` with every unset (None) shape field filled from config.json.
 
     A field set in ``base`` must equal the checkpoint's value: ValueError lists every field that
-    differs with both values. Unsupported architectures (non-llama, biases, scaled RoPE,
-    head_dim != hidden_size / heads) are rejected with the reason.
+    differs with both values. Unsupported architectures (not llama / qwen2, o_proj or mlp biases,
+    sliding windows, scaled RoPE, head_dim != hidden_size / heads) are rejected with the reason.
+    Whether the q/k/v projections carry biases is not a ModelConfig field: see qkv_bias_from_hf.
     """
     problems = _architecture_problems(hf_cfg)
     if problems:
@@ -166,36 +202,59 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
 # ----------------------------------------------------------------------------- tensors on disk
 
 
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint, read one at a time: model.safetensors, or the
+    shards listed in model.safetensors.index.json (model-0000x-of-0000y.safetensors).
+
+    ``shape`` reads only the file headers, so a checkpoint can be checked before any data is read.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        root = _require_dir(path)
+        index, single = root / INDEX_FILE, root / SINGLE_FILE
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to shard files")
+            files = sorted(set(weight_map.values()))
+            absent = [f for f in files if not (root / f).is_file()]
+            if absent:
+                raise FileNotFoundError(f"shard file(s) listed in {INDEX_FILE} are missing from "
+                                        f"{str(root)!r}: {', '.join(absent)}")
+        elif single.is_file():
+            files, weight_map = [SINGLE_FILE], None
+        else:
+            found = sorted(p.name for p in root.iterdir())
+            raise FileNotFoundError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r} (found: {', '.join(found) or 'nothing'}); "
+                f"only safetensors checkpoints are supported")
+        self._handles = {f: safe_open(str(root / f), framework="pt") for f in files}
+        self._file_of: dict[str, str] = {}
+        for f, handle in self._handles.items():
+            for name in handle.keys():
+                self._file_of[name] = f
+        if weight_map is not None:
+            lost = sorted(n for n, f in weight_map.items() if self._file_of.get(n) != f)
+            if lost:
+                raise ValueError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
+                                 f"{', '.join(lost[:10])}")
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> Tensor:
+        if name not in self._file_of:
+            raise KeyError(f"checkpoint lacks tensor {name!r}")
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """All tensors of a checkpoint: model.safetensors, or the shards listed in
-    model.safetensors.index.json (model-0000x-of-0000y.safetensors)."""
-    root = _require_dir(path)
-    index = root / INDEX_FILE
-    single = root / SINGLE_FILE
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to shard files")
-        shards = sorted(set(weight_map.values()))
-        absent = [s for s in shards if not (root / s).is_file()]
-        if absent:
-            raise FileNotFoundError(f"shard file(s) listed in {INDEX_FILE} are missing from "
-                                    f"{str(root)!r}: {', '.join(absent)}")
-        state: dict[str, Tensor] = {}
-        for shard in shards:
-            state.update(load_file(str(root / shard)))
-        lost = sorted(set(weight_map) - set(state))
-        if lost:
-            raise ValueError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
-                             f"{', '.join(lost[:10])}")
-        return state
-    if single.is_file():
-        return load_file(str(single))
-    found = sorted(p.name for p in root.iterdir())
-    raise FileNotFoundError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r} (found: {', '.join(found) or 'nothing'}); "
-        f"only safetensors checkpoints are supported"
-    )
+    """All tensors of a checkpoint (see CheckpointReader)."""
+    reader = CheckpointReader(path)
+    return {name: reader.get(name) for name in reader.names()}
 
 
 # ----------------------------------------------------------------------------- name / layout conversion
@@ -210,41 +269,43 @@ class _Dims:
     ffn: int
     vocab: int
     tied: bool
+    qkv_bias: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
-    def q_per_group(self) -> int:
-        return self.heads // self.groups
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.groups) * self.head_dim
 
     @classmethod
-    def of(cls, model: ModelConfig) -> "_Dims":
+    def of(cls, model: ModelConfig, *, qkv_bias: bool = False) -> "_Dims":
         missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(model, k) is None]
         if missing:
             raise ValueError(f"model config is incomplete (unset: {', '.join(missing)})")
         return cls(model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                   model.ffn_hidden_size, model.vocab_size, bool(model.tie_word_embeddings))
+                   model.ffn_hidden_size, model.vocab_size, bool(model.tie_word_embeddings), qkv_bias)
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
-    """[nh*d, H], [ng*d, H], [ng*d, H] -> megatron linear_qkv [ng*(nh/ng + 2)*d, H] (group-interleaved)."""
-    hidden = q.shape[1]
+    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
+    (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
+    rest = tuple(q.shape[1:])
     d = q.shape[0] // heads
-    q = q.reshape(groups, heads // groups * d, hidden)
-    k = k.reshape(groups, d, hidden)
-    v = v.reshape(groups, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+    q = q.reshape(groups, heads // groups * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, H] -> q [nh*d, H], k, v [ng*d, H]."""
-    hidden = qkv.shape[1]
+    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, ...] -> q [nh*d, ...], k, v [ng*d, ...]."""
+    rest = tuple(qkv.shape[1:])
     d = qkv.shape[0] // (heads + 2 * groups)
-    per_group = qkv.reshape(groups, (heads // groups + 2) * d, hidden)
+    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
     q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _expected_hf_shapes(dims: _Dims) -> dict[str, tuple[int, ...]]:
@@ -265,52 +326,116 @@ def _expected_hf_shapes(dims: _Dims) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         })
+        if dims.qkv_bias:
+            shapes.update({
+                p + "self_attn.q_proj.bias": (dims.heads * d,),
+                p + "self_attn.k_proj.bias": (dims.groups * d,),
+                p + "self_attn.v_proj.bias": (dims.groups * d,),
+            })
     return shapes
 
 
-def _check_shapes(sd: Mapping[str, Tensor], expected: Mapping[str, tuple[int, ...]], what: str) -> None:
-    missing = [n for n in expected if n not in sd]
+def _check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
+                  what: str) -> None:
+    missing = [n for n in expected if n not in found]
     if missing:
         more = " ..." if len(missing) > 10 else ""
         raise KeyError(f"{what} lacks tensor(s): {', '.join(missing[:10])}{more}")
-    wrong = [f"  - {n}: expected {tuple(expected[n])}, found {tuple(sd[n].shape)}"
-             for n in expected if tuple(sd[n].shape) != tuple(expected[n])]
+    wrong = [f"  - {n}: expected {tuple(expected[n])}, found {tuple(found[n])}"
+             for n in expected if tuple(found[n]) != tuple(expected[n])]
     if wrong:
         raise ValueError(f"{what} has tensor(s) of the wrong shape:\n" + "\n".join(wrong))
 
 
-def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
-    """HF Llama tensors -> GPTModel (local spec, tp = 1) state dict. Checks every HF tensor's
-    presence and shape; ignores rotary caches and, when tied, a redundant lm_head.weight."""
-    dims = _Dims.of(model)
-    _check_shapes(hf_sd, _expected_hf_shapes(dims), "HF state dict")
-    out = {
-        "embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
+def _shapes(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in sd.items() if isinstance(t, Tensor)}
+
+
+def _full_shapes(dims: _Dims, vocab_rows: int, stage: Stage, *,
+                 output_layer: Optional[tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Global megatron name -> full (tp = 1) shape of every parameter pipeline ``stage`` holds.
+    output_layer: the shape of output_layer.weight on the last stage, None when it holds none
+    (an LM head tied at pp = 1)."""
+    h, f, d = dims.hidden, dims.ffn, dims.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if stage.first:
+        shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
+    for i in stage.layers:
+        m = f"decoder.layers.{i}."
+        shapes[m + "input_layernorm.weight"] = (h,)
+        shapes[m + "self_attention.linear_qkv.weight"] = (dims.qkv_rows, h)
+        if dims.qkv_bias:
+            shapes[m + "self_attention.linear_qkv.bias"] = (dims.qkv_rows,)
+        shapes[m + "self_attention.linear_proj.weight"] = (h, dims.heads * d)
+        shapes[m + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[m + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[m + "mlp.linear_fc2.weight"] = (h, f)
+    if stage.last:
+        shapes["decoder.final_layernorm.weight"] = (h,)
+        if output_layer is not None:
+            shapes["output_layer.weight"] = output_layer
+    return shapes
+
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _megatron_tensor(name: str, get: Callable[[str], Tensor], dims: _Dims, vocab_rows: int) -> Tensor:
+    """Full (tp = 1, vocab padded to vocab_rows) megatron tensor ``name`` from HF tensors ``get``."""
+    if name == "embedding.word_embeddings.weight":
+        return reshard.pad_rows(get("model.embed_tokens.weight"), vocab_rows)
+    if name == "output_layer.weight":
+        return reshard.pad_rows(get("model.embed_tokens.weight" if dims.tied else "lm_head.weight"), vocab_rows)
+    if name == "decoder.final_layernorm.weight":
+        return get("model.norm.weight")
+    m = _LAYER_NAME.match(name)
+    if m is None:
+        raise KeyError(f"no HF tensor maps to megatron parameter {name!r}")
+    p, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        return fuse_qkv(*(get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"),
+                        heads=dims.heads, groups=dims.groups)
+    if suffix == "mlp.linear_fc1.weight":
+        return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
+    plain = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     }
-    if not dims.tied:
-        out["output_layer.weight"] = hf_sd["lm_head.weight"]
-    for i in range(dims.layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf_sd[p + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            hf_sd[p + "self_attn.q_proj.weight"], hf_sd[p + "self_attn.k_proj.weight"],
-            hf_sd[p + "self_attn.v_proj.weight"], heads=dims.heads, groups=dims.groups)
-        out[m + "self_attention.linear_proj.weight"] = hf_sd[p + "self_attn.o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf_sd[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_sd[p + "mlp.gate_proj.weight"], hf_sd[p + "mlp.up_proj.weight"]], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = hf_sd[p + "mlp.down_proj.weight"]
-    return out
+    if suffix not in plain:
+        raise KeyError(f"no HF tensor maps to megatron parameter {name!r}")
+    return get(p + plain[suffix])
 
 
-def _iter_megatron_to_hf(mcore_sd: Mapping[str, Any], dims: _Dims) -> Iterator[tuple[str, Tensor]]:
+def _single_stage(dims: _Dims) -> Stage:
+    return Stage(0, 1, dims.layers)
+
+
+def _lm_head(dims: _Dims, vocab_rows: int, *, tied_here: bool) -> Optional[tuple[int, ...]]:
+    """Shape of the actor's output_layer.weight, None when it is the embedding itself."""
+    return None if tied_here else (vocab_rows, dims.hidden)
+
+
+def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *, qkv_bias: bool = False) -> dict[str, Tensor]:
+    """HF Llama / Qwen2 tensors -> GPTModel (tp = pp = 1) state dict. Checks every HF tensor's
+    presence and shape; ignores rotary caches and, when tied, a redundant lm_head.weight."""
+    dims = _Dims.of(model, qkv_bias=qkv_bias)
+    _check_shapes(_shapes(hf_sd), _expected_hf_shapes(dims), "HF state dict")
+    head = _lm_head(dims, dims.vocab, tied_here=dims.tied)
+    names = _full_shapes(dims, dims.vocab, _single_stage(dims), output_layer=head)
+    return {n: _megatron_tensor(n, hf_sd.__getitem__, dims, dims.vocab) for n in names}
+
+
+def _iter_megatron_to_hf(full: Mapping[str, Any], dims: _Dims) -> Iterator[tuple[str, Tensor]]:
+    """Full (tp = 1, global-name) megatron tensors -> HF tensors, in HF order, vocab unpadded."""
     def get(name: str) -> Tensor:
-        if name not in mcore_sd or not isinstance(mcore_sd[name], Tensor):
+        if name not in full or not isinstance(full[name], Tensor):
             raise KeyError(f"megatron state dict lacks tensor {name!r}")
-        return mcore_sd[name]
+        return full[name]
 
-    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")
+    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:dims.vocab]
     for i in range(dims.layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         yield p + "input_layernorm.weight", get(m + "input_layernorm.weight")
@@ -318,6 +443,11 @@ def _iter_megatron_to_hf(mcore_sd: Mapping[str, Any], dims: _Dims) -> Iterator[t
         yield p + "self_attn.q_proj.weight", q
         yield p + "self_attn.k_proj.weight", k
         yield p + "self_attn.v_proj.weight", v
+        if dims.qkv_bias:
+            qb, kb, vb = split_qkv(get(m + "self_attention.linear_qkv.bias"), heads=dims.heads, groups=dims.groups)
+            yield p + "self_attn.q_proj.bias", qb
+            yield p + "self_attn.k_proj.bias", kb
+            yield p + "self_attn.v_proj.bias", vb
         yield p + "self_attn.o_proj.weight", get(m + "self_attention.linear_proj.weight")
         yield p + "post_attention_layernorm.weight", get(m + "pre_mlp_layernorm.weight")
         gate, up = torch.chunk(get(m + "mlp.linear_fc1.weight"), 2, dim=0)
@@ -326,103 +456,238 @@ def _iter_megatron_to_hf(mcore_sd: Mapping[str, Any], dims: _Dims) -> Iterator[t
         yield p + "mlp.down_proj.weight", get(m + "mlp.linear_fc2.weight")
     yield "model.norm.weight", get("decoder.final_layernorm.weight")
     if not dims.tied:
-        yield "lm_head.weight", get("output_layer.weight")
+        yield "lm_head.weight", get("output_layer.weight")[:dims.vocab]
 
 
-def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig) -> dict[str, Tensor]:
-    """GPTModel (tp = 1) state dict -> HF Llama tensors; tied weights appear once (embed_tokens).
+def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig, *, qkv_bias: bool = False) -> dict[str, Tensor]:
+    """GPTModel (tp = pp = 1) state dict -> HF tensors; tied weights appear once (embed_tokens).
     ``_extra_state`` entries are ignored. Checks the resulting shapes against ``model``."""
-    dims = _Dims.of(model)
+    dims = _Dims.of(model, qkv_bias=qkv_bias)
     out = dict(_iter_megatron_to_hf(mcore_sd, dims))
-    _check_shapes(out, _expected_hf_shapes(dims), "converted megatron state dict")
+    _check_shapes(_shapes(out), _expected_hf_shapes(dims), "converted megatron state dict")
     return out
 
 
-def _require_single_rank_layout() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if (tp, pp) != (1, 1):
-            raise NotImplementedError(
-                f"HF weight conversion of a model split over tp({tp}) * pp({pp}) ranks is not implemented; "
-                f"only tp = pp = 1"
-            )
+# ----------------------------------------------------------------------------- the layout of this rank
 
 
-def megatron_named_params_to_hf(model_module: torch.nn.Module,
-                                model_cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """Yield (HF name, tensor) for every actor weight, in HF order, for a rollout engine.
-
-    Tensors are detached; norms, o_proj, down_proj, embeddings and lm_head are views of the
-    live parameters (copy them if the consumer keeps them across optimizer steps); q/k/v and
-    gate/up are views into the fused megatron weights. Tied weights are yielded once.
-    """
-    _require_single_rank_layout()
-    sd = unwrap(model_module).state_dict(keep_vars=False)
-    yield from _iter_megatron_to_hf(sd, _Dims.of(model_cfg))
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    tp: int
+    tp_rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    stage: Stage
+    pp_group: Optional[dist.ProcessGroup]
+    pp_ranks: tuple[int, ...]  # global rank of each pipeline stage in this rank's pipeline group
 
 
-# ----------------------------------------------------------------------------- into / out of a model
+def _current_layout(num_layers: int) -> _Layout:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return _Layout(1, 0, None, Stage(0, 1, num_layers), None, (0,))
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    return _Layout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        stage=Stage(ps.get_pipeline_model_parallel_rank(), pp, num_layers),
+        pp_group=pp_group,
+        pp_ranks=tuple(dist.get_process_group_ranks(pp_group)) if pp > 1 else (dist.get_rank(),),
+    )
 
 
-def _model_config_of(path: str | os.PathLike) -> ModelConfig:
-    return model_config_from_hf(read_hf_config(path), ModelConfig())
-
-
-def _copy_into(module: torch.nn.Module, mcore_sd: Mapping[str, Tensor], *,
-               skip_prefixes: tuple[str, ...] = ()) -> None:
-    _require_single_rank_layout()
+def _module_dims(module: torch.nn.Module, model: ModelConfig) -> _Dims:
+    """Dims of ``model``, with q/k/v biases as built; an actor's tying must match the config."""
     target = unwrap(module)
+    tied = bool(target.share_embeddings_and_output_weights)
+    if not isinstance(target, CriticModel) and tied != bool(model.tie_word_embeddings):
+        raise ValueError(f"the model was built with tied embeddings = {tied} but the model config says "
+                         f"tie_word_embeddings = {model.tie_word_embeddings}")
+    return _Dims.of(model, qkv_bias=bool(target.config.add_qkv_bias))
+
+
+# ----------------------------------------------------------------------------- into a model
+
+
+def _model_config_of(path: str | os.PathLike) -> tuple[ModelConfig, bool]:
+    hf_cfg = read_hf_config(path)
+    return model_config_from_hf(hf_cfg, ModelConfig()), qkv_bias_from_hf(hf_cfg)
+
+
+def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
+               skip_prefixes: tuple[str, ...] = ()) -> ModelConfig:
+    """Copy this rank's slice of checkpoint ``path`` into ``module``. Every check (architecture,
+    checkpoint tensor shapes from the file headers, the model's parameter names and shapes)
+    runs before any tensor data is read."""
+    cfg, qkv_bias = _model_config_of(path)
+    target = unwrap(module)
+    if bool(target.config.add_qkv_bias) != qkv_bias:
+        raise ValueError(f"checkpoint {str(path)!r} {'has' if qkv_bias else 'has no'} q/k/v biases but the "
+                         f"model was built with qkv_bias={bool(target.config.add_qkv_bias)}; build it with "
+                         f"qkv_bias=hf_io.qkv_bias_from_hf(config.json)")
+    dims = _Dims.of(cfg, qkv_bias=qkv_bias)
+    layout = _current_layout(dims.layers)
+    reader = CheckpointReader(path)
+    _check_shapes({n: reader.shape(n) for n in reader.names()}, _expected_hf_shapes(dims),
+                  f"checkpoint {str(path)!r}")
+    vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
+    stage = layout.stage
+    full_shapes = _full_shapes(dims, vocab_rows, stage,
+                               output_layer=_lm_head(dims, vocab_rows, tied_here=dims.tied and stage.first))
+    expected = {stage.to_local(n): (n, reshard.shard_shape(shape, reshard.split_of(n), layout.tp))
+                for n, shape in full_shapes.items()}
     params = {n: p for n, p in target.named_parameters() if not n.startswith(skip_prefixes)}
-    missing = [n for n in params if n not in mcore_sd]
+    expected = {n: v for n, v in expected.items() if not n.startswith(skip_prefixes)}
+    missing = [n for n in params if n not in expected]
     if missing:
-        raise KeyError(f"model parameter(s) have no tensor in the checkpoint: {', '.join(missing)}")
-    wrong = [f"  - {n}: model expects {tuple(p.shape)}, checkpoint gives {tuple(mcore_sd[n].shape)}"
-             for n, p in params.items() if tuple(p.shape) != tuple(mcore_sd[n].shape)]
-    if wrong:
-        raise ValueError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
-    unused = [n for n in mcore_sd if n not in params and not n.startswith(skip_prefixes)]
+        raise KeyError(f"model parameter(s) have no tensor in the checkpoint (tied / untied mismatch?): "
+                       f"{', '.join(missing)}")
+    unused = [n for n in expected if n not in params]
     if unused:
         raise ValueError(f"checkpoint tensor(s) have no parameter in the model "
                          f"(tied / untied mismatch?): {', '.join(unused)}")
+    wrong = [f"  - {n}: model expects {tuple(p.shape)}, checkpoint gives {expected[n][1]}"
+             for n, p in params.items() if tuple(p.shape) != expected[n][1]]
+    if wrong:
+        raise ValueError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(mcore_sd[name].to(param.dtype))
+            global_name = expected[name][0]
+            full = _megatron_tensor(global_name, reader.get, dims, vocab_rows)
+            param.copy_(reshard.shard(full, reshard.split_of(global_name), layout.tp, layout.tp_rank))
+    return cfg
 
 
 def load_actor_from_hf(model_module: torch.nn.Module, path: str | os.PathLike) -> ModelConfig:
-    """Copy checkpoint ``path`` into an actor built by build_actor; returns the checkpoint's
-    ModelConfig. Every parameter must be covered with the right shape (errors name the tensor,
-    the expected and the found shape)."""
-    cfg = _model_config_of(path)
-    _copy_into(model_module, hf_to_megatron(load_hf_state_dict(path), cfg))
-    return cfg
+    """Copy checkpoint ``path`` into an actor built by build_actor, at any TP x PP layout (this
+    rank's slice); returns the checkpoint's ModelConfig. Every parameter must be covered with the
+    right shape (errors name the tensor, the expected and the found shape)."""
+    return _load_into(model_module, path)
 
 
 def load_critic_trunk_from_hf(critic_module: torch.nn.Module, path: str | os.PathLike) -> ModelConfig:
     """Copy checkpoint ``path`` into a critic's trunk; the value head keeps its (zero) init and
     the checkpoint's LM head is not used."""
-    cfg = _model_config_of(path)
-    sd = hf_to_megatron(load_hf_state_dict(path), cfg)
-    _copy_into(critic_module, sd, skip_prefixes=("output_layer.",))
-    return cfg
+    return _load_into(critic_module, path, skip_prefixes=("output_layer.",))
+
+
+# ----------------------------------------------------------------------------- out of a model
+
+
+def _all_gather_tp(local: dict[str, Tensor], split_params: set[str], layout: _Layout) -> dict[str, Tensor]:
+    """Full tensors from this rank's tensor-parallel slices (one all-gather of a flat buffer).
+    split_params: the names megatron marks tensor_model_parallel; the rest are replicated."""
+    if layout.tp == 1:
+        return dict(local)
+    names = [n for n in local if n in split_params]
+    flat = torch.cat([local[n].reshape(-1) for n in names])
+    gathered = [torch.empty_like(flat) for _ in range(layout.tp)]
+    dist.all_gather(gathered, flat, group=layout.tp_group)
+    out = dict(local)
+    offset = 0
+    for n in names:
+        shape, numel = local[n].shape, local[n].numel()
+        out[n] = reshard.unshard([g[offset:offset + numel].view(shape) for g in gathered], reshard.split_of(n))
+        offset += numel
+    return out
+
+
+def _broadcast_stages(full: dict[str, Tensor], dims: _Dims, layout: _Layout, *, vocab_rows: int,
+                      head: Optional[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """Every stage's full tensors on every rank of the pipeline group: one broadcast per stage
+    of a flat buffer whose layout all ranks derive from the config. ``head``: the shape of the
+    last stage's output_layer.weight to send (None for a tied LM head: the embedding stands for it)."""
+    out = dict(full)
+    for index, src in enumerate(layout.pp_ranks):
+        stage = Stage(index, len(layout.pp_ranks), dims.layers)
+        shapes = _full_shapes(dims, vocab_rows, stage, output_layer=head)
+        numels = [math.prod(s) for s in shapes.values()]
+        if index == layout.stage.index:
+            flat = torch.cat([full[n].reshape(-1) for n in shapes])
+        else:
+            flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        dist.broadcast(flat, src=src, group=layout.pp_group)
+        if index != layout.stage.index:
+            for (name, shape), piece in zip(shapes.items(), flat.split(numels)):
+                out[name] = piece.view(shape)
+    return out
+
+
+def _gather_full(module: torch.nn.Module, dims: _Dims) -> dict[str, Tensor]:
+    """Global megatron name -> full (tp = 1, vocab padded) detached tensor, on every rank.
+    At tp = pp = 1 these are views of the live parameters."""
+    target = unwrap(module)
+    layout = _current_layout(dims.layers)
+    named = [(layout.stage.to_global(n), p) for n, p in target.named_parameters()]
+    local = {n: p.detach() for n, p in named}
+    split_params = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
+    dtypes = {t.dtype for t in local.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"model parameters mix dtypes {sorted(map(str, dtypes))}; expected one")
+    full = _all_gather_tp(local, split_params, layout)
+    if layout.stage.pp > 1:
+        vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
+        if isinstance(target, CriticModel):
+            head: Optional[tuple[int, ...]] = (1, dims.hidden)
+        else:
+            head = _lm_head(dims, vocab_rows, tied_here=dims.tied)
+        full = _broadcast_stages(full, dims, layout, vocab_rows=vocab_rows, head=head,
+                                 dtype=dtypes.pop(), device=next(iter(local.values())).device)
+    return full
+
+
+def gather_hf_weights(model_module: torch.nn.Module, model_cfg: ModelConfig) -> list[tuple[str, Tensor]]:
+    """Every actor weight as (HF name, full tensor), in HF order, on every rank (collective over
+    the tensor- and pipeline-parallel groups: all ranks of a model replica must call it).
+
+    At tp = pp = 1 the tensors are detached views of the live parameters (q/k/v and gate/up are
+    views into the fused megatron weights): copy them if kept across optimizer steps. Otherwise
+    they are fresh. Tied weights appear once (embed_tokens); vocab padding is removed.
+    """
+    if isinstance(unwrap(model_module), CriticModel):
+        raise TypeError("gather_hf_weights reads an actor; use gather_critic_weights for a CriticModel")
+    dims = _module_dims(model_module, model_cfg)
+    return list(_iter_megatron_to_hf(_gather_full(model_module, dims), dims))
+
+
+CRITIC_HEAD = "score.weight"  # [1, H], transformers' name for a sequence / token classification head
+
+
+def gather_critic_weights(critic_module: torch.nn.Module, model_cfg: ModelConfig) -> list[tuple[str, Tensor]]:
+    """The critic's trunk under HF names (no LM head) plus its value head as ``score.weight``
+    [1, H], on every rank (same collective and view semantics as gather_hf_weights)."""
+    if not isinstance(unwrap(critic_module), CriticModel):
+        raise TypeError("gather_critic_weights reads a CriticModel")
+    dims = _module_dims(critic_module, model_cfg)
+    full = _gather_full(critic_module, dims)
+    trunk = list(_iter_megatron_to_hf(full, dataclasses.replace(dims, tied=True)))  # tied: no lm_head
+    return trunk + [(CRITIC_HEAD, full["output_layer.weight"])]
+
+
+def megatron_named_params_to_hf(model_module: torch.nn.Module,
+                                model_cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """Yield (HF name, tensor) for every actor weight, in HF order, for a rollout engine
+    (gather_hf_weights as an iterator; the same view / copy semantics)."""
+    yield from gather_hf_weights(model_module, model_cfg)
+
+
+# ----------------------------------------------------------------------------- export
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
-def hf_config_dict(model: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json contents of a LlamaForCausalLM with the shape of ``model``."""
-    dims = _Dims.of(model)
+def hf_config_dict(model: ModelConfig, dtype: torch.dtype, *, qkv_bias: bool = False) -> dict[str, Any]:
+    """config.json contents of a LlamaForCausalLM (Qwen2ForCausalLM when qkv_bias) shaped as ``model``."""
+    dims = _Dims.of(model, qkv_bias=qkv_bias)
     dtype_name = _DTYPE_NAMES[dtype]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    model_type = "qwen2" if qkv_bias else "llama"
+    config = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "hidden_size": dims.hidden,
         "intermediate_size": dims.ffn,
         "num_hidden_layers": dims.layers,
@@ -438,6 +703,11 @@ def hf_config_dict(model: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
+    if qkv_bias:
+        config["use_sliding_window"] = False
+    else:
+        config.update({"attention_bias": False, "mlp_bias": False})
+    return config
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -453,24 +723,76 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
+def _write_weights(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: Optional[int]) -> None:
+    """model.safetensors, or model-0000x-of-0000y.safetensors + index when the total exceeds
+    max_shard_bytes (tensors packed in order; a tensor larger than the limit gets its own shard)."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _standalone(t: Tensor) -> Tensor:
+    """A contiguous tensor owning its storage (safetensors refuses views sharing one)."""
+    return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
+
+
+def _write_export(out: Path, tensors: dict[str, Tensor], config: dict[str, Any], files: Mapping[str, bytes],
+                  max_shard_bytes: Optional[int]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        _write_weights(tensors, tmp, max_shard_bytes)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | os.PathLike,
               tokenizer_files: Optional[Mapping[str, bytes]] = None, *,
-              extra_config: Optional[Mapping[str, Any]] = None) -> Path:
-    """Write the actor as a HF Llama checkpoint: config.json + model.safetensors (+ tokenizer files).
+              extra_config: Optional[Mapping[str, Any]] = None,
+              max_shard_bytes: Optional[int] = None) -> Path:
+    """Write the actor as a HF checkpoint: config.json + weights (+ tokenizer files), from any layout.
 
-    Written into a temp dir beside ``out_dir`` and moved into place, so a crash never leaves a
-    half-written export. Tensors are saved contiguous, tied weights once, in the parameter dtype.
+    Collective when torch.distributed runs more than one rank: every rank calls it, the weights
+    are gathered (gather_hf_weights), global rank 0 writes, and every rank returns once the write
+    is done (or raises if it failed). Written into a temp dir beside ``out_dir`` and moved into
+    place, so a crash never leaves a half-written export. Weights go to model.safetensors, or to
+    model-0000x-of-0000y.safetensors + model.safetensors.index.json when they exceed
+    ``max_shard_bytes``. Tied weights once, in the parameter dtype, vocab padding removed.
     ``extra_config`` adds non-shape keys to config.json (e.g. bos_token_id, eos_token_id).
     """
-    _require_single_rank_layout()
     out = Path(out_dir)
-    converted = megatron_to_hf(unwrap(model_module).state_dict(), model)
-    tensors = {n: t.detach().contiguous() for n, t in converted.items()}
+    if isinstance(unwrap(model_module), CriticModel):
+        raise TypeError("export_hf writes an actor, got a CriticModel")
+    dims = _module_dims(model_module, model)
+    tensors = {n: _standalone(t) for n, t in _iter_megatron_to_hf(_gather_full(model_module, dims), dims)}
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"exported tensors mix dtypes {sorted(map(str, dtypes))}; "
                          f"expected one parameter dtype")
-    config = hf_config_dict(model, dtypes.pop())
+    config = hf_config_dict(model, dtypes.pop(), qkv_bias=dims.qkv_bias)
     for key, value in (extra_config or {}).items():
         if key in config:
             raise ValueError(f"extra_config key {key!r} would override a shape field of config.json")
@@ -479,17 +801,23 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
     bad = [n for n in files if not _SAFE_NAME.match(n) or n in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)]
     if bad:
         raise ValueError(f"tokenizer file name(s) {bad} must be plain file names other than the model files")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes({max_shard_bytes}) must be >= 1 or None")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    writer = not distributed or dist.get_rank() == 0
+    failure: Optional[BaseException] = None
+    if writer:
+        try:
+            tensors = {n: t.cpu() for n, t in tensors.items()}
+            _write_export(out, tensors, config, files, max_shard_bytes)
+        except BaseException as e:  # re-raised below, after telling the other ranks
+            failure = e
+    if distributed:
+        status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None and failure is None:
+            raise RuntimeError(f"HF export to {str(out)!r} failed on rank 0: {status[0]}")
+    if failure is not None:
+        raise failure
     return out

@@ -1,0 +1,227 @@
+"""Every multi-rank check for one world size, in ONE torchrun launch (started by tests/test_parallel.py):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/multirank/checks.py DIR
+
+DIR holds the checkpoints and transformers' fp64 references written by common.make_checkpoints
+(the rank processes never import transformers). For each layout of common.LAYOUTS[N] the
+script re-initialises megatron's parallel state on the same process group and runs the checks;
+rank 0 prints one line per check,
+
+    RESULT <layout> <check> PASS|FAIL max_diff=<x> tol=<y>
+
+and writes the PPO update results to DIR/results/<layout>_<checkpoint>.{safetensors,json}, which
+the pytest side compares with its serial (tp = pp = dp = 1) run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import common  # noqa: E402
+from pfppo_mega import parallel  # noqa: E402
+
+LOGITS_TOL = 2e-5      # fp32 megatron vs fp64 transformers (as tests/test_models.py)
+LOGP_TOL = 2e-5        # log-prob / entropy, fp32 vs fp64
+GRAD_TOL = 1e-5        # vocab-parallel gradients, fp32 vs fp64
+
+
+def report(layout: str, check: str, ok: bool, max_diff: float, tol: float, note: str = "") -> None:
+    if dist.get_rank() == 0:
+        status = "PASS" if ok else "FAIL"
+        print(f"RESULT {layout} {check} {status} max_diff={max_diff:.3e} tol={tol:.1e} {note}".rstrip(), flush=True)
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (one all-reduce)."""
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag)
+    return int(flag) == 0
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _actor(path: Path):
+    from pfppo_mega.models import gpt, hf_io
+
+    cfg, qkv_bias = common.model_config(path)
+    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    hf_io.load_actor_from_hf(actor, path)
+    return cfg, actor.eval()
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_logits(layout: str, kind: str, path: Path, mbs: int, batch: common.PPOBatch, refs: dict) -> None:
+    from pfppo_mega.models import engine
+
+    _, actor = _actor(path)
+    ours = engine.forward_logits(actor, batch.inputs.input_ids, micro_batch_size=mbs).double()
+    ref = refs[f"logits/{kind}"]
+    err = max_over_ranks((ours - ref).abs().max().item())
+    report(layout, f"logits_vs_transformers[{kind}]", err < LOGITS_TOL and ours.shape == ref.shape, err, LOGITS_TOL)
+
+
+def check_logp_entropy(layout: str, kind: str, path: Path, mbs: int, batch: common.PPOBatch, refs: dict) -> None:
+    """forward_logp_entropy (vocab-parallel at tp > 1) vs the full-vocabulary fp64 softmax of
+    transformers' logits."""
+    from pfppo_mega.models import engine
+
+    _, actor = _actor(path)
+    logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+                                            micro_batch_size=mbs)
+    err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
+                             (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
+    report(layout, f"logp_entropy_vs_fp64[{kind}]", err < LOGP_TOL, err, LOGP_TOL)
+
+
+def check_vocab_parallel_grads(layout: str) -> None:
+    """Forward and backward of the vocab-parallel function on TP shards vs fp64 autograd on the
+    full vocabulary, with a padded column holding a huge logit (must be ignored)."""
+    from megatron.core import parallel_state as ps
+
+    from pfppo_mega.models import reshard
+    from pfppo_mega.models.vocab_parallel import vocab_parallel_logprob_entropy
+
+    tp, rank, group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                       ps.get_tensor_model_parallel_group())
+    n, v = 24, common.VOCAB
+    vp = reshard.padded_vocab_size(v, tp)
+    gen = torch.Generator().manual_seed(5)
+    full = 3.0 * torch.randn(n, v, generator=gen)
+    full[0, 7] = 40.0  # one dominant logit
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[1] = v - 1  # the last real column, which sits next to the padding
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    padded = torch.cat([full, torch.full((n, vp - v), 1e4)], dim=1)  # padding must not count
+    shard = padded.chunk(tp, dim=1)[rank].clone().requires_grad_(True)
+    before = shard.detach().clone()
+    logp, ent = vocab_parallel_logprob_entropy(shard, labels, vocab_start=rank * (vp // tp), vocab_size=v,
+                                               group=group)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    grads = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(grads, shard.grad.contiguous(), group=group)
+    grad = torch.cat(grads, dim=1)
+
+    ref_x = full.double().requires_grad_(True)
+    logq = F.log_softmax(ref_x, dim=-1)
+    ref_logp = logq.gather(1, labels[:, None])[:, 0]
+    ref_ent = -(logq.exp() * logq).sum(-1)
+    ((ref_logp * g_logp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
+    err = max((logp.double() - ref_logp).abs().max().item(), (ent.double() - ref_ent).abs().max().item(),
+              (grad[:, :v].double() - ref_x.grad).abs().max().item())
+    err = max_over_ranks(err)
+    pad_grad_zero = bool((grad[:, v:] == 0).all())
+    untouched = all_ranks_ok(torch.equal(shard.detach(), before))
+    report(layout, "vocab_parallel_fwd_bwd_vs_fp64", err < GRAD_TOL and pad_grad_zero and untouched, err, GRAD_TOL,
+           f"padded_cols={vp - v} pad_grad_zero={pad_grad_zero} input_untouched={untouched}")
+
+
+def check_round_trip(layout: str, kind: str, path: Path, out_root: Path) -> None:
+    """gather_hf_weights on every rank, and a sharded export written by rank 0, equal the checkpoint."""
+    from pfppo_mega.models import hf_io
+
+    cfg, actor = _actor(path)
+    original = hf_io.load_hf_state_dict(path)
+    pairs = hf_io.gather_hf_weights(actor, cfg)
+    names = [n for n, _ in pairs]
+    same = sorted(names) == sorted(original) and len(names) == len(set(names))
+    same = same and all(torch.equal(t, original[n]) for n, t in pairs)
+    report(layout, f"gather_hf_weights_exact[{kind}]", all_ranks_ok(same), 0.0, 0.0,
+           f"tensors={len(pairs)}")
+
+    out = out_root / f"{layout}_{kind}"
+    hf_io.export_hf(actor, cfg, out, max_shard_bytes=60_000)
+    ok, shards = True, 0
+    if dist.get_rank() == 0:
+        written = hf_io.load_hf_state_dict(out)
+        shards = len(list(out.glob("model-*-of-*.safetensors")))
+        ok = (sorted(written) == sorted(original) and all(torch.equal(written[n], original[n]) for n in original)
+              and (out / hf_io.INDEX_FILE).is_file() and shards > 1)
+    report(layout, f"export_sharded_exact[{kind}]", all_ranks_ok(ok), 0.0, 0.0, f"shards={shards}")
+
+
+def check_ppo_update(layout: str, kind: str, path: Path, mbs: int, batch: common.PPOBatch,
+                     results: Path) -> None:
+    """One PPO update; rank 0 saves losses and gathered weights for the pytest side. With DP,
+    every replica must hold bit-identical weights afterwards."""
+    from megatron.core import parallel_state as ps
+
+    res = common.ppo_update(path, batch, micro_batch_size=mbs, dp_rank=ps.get_data_parallel_rank(),
+                            dp=ps.get_data_parallel_world_size())
+    if dist.get_rank() == 0:
+        res.save(results / f"{layout}_{kind}")
+    flat = torch.cat([res.weights[k].reshape(-1) for k in sorted(res.weights)])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    report(layout, f"ppo_update_ran[{kind}]", True, 0.0, 0.0,
+           f"actor_loss={res.actor_loss:.6f} critic_loss={res.critic_loss:.6f}")
+    report(layout, f"replicas_identical[{kind}]", all_ranks_ok(torch.equal(flat, reference)), 0.0, 0.0)
+
+
+def check_bad_layout(world: int) -> None:
+    """A layout whose product does not divide the world size fails before any collective."""
+    try:
+        parallel.init_parallel(tp=world * 2, pp=1, seed=1)
+        ok, msg = False, "no error"
+    except ValueError as e:
+        msg = str(e)
+        ok = f"tp({world * 2}) * pp(1) = {world * 2} does not divide WORLD_SIZE({world})" in msg
+    report("any", "bad_layout_rejected", all_ranks_ok(ok), 0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    data = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    results = data / "results"
+    exports = data / "exports"
+    if dist.get_rank() == 0:
+        results.mkdir(exist_ok=True)
+        exports.mkdir(exist_ok=True)
+    dist.barrier()
+    batch = common.ppo_batch()
+    refs = load_file(str(data / common.REFERENCES))
+    paths = {kind: data / kind for kind in common.CHECKPOINTS}
+    if world == 2:
+        check_bad_layout(world)
+    for layout, tp, pp, mbs in common.LAYOUTS[world]:
+        t0 = time.perf_counter()
+        parallel.init_parallel(tp=tp, pp=pp, seed=1234)
+        for kind, path in paths.items():
+            check_logits(layout, kind, path, mbs, batch, refs)
+            check_round_trip(layout, kind, path, exports)
+            check_ppo_update(layout, kind, path, mbs, batch, results)
+        check_logp_entropy(layout, "llama", paths["llama"], mbs, batch, refs)
+        if tp > 1:
+            check_vocab_parallel_grads(layout)
+        parallel.destroy_parallel()
+        if dist.get_rank() == 0:
+            print(f"TIME {layout} {time.perf_counter() - t0:.1f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
