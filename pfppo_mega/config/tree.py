@@ -362,6 +362,9 @@ class TrainingConfig(Section):
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Clip the global grad norm at this value; 0 = off.")
     total_training_steps: int = opt(500, "Training steps (one rollout batch each).")
+    micro_batch_size: Optional[int] = opt(
+        None, "Rows per forward/backward micro-batch (per data-parallel rank); null = the whole "
+              "mini-batch. Gradients accumulate over micro-batches through megatron's schedule.")
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
@@ -381,6 +384,7 @@ class TrainingConfig(Section):
         _range(p, "grad_clip", self.grad_clip, ge=0)
         _range(p, "total_training_steps", self.total_training_steps, ge=1)
         _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0)
+        _range(p, "micro_batch_size", self.micro_batch_size, ge=1, optional=True)
         _range(p, "num_threads", self.num_threads, ge=1)
         if self.critic_lr is None:
             self.critic_lr = self.lr
@@ -416,10 +420,15 @@ class LoggingConfig(Section):
     tensorboard: bool = opt(True, "Write TensorBoard event files.")
     plots: bool = opt(True, "Write PNG plots of the main curves at the end.")
     progress: bool = opt(True, "Print a progress line per logged step.")
+    kl_probe_size: int = opt(
+        0, "If > 0: each step, sample this many held-out prompts from the current policy and log "
+           "kl/probe_k1, an on-policy KL(current || reference) estimate that is the same for PPO and "
+           "PF-PPO (costs one extra small generation + two forward passes).")
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "log_interval", self.log_interval, ge=1)
         _range(p, "eval_interval", self.eval_interval, ge=0)
+        _range(p, "kl_probe_size", self.kl_probe_size, ge=0)
 
 
 @dataclass

@@ -1,0 +1,196 @@
+"""`pfppo plan CONFIG [key.path=value ...] [--gpu h100|h200] [...]`: the memory plan of a config.
+
+Prints per-GPU memory of the training and rollout phases, the rollout engine's KV cache and
+the host memory per node (model and formulas: ``pfppo_mega.planning.memory``). Exit status:
+0 the layout fits; 2 it does not (every budget over its capacity is named with the amount and
+its components), or the config / flags are invalid; 1 a ``--dry-run-rank`` check found megatron
+disagreeing with the planner's layout arithmetic.
+
+Hardware facts come from flags (--gpu, --nodes, --gpus-per-node, --gpu-memory-gib,
+--host-memory-gib); the model and the layout from the config; training choices the config tree
+does not hold yet (micro-batch, recompute, ...) from flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pfppo_mega.planning.memory import (
+    GPUS, LAYERS, POOL_PLACEMENT, RECOMPUTE, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pfppo plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="YAML config")
+    ap.add_argument("overrides", nargs="*", help="key.path=value, applied after the file")
+    hw = ap.add_argument_group("hardware")
+    hw.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    hw.add_argument("--nodes", type=int, default=8)
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
+    hw.add_argument("--host-memory-gib", type=float, default=None, help="override host memory per node")
+    tr = ap.add_argument_group("training choices (not in the config tree yet)")
+    d = Knobs()
+    tr.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per micro-batch (default: the config's training.micro_batch_size)")
+    tr.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute)
+    tr.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    tr.add_argument("--layer", choices=LAYERS, default=d.layer,
+                    help="local: the layer pfppo_mega.models builds (megatron local spec: unfused attention "
+                         "with fp32 softmax, unfused SwiGLU); fused: flash attention + fused SwiGLU")
+    tr.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    tr.add_argument("--no-offload", dest="offload_during_rollout", action="store_false",
+                    help="keep the trainer's states on the GPU during rollout")
+    tr.add_argument("--rollout-tp", type=int, default=None, help="rollout engine TP (default: GPUs per node)")
+    tr.add_argument("--reserve-gib", type=float, default=d.reserve_gib)
+    tr.add_argument("--rollout-workspace-gib", type=float, default=d.rollout_workspace_gib)
+    tr.add_argument("--host-reserve-gib", type=float, default=d.host_reserve_gib)
+    tr.add_argument("--pool-placement", choices=POOL_PLACEMENT, default=d.pool_placement)
+    out = ap.add_argument_group("output")
+    out.add_argument("--json", dest="json_path", default=None, help="also write the plan as JSON")
+    out.add_argument("--dry-run-rank", action="append", default=[], metavar="R[,R...]",
+                     help="build rank R's megatron groups and meta-device models at the full world "
+                          "size (fake process group) and compare with the plan; repeatable")
+    return ap
+
+
+def _row(name: str, gib: float, formula: str) -> str:
+    return f"  {name:<40} {gib:>8.2f}   {formula}"
+
+
+def format_budget(b: Budget) -> list[str]:
+    lines = [b.title + (f" [{b.note}]" if b.note else "")]
+    lines.append(f"  {'component':<40} {'GiB':>8}   formula")
+    lines += [_row(c.name, c.bytes / GiB, c.formula) for c in b.components]
+    verdict = (f"free {-b.over / GiB:.2f} GiB" if b.fits() else f"OVER BY {b.over / GiB:.2f} GiB")
+    lines.append(_row("total", b.total / GiB, f"of {b.capacity / GiB:.2f} GiB: {verdict}"))
+    return lines
+
+
+def format_plan(plan: Plan, config: str) -> str:
+    r, hw, k, lay = plan.run, plan.hardware, plan.knobs, plan.layout
+    sp = "on" if k.sequence_parallel and lay.tp > 1 else "off"
+    kv = plan.kv
+    lines = [
+        f"pfppo plan: {config} on {hw.nodes} nodes x {hw.gpus_per_node} {hw.gpu} "
+        f"({hw.gpu_memory / GiB:.2f} GiB per GPU, {hw.host_memory / GiB:.0f} GiB host per node)",
+        f"model: actor {plan.actor_params_total / 1e9:.2f} B params, critic {plan.critic_params_total / 1e9:.2f} B, "
+        f"reference {'yes' if r.reference else 'no (kl_coeff = 0)'}; layout tp={lay.tp} pp={lay.pp} dp={lay.dp} "
+        f"(world {lay.world_size}); rollout engine tp={plan.rollout_tp} ({kv.replicas} replicas)",
+        f"sequence {r.seq_len} tokens (prompt {r.max_prompt_length} + response {r.max_response_length}); "
+        f"micro-batch {plan.micro_batch}; {plan.num_microbatches} micro-batches per mini-batch of {r.mini_batch} "
+        f"per DP rank; pipeline bubble {plan.bubble:.1%}",
+        f"activations: {k.recompute} recompute, sequence parallel {sp}, {k.layer} layer "
+        f"(Korthikanti et al. 2022 accounting for a Llama layer; see pfppo_mega/planning/memory.py); "
+        f"distributed optimizer {'on' if k.distributed_optimizer else 'off'}",
+        "",
+    ]
+    lines += format_budget(plan.train)
+    if lay.pp > 1:
+        others = ", ".join(f"stage {st.pp_rank}: {st.train.total / GiB:.2f}" for st in plan.stages)
+        lines.append(f"  (training phase per stage, GiB: {others}; the table shows the largest)")
+    lines.append("")
+    lines += format_budget(plan.rollout)
+    lines.append(f"  KV cache: {kv.tokens:,} tokens per replica = {kv.sequences} sequences of {kv.seq_len}; "
+                 f"rollout batch {r.rollout_samples} sequences = {kv.rollout_sequences_per_replica} per replica"
+                 f" -> {kv.waves} wave(s)")
+    lines.append("")
+    lines += format_budget(plan.host)
+    lines.append("")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    if plan.fits():
+        lines.append("verdict: FITS")
+    else:
+        lines.append(f"verdict: REFUSED ({len(plan.problems)} problem(s))")
+        lines += [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def _ranks(specs: list[str], world: int) -> list[int]:
+    out = []
+    for spec in specs:
+        for part in spec.split(","):
+            r = int(part)
+            if not 0 <= r < world:
+                raise ValueError(f"--dry-run-rank {r} must be in [0, {world})")
+            out.append(r)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_intermixed_args(list(argv))
+    except SystemExit as e:
+        return 0 if e.code in (0, None) else 2
+    from pfppo_mega.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except OSError as e:
+        print(f"pfppo plan: cannot read {args.config}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
+        return 2
+    knobs = Knobs(micro_batch=args.micro_batch, recompute=args.recompute,
+                  sequence_parallel=args.sequence_parallel, layer=args.layer,
+                  distributed_optimizer=args.distributed_optimizer,
+                  offload_during_rollout=args.offload_during_rollout, rollout_tp=args.rollout_tp,
+                  reserve_gib=args.reserve_gib, rollout_workspace_gib=args.rollout_workspace_gib,
+                  host_reserve_gib=args.host_reserve_gib, pool_placement=args.pool_placement)
+    try:
+        hw = Hardware.preset(args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
+        plan = make_plan(RunShape.from_config(cfg), hw, knobs)
+        ranks = _ranks(args.dry_run_rank, hw.world_size)
+    except ValueError as e:
+        print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
+        return 2
+
+    print(format_plan(plan, args.config))
+    report = plan.to_json()
+    status = 0 if plan.fits() else 2
+    if ranks:
+        from pfppo_mega.planning.dryrun import dry_run_rank
+
+        print("\ndry run (fake process group, meta-device megatron models):")
+        report["dry_run"] = []
+        for r in ranks:
+            res = dry_run_rank(cfg.model, tp=plan.layout.tp, pp=plan.layout.pp, world_size=hw.world_size, rank=r)
+            c = res.coords
+            verdict = "OK" if res.ok else "MISMATCH"
+            print(f"  rank {r:>3}/{res.world_size}: tp {c['tp_rank']} dp {c['dp_rank']} pp {c['pp_rank']}; "
+                  f"tensor {_span(res.groups['tensor'])} data {_span(res.groups['data'])} "
+                  f"pipeline {_span(res.groups['pipeline'])}; params actor {res.actor_params:,} "
+                  f"(planner {res.planner_actor_params:,}) critic {res.critic_params:,} "
+                  f"(planner {res.planner_critic_params:,}); {res.seconds:.2f}s {verdict}")
+            for m in res.mismatches[:20]:
+                print(f"    - {m}")
+            report["dry_run"].append({"rank": r, "ok": res.ok, "coords": c, "groups": res.groups,
+                                      "actor_params": res.actor_params, "critic_params": res.critic_params,
+                                      "planner_actor_params": res.planner_actor_params,
+                                      "planner_critic_params": res.planner_critic_params,
+                                      "mismatches": res.mismatches, "seconds": res.seconds})
+            if not res.ok:
+                status = 1
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report | {"config": args.config}, indent=2) + "\n")
+    return status
+
+
+def _span(ranks: list[int]) -> str:
+    """[0, 8, 16] -> "0,8,16"; long lists abbreviated as first..last step k."""
+    if len(ranks) > 4:
+        step = ranks[1] - ranks[0]
+        if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return f"{ranks[0]}..{ranks[-1]}" + (f"/{step}" if step != 1 else "")
+    return ",".join(map(str, ranks))
