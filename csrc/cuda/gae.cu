@@ -1,0 +1,268 @@
+// GAE over right-padded [B, T] on the GPU (reference: pfppo_mega/ppo/advantages.py):
+//   delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t,   A_t = m_t (delta_t + gamma lam A_{t+1})
+//   R_t = m_t (A_t + V_t)
+// A_t = a_t A_{t+1} + b_t (a_t = m_t gamma lam, b_t = m_t delta_t) is affine in A_{t+1}, so
+// maps (p, q): A_begin = p A_end + q compose associatively:
+//   (p1, q1) after (p2, q2) = (p1 p2, p1 q2 + q1)
+// A block scans one piece of one row, tile by tile from the end (kTile tokens per tile): each
+// thread composes the map of its kItems consecutive tokens, a warp-shuffle suffix scan and a
+// pass over the warps give every thread the A just after its tokens, and it writes A and R.
+// Few rows: each row is cut into pieces scanned by separate blocks (chunked scan):
+//   pass 1 (scan, no writes): the map of every piece;  carry: A after each piece, per row;
+//   pass 3 (scan, writes) with that carry. One piece per row skips passes 1-2.
+// Whitening: per-block fp64 sums -> one block computes mean and 1/std -> an elementwise pass.
+#include <algorithm>
+#include <cmath>
+
+#include "device_math.cuh"
+#include "launch.h"
+
+namespace pfppo::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 8;
+constexpr int kTile = kThreads * kItems;
+constexpr int kWarps = kThreads / 32;
+constexpr float kWhitenEps = 1e-8f;
+
+struct Map {
+  float p;
+  float q;
+};
+
+__device__ __forceinline__ Map compose(const Map& first, const Map& then) {
+  // `first` is applied to the output of `then` (first is earlier in time).
+  return Map{first.p * then.p, first.p * then.q + first.q};
+}
+
+struct GaeWorkspace {
+  Map* piece_map;  // [B * pieces]
+  float* carry;    // [B * pieces]: A just after each piece
+  double* stats;   // [B * pieces, 3]: sum A, sum A^2, real tokens
+  float* whiten;   // [3]: mean, 1 / std, value added back
+};
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+GaeWorkspace carve(void* base, const GaeArgs& g, int64_t pieces) {
+  const size_t jobs = size_t(g.rows * pieces);
+  char* p = static_cast<char*>(base);
+  GaeWorkspace w;
+  w.piece_map = reinterpret_cast<Map*>(p);
+  p += align256(jobs * sizeof(Map));
+  w.carry = reinterpret_cast<float*>(p);
+  p += align256(jobs * sizeof(float));
+  w.stats = reinterpret_cast<double*>(p);
+  p += align256(jobs * 3 * sizeof(double));
+  w.whiten = reinterpret_cast<float*>(p);
+  return w;
+}
+
+template <typename T, typename M, bool kWrite>
+__global__ void __launch_bounds__(kThreads)
+    scan_kernel(GaeArgs g, int64_t pieces, int64_t piece_len, T* __restrict__ adv,
+                T* __restrict__ ret, GaeWorkspace w) {
+  __shared__ Map warp_map[kWarps];
+  __shared__ float warp_end[kWarps];
+  __shared__ float tile_carry;
+  __shared__ double smem[32];
+  const int64_t job = blockIdx.x;
+  const int64_t b = job / pieces, k = job % pieces, T_ = g.cols;
+  const int64_t begin = min(T_, k * piece_len), end = min(T_, begin + piece_len);
+  const T* rewards = static_cast<const T*>(g.rewards) + b * T_;
+  const T* values = static_cast<const T*>(g.values) + b * T_;
+  const M* mask = static_cast<const M*>(g.mask) + b * T_;
+  T* adv_row = kWrite ? adv + b * T_ : nullptr;
+  T* ret_row = kWrite ? ret + b * T_ : nullptr;
+  const float gamma = g.gamma;
+  const float gamma_lam = float(double(g.gamma) * double(g.lam));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  float carry = kWrite ? w.carry[job] : 0.0f;  // A just after the current tile
+  Map piece{1.0f, 0.0f};                        // pass 1: map of the tiles done so far
+  double s1 = 0.0, s2 = 0.0, count = 0.0;
+  for (int64_t tile_end = end; tile_end > begin; tile_end -= kTile) {
+    const int64_t tile_begin = max(begin, tile_end - int64_t(kTile));
+    const int64_t seg_begin = tile_begin + int64_t(threadIdx.x) * kItems;
+    const int64_t seg_end = min(tile_end, seg_begin + kItems);
+    const int n = seg_end > seg_begin ? int(seg_end - seg_begin) : 0;
+
+    float r[kItems], v[kItems];
+    bool m[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t t = seg_begin + j;
+      m[j] = j < n && nonzero(mask[t]);
+      v[j] = m[j] ? to_f32(values[t]) : 0.0f;  // padding is never read
+      r[j] = m[j] ? to_f32(rewards[t]) : 0.0f;
+    }
+    // m V just after this thread's tokens (the next thread's first token, or past the tile).
+    const float v_after =
+        (n > 0 && seg_end < T_ && nonzero(mask[seg_end])) ? to_f32(values[seg_end]) : 0.0f;
+
+    // The map of this thread's tokens, last token first.
+    Map own{1.0f, 0.0f};
+#pragma unroll
+    for (int j = kItems - 1; j >= 0; --j) {
+      if (j >= n) continue;
+      const float nv = j + 1 < n ? v[j + 1] : v_after;
+      const float delta = r[j] + gamma * nv - v[j];
+      own = compose(Map{m[j] ? gamma_lam : 0.0f, m[j] ? delta : 0.0f}, own);
+    }
+
+    // Suffix scan over the warp: lane i gets the map of lanes i..31.
+    Map incl = own;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const Map later{__shfl_down_sync(kFullMask, incl.p, off),
+                      __shfl_down_sync(kFullMask, incl.q, off)};
+      if (lane + off < 32) incl = compose(incl, later);
+    }
+    if (lane == 0) warp_map[warp] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float x = carry;
+      Map tile{1.0f, 0.0f};
+      for (int wi = kWarps - 1; wi >= 0; --wi) {
+        warp_end[wi] = x;
+        x = warp_map[wi].p * x + warp_map[wi].q;
+        tile = compose(warp_map[wi], tile);
+      }
+      tile_carry = x;
+      piece = compose(tile, piece);
+    }
+    __syncthreads();
+
+    if constexpr (kWrite) {
+      // A just after this thread's tokens = (lanes after it) applied to the warp's end value.
+      Map after{__shfl_down_sync(kFullMask, incl.p, 1), __shfl_down_sync(kFullMask, incl.q, 1)};
+      if (lane == 31) after = Map{1.0f, 0.0f};
+      float a_next = after.p * warp_end[warp] + after.q;
+#pragma unroll
+      for (int j = kItems - 1; j >= 0; --j) {
+        if (j >= n) continue;
+        const int64_t t = seg_begin + j;
+        const float nv = j + 1 < n ? v[j + 1] : v_after;
+        const float delta = r[j] + gamma * nv - v[j];
+        const float a = m[j] ? delta + gamma_lam * a_next : 0.0f;
+        adv_row[t] = from_f32<T>(a);
+        ret_row[t] = from_f32<T>(m[j] ? a + v[j] : 0.0f);
+        s1 += a;
+        s2 += double(a) * a;
+        count += m[j] ? 1.0 : 0.0;
+        a_next = a;
+      }
+    }
+    carry = tile_carry;
+    __syncthreads();  // warp_map / warp_end / tile_carry are reused by the next tile
+  }
+
+  if constexpr (kWrite) {
+    if (g.whiten) {
+      s1 = block_sum(s1, smem);
+      s2 = block_sum(s2, smem);
+      count = block_sum(count, smem);
+      if (threadIdx.x == 0) {
+        w.stats[job * 3 + 0] = s1;
+        w.stats[job * 3 + 1] = s2;
+        w.stats[job * 3 + 2] = count;
+      }
+    }
+  } else {
+    if (threadIdx.x == 0) w.piece_map[job] = piece;
+  }
+}
+
+// Pass 2: A just after each piece, from the last piece of a row to the first.
+__global__ void carry_kernel(int64_t rows, int64_t pieces, GaeWorkspace w) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= rows) return;
+  float x = 0.0f;
+  for (int64_t k = pieces - 1; k >= 0; --k) {
+    w.carry[b * pieces + k] = x;
+    const Map mp = w.piece_map[b * pieces + k];
+    x = mp.p * x + mp.q;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    whiten_stats_kernel(int64_t jobs, bool shift_mean, GaeWorkspace w) {
+  __shared__ double smem[32];
+  double s1 = 0.0, s2 = 0.0, n = 0.0;
+  for (int64_t j = threadIdx.x; j < jobs; j += kThreads) {
+    s1 += w.stats[j * 3 + 0];
+    s2 += w.stats[j * 3 + 1];
+    n += w.stats[j * 3 + 2];
+  }
+  s1 = block_sum(s1, smem);
+  s2 = block_sum(s2, smem);
+  n = block_sum(n, smem);
+  if (threadIdx.x != 0) return;
+  const double mean = n > 0.0 ? s1 / n : 0.0;
+  double var = n >= 2.0 ? (s2 - n * mean * mean) / (n - 1.0) : 0.0;  // unbiased, like masked_var
+  var = var > 0.0 ? var : 0.0;
+  w.whiten[0] = float(mean);
+  w.whiten[1] = float(1.0 / sqrt(var + double(kWhitenEps)));
+  w.whiten[2] = shift_mean ? 0.0f : float(mean);
+}
+
+template <typename T, typename M>
+__global__ void __launch_bounds__(kThreads)
+    whiten_apply_kernel(int64_t n, const M* __restrict__ mask, T* __restrict__ adv, GaeWorkspace w) {
+  const float mean = w.whiten[0], rstd = w.whiten[1], add_back = w.whiten[2];
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kThreads) {
+    adv[i] = from_f32<T>(nonzero(mask[i]) ? (to_f32(adv[i]) - mean) * rstd + add_back : 0.0f);
+  }
+}
+
+}  // namespace
+
+int64_t gae_pieces(const GaeArgs& g, int sm_count) {
+  const int64_t max_pieces = std::max<int64_t>(1, ceil_div(g.cols, kTile));
+  if (g.row_chunks > 0) return std::min<int64_t>(g.row_chunks, std::max<int64_t>(1, g.cols));
+  const int64_t want_blocks = 2 * int64_t(sm_count);
+  if (g.rows >= want_blocks || g.rows == 0) return 1;
+  return std::min<int64_t>(ceil_div(want_blocks, g.rows), max_pieces);
+}
+
+size_t gae_workspace_bytes(const GaeArgs& g, int64_t pieces) {
+  const size_t jobs = size_t(g.rows * pieces);
+  return align256(jobs * sizeof(Map)) + align256(jobs * sizeof(float)) +
+         align256(jobs * 3 * sizeof(double)) + 256;
+}
+
+cudaError_t gae(const GaeArgs& g, int64_t pieces, void* advantages, void* returns,
+                void* workspace, cudaStream_t stream) {
+  if (g.rows == 0 || g.cols == 0) return cudaSuccess;
+  GaeWorkspace w = carve(workspace, g, pieces);
+  const int64_t jobs = g.rows * pieces;
+  const int64_t piece_len = ceil_div(g.cols, pieces);
+  return with_scalar(g.dtype, [&](auto t) {
+    using T = decltype(t);
+    return with_mask(g.mask_kind, [&](auto m) {
+      using M = decltype(m);
+      T* adv = static_cast<T*>(advantages);
+      T* ret = static_cast<T*>(returns);
+      if (pieces > 1) {
+        scan_kernel<T, M, false><<<jobs, kThreads, 0, stream>>>(g, pieces, piece_len, adv, ret, w);
+        carry_kernel<<<ceil_div(g.rows, 256), 256, 0, stream>>>(g.rows, pieces, w);
+      } else {
+        cudaError_t err = cudaMemsetAsync(w.carry, 0, size_t(jobs) * sizeof(float), stream);
+        if (err != cudaSuccess) return err;
+      }
+      scan_kernel<T, M, true><<<jobs, kThreads, 0, stream>>>(g, pieces, piece_len, adv, ret, w);
+      if (g.whiten) {
+        whiten_stats_kernel<<<1, kThreads, 0, stream>>>(jobs, g.shift_mean, w);
+        const int64_t n = g.rows * g.cols;
+        const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), 65535);
+        whiten_apply_kernel<T, M><<<blocks, kThreads, 0, stream>>>(
+            n, static_cast<const M*>(g.mask), adv, w);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace pfppo::cuda

@@ -1,0 +1,1 @@
+"""Benchmarks (`pfppo bench ...`); each module has main(argv) -> exit status."""

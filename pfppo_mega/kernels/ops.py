@@ -1,0 +1,348 @@
+"""The pfppo:: torch ops (pfppo_mega._C): fake shapes, autograd, and typed Python wrappers.
+
+Each op has four parts: the kernels (csrc/cpu, csrc/cuda), the C++ API layer that checks every
+input (csrc/api.cpp), the registrations below (fake implementation for meta/FakeTensor tracing,
+autograd), and the pure-torch reference in pfppo_mega.ppo that the tests compare against.
+
+The ops are strict (2-D, contiguous, float32/bfloat16, int64 labels) and name the argument and
+its expected shape when given anything else; pfppo_mega.kernels.FusedBackend adapts general
+inputs ([..., V] logits, mixed dtypes) before calling them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from pfppo_mega import _C
+except ImportError as err:  # not built: the torch backend still works
+    _C = None
+    _IMPORT_ERROR: ImportError | None = err
+else:
+    _IMPORT_ERROR = None
+
+BUILD_HINT = (
+    "build it with `pip install --no-build-isolation -e .` (or `python build_ext.py` for an "
+    "in-place build) in the repository root, or select `kernels: torch`"
+)
+
+
+def is_built() -> bool:
+    """True when pfppo_mega._C imports (the pfppo:: ops exist)."""
+    return _C is not None
+
+
+def has_cuda() -> bool:
+    """True when pfppo_mega._C was built with its CUDA kernels."""
+    return _C is not None and bool(_C.has_cuda)
+
+
+def require_built() -> None:
+    """Raise a RuntimeError that says how to build the extension when it is missing."""
+    if _C is None:
+        raise RuntimeError(f"pfppo_mega._C is not importable ({_IMPORT_ERROR}); {BUILD_HINT}")
+
+
+def require_device(t: torch.Tensor, name: str) -> None:
+    """Raise when the extension has no kernels for the device of t."""
+    require_built()
+    if t.device.type == "cuda" and not has_cuda():
+        raise RuntimeError(
+            f"pfppo_mega._C was built without CUDA kernels but {name} is on {t.device}; "
+            "rebuild on a machine with a CUDA build of torch and nvcc (PFPPO_BUILD_CUDA=1)"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"pfppo:: ops run on cpu or cuda; {name} is on {t.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake implementations (shapes only) and autograd.
+
+
+def _check(cond: bool, msg: str) -> None:
+    torch._check(cond, lambda: msg)
+
+
+def _fake_logprob_entropy(logits, labels):
+    _check(logits.dim() == 2, "pfppo::logprob_entropy: logits must be [N, V]")
+    _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy: labels must be [N]")
+    n = logits.shape[0]
+    return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
+
+
+def _fake_logprob_entropy_partials(logits, labels, vocab_start):
+    _check(logits.dim() == 2, "pfppo::logprob_entropy_partials: logits must be [N, V]")
+    _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy_partials: labels must be [N]")
+    n = logits.shape[0]
+    return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
+
+
+def _fake_logprob_entropy_backward(
+    grad_logp, grad_entropy, logits, labels, row_max, log_sumexp, entropy, vocab_start
+):
+    _check(logits.dim() == 2, "pfppo::logprob_entropy_backward: logits must be [N, V]")
+    return logits.new_empty(logits.shape)
+
+
+def _fake_policy_loss(
+    logp, old_logp, advantages, mask, is_weights, clip_ratio_low, clip_ratio_high, dual_clip_c,
+    loss_agg_mode,
+):
+    _check(logp.dim() == 2, "pfppo::policy_loss: logp must be [B, T]")
+    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
+        _check(t.shape == logp.shape, f"pfppo::policy_loss: {name} must be shaped like logp [B, T]")
+    scalars = tuple(logp.new_empty(()) for _ in range(5))
+    return scalars + (torch.empty_like(logp, memory_format=torch.contiguous_format),)
+
+
+def _fake_gae(rewards, values, mask, gamma, lam, whiten=False, shift_mean=True, row_chunks=0):
+    _check(values.dim() == 2, "pfppo::gae: values must be [B, T]")
+    for name, t in (("rewards", rewards), ("mask", mask)):
+        _check(t.shape == values.shape, f"pfppo::gae: {name} must have the shape of values [B, T]")
+    out = torch.empty_like(values, memory_format=torch.contiguous_format)
+    return out, torch.empty_like(out)
+
+
+def _logprob_entropy_setup(ctx, inputs, output):
+    logits, labels = inputs
+    _logp, entropy, row_max, log_sumexp = output
+    ctx.mark_non_differentiable(row_max, log_sumexp)  # auxiliary outputs, saved for backward
+    ctx.save_for_backward(logits, labels, row_max, log_sumexp, entropy)
+
+
+def _logprob_entropy_backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sumexp):
+    logits, labels, row_max, log_sumexp, entropy = ctx.saved_tensors
+    grad = torch.ops.pfppo.logprob_entropy_backward(
+        grad_logp.float().contiguous(), grad_entropy.float().contiguous(), logits, labels,
+        row_max, log_sumexp, entropy, 0,
+    )
+    return grad, None
+
+
+def _policy_loss_setup(ctx, inputs, output):
+    *_stats, grad_logp = output
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(grad_logp)
+
+
+def _policy_loss_backward(ctx, grad_loss, *_unused):
+    # The forward pass already wrote d loss / d logp; backward scales it by the incoming
+    # gradient, skipping the pass when that is exactly 1 (loss.backward()). The check reads
+    # one scalar (a device sync on CUDA); traced graphs always multiply.
+    (grad_logp,) = ctx.saved_tensors
+    if not torch.compiler.is_compiling() and bool(grad_loss == 1):
+        grad = grad_logp
+    else:
+        grad = grad_logp * grad_loss.to(grad_logp.dtype)
+    return (grad,) + (None,) * 8
+
+
+def _not_differentiable(op: str, hint: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"pfppo::{op} is not differentiable; {hint}")
+
+    return backward
+
+
+def _register() -> None:
+    torch.library.register_fake("pfppo::logprob_entropy", _fake_logprob_entropy)
+    torch.library.register_fake("pfppo::logprob_entropy_partials", _fake_logprob_entropy_partials)
+    torch.library.register_fake("pfppo::logprob_entropy_backward", _fake_logprob_entropy_backward)
+    torch.library.register_fake("pfppo::policy_loss", _fake_policy_loss)
+    torch.library.register_fake("pfppo::gae", _fake_gae)
+    torch.library.register_autograd(
+        "pfppo::logprob_entropy", _logprob_entropy_backward, setup_context=_logprob_entropy_setup
+    )
+    torch.library.register_autograd(
+        "pfppo::policy_loss", _policy_loss_backward, setup_context=_policy_loss_setup
+    )
+    # Without these, backprop through the ops would silently give no gradient.
+    torch.library.register_autograd(
+        "pfppo::gae",
+        _not_differentiable("gae", "GAE targets are constants: pass detached rewards and values"),
+    )
+    torch.library.register_autograd(
+        "pfppo::logprob_entropy_partials",
+        _not_differentiable(
+            "logprob_entropy_partials",
+            "use vocab_parallel_logprob_entropy or logprob_entropy_shard_backward",
+        ),
+    )
+    torch.library.register_autograd(
+        "pfppo::logprob_entropy_backward",
+        _not_differentiable("logprob_entropy_backward", "double backward is not implemented"),
+    )
+
+
+if _C is not None:
+    _register()
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers.
+
+
+def logprob_entropy(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits)[label] and the softmax entropy per row, in one pass over logits.
+
+        lse = logsumexp_v x_v,  logp = x_label - lse,  H = -sum_v p_v log p_v
+
+    logits [N, V] float32/bfloat16 (unit stride along V), labels [N] int64 in [0, V)
+    -> logp [N], entropy [N], both float32. Differentiable w.r.t. logits (grad in logits.dtype).
+    """
+    require_device(logits, "logits")
+    logp, entropy, _max, _log_sumexp = torch.ops.pfppo.logprob_entropy(logits, labels)
+    return logp, entropy
+
+
+@dataclass
+class LogProbPartials:
+    """Per-row softmax partials of one vocab shard, all [N] float32:
+
+    max = m = max_v x_v,  sumexp = sum_v e^{x_v - m},  sumexp_shifted = sum_v e^{x_v - m} (x_v - m),
+    target = x_label when the label lies in this shard, else 0.
+    """
+
+    max: torch.Tensor
+    sumexp: torch.Tensor
+    sumexp_shifted: torch.Tensor
+    target: torch.Tensor
+
+
+@dataclass
+class LogProbCombined:
+    """Log-prob and entropy of the full vocabulary, and lse = max + log_sumexp kept in two
+    parts (the backward needs them), all [N] float32."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    max: torch.Tensor
+    log_sumexp: torch.Tensor
+
+
+def logprob_entropy_partials(
+    logits_shard: torch.Tensor, labels: torch.Tensor, vocab_start: int
+) -> LogProbPartials:
+    """Partials of logits_shard [N, V_shard] whose column 0 is vocab entry vocab_start.
+
+    labels [N] int64 are global vocab indices. Not differentiable: the vocab-parallel backward
+    is logprob_entropy_shard_backward, given the combined lse and entropy.
+    """
+    require_device(logits_shard, "logits_shard")
+    out = torch.ops.pfppo.logprob_entropy_partials(logits_shard, labels, vocab_start)
+    return LogProbPartials(*out)
+
+
+def rescale_partials(
+    p: LogProbPartials, global_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s', u') of one shard moved to the reference global_max M >= p.max:
+
+        s' = s e^{m - M},   u' = e^{m - M} (u + (m - M) s)
+
+    so that summing s', u' (and target) over shards gives the full-vocab sums. [N] each.
+    """
+    has_mass = p.sumexp > 0  # a shard of only -inf logits contributes nothing
+    shift = torch.where(has_mass, p.max - global_max, torch.zeros_like(p.max))
+    scale = torch.where(has_mass, torch.exp(shift), torch.zeros_like(p.max))
+    return p.sumexp * scale, (p.sumexp_shifted + shift * p.sumexp) * scale
+
+
+def finish_partials(global_max, sumexp, sumexp_shifted, target) -> LogProbCombined:
+    """logp = target - (M + log S),  H = log S - U / S, from the reduced sums. [N] each."""
+    log_s = torch.log(sumexp)
+    return LogProbCombined(
+        logp=target - (global_max + log_s),
+        entropy=log_s - sumexp_shifted / sumexp,
+        max=global_max,
+        log_sumexp=log_s,
+    )
+
+
+def combine_partials(shards: list[LogProbPartials]) -> LogProbCombined:
+    """Combine the partials of every vocab shard (in-process; the process-group version is
+    pfppo_mega.kernels.vocab_parallel)."""
+    global_max = torch.stack([p.max for p in shards]).amax(dim=0)  # [N]
+    sums = [rescale_partials(p, global_max) for p in shards]
+    sumexp = torch.stack([s for s, _ in sums]).sum(dim=0)
+    shifted = torch.stack([u for _, u in sums]).sum(dim=0)
+    target = torch.stack([p.target for p in shards]).sum(dim=0)
+    return finish_partials(global_max, sumexp, shifted, target)
+
+
+def logprob_entropy_shard_backward(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    combined: LogProbCombined,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """d(loss)/d logits_shard [N, V_shard] from the combined statistics and the output grads
+    (all [N] float32):  g [v == label] - p_v (g + h (log p_v + H)),
+    log p_v = (x_v - max) - log_sumexp."""
+    require_device(logits_shard, "logits_shard")
+    return torch.ops.pfppo.logprob_entropy_backward(
+        grad_logp, grad_entropy, logits_shard, labels, combined.max, combined.log_sumexp,
+        combined.entropy, vocab_start,
+    )
+
+
+@dataclass
+class FusedPolicyLoss:
+    """The op's outputs: the five PolicyLossOutput scalars plus d loss / d logp [B, T]."""
+
+    loss: torch.Tensor
+    pg_clipfrac: torch.Tensor
+    pg_clipfrac_lower: torch.Tensor
+    approx_kl: torch.Tensor
+    is_weight_mean: torch.Tensor
+    grad_logp: torch.Tensor
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    dual_clip_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> FusedPolicyLoss:
+    """PPO clipped loss (formulas: pfppo_mega.ppo.policy_loss), forward and d loss / d logp in
+    one pass. logp, old_logp, advantages, is_weights: [B, T], one dtype (float32/bfloat16);
+    mask [B, T] bool/float32/bfloat16. loss is differentiable w.r.t. logp only (like the
+    reference, which detaches the rest); the other scalars are metrics."""
+    require_device(logp, "logp")
+    return FusedPolicyLoss(
+        *torch.ops.pfppo.policy_loss(
+            logp, old_logp, advantages, mask, is_weights, clip_ratio_low, clip_ratio_high,
+            dual_clip_c, loss_agg_mode,
+        )
+    )
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool = False,
+    shift_mean: bool = True,
+    row_chunks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns (formulas: pfppo_mega.ppo.compute_gae) of [B, T] inputs.
+
+    whiten: advantages -> masked_whiten(advantages, mask, shift_mean) (returns unchanged).
+    row_chunks: pieces per row of the chunked scan (0 = automatic; > 1 forces it, for tests).
+    Not differentiable (backward raises).
+    """
+    require_device(values, "values")
+    return torch.ops.pfppo.gae(rewards, values, mask, gamma, lam, whiten, shift_mean, row_chunks)

@@ -1,0 +1,160 @@
+"""CUDA kernels: always compiled with nvcc here (sm_90, compile only); run where a GPU is.
+
+On a machine without a GPU the runtime tests skip with the reason printed (pytest -rs); the
+compile test runs wherever nvcc is installed. scripts/gpu_kernels_check.sh runs this file and
+the GPU benchmark on a GPU machine.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfppo_mega import ppo
+from pfppo_mega.kernels import ops
+from pfppo_mega.kernels.testing import (
+    assert_within_torch_error,
+    gae_inputs,
+    labels_for,
+    logits,
+    policy_inputs,
+    ragged_mask,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_GPU = torch.cuda.is_available() and ops.has_cuda()
+GPU_REASON = (
+    "no CUDA device" if not torch.cuda.is_available()
+    else "pfppo_mega._C built without CUDA kernels (PFPPO_BUILD_CUDA=1 on a CUDA torch)"
+)
+gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_cuda_sources_compile():
+    """Every .cu compiles with nvcc for sm_90, and the torch binding compiles (syntax)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH: the CUDA sources cannot be compiled here")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "check_cuda_compile.sh")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("  ok ") == len(list((ROOT / "csrc" / "cuda").glob("*.cu"))) + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime (GPU only): the CUDA ops against torch on the same GPU at the same dtype and fp64.
+
+
+def _lpe_run(fn, x, labels, upstream):
+    x = x.detach().clone().requires_grad_()
+    logp, ent = fn(x, labels)
+    (logp.double() * upstream[0] + ent.double() * upstream[1]).sum().backward()
+    return logp.detach(), ent.detach(), x.grad
+
+
+def _torch_lpe(x, labels):
+    return ppo.logprobs_from_logits(x, labels), ppo.entropy_from_logits(x)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab,pad", [(4, 152064, 0), (3, 1001, 0), (5, 2048, 8), (1, 1, 0)], ids=str)
+def test_cuda_logprob_entropy(rows, vocab, pad, dtype):
+    """Aligned rows take 16-byte loads; V = 1001 or padded rows take the scalar path."""
+    wide = logits(rows, vocab + pad, seed=50, dtype=dtype).cuda()
+    x = wide[:, :vocab]
+    labels = labels_for(x.cpu().contiguous(), seed=50).cuda()
+    g = torch.Generator().manual_seed(51)
+    upstream = tuple(torch.randn(rows, generator=g, dtype=torch.float64).cuda() for _ in range(2))
+    got = _lpe_run(ops.logprob_entropy, x, labels, upstream)
+    same = _lpe_run(_torch_lpe, x, labels, upstream)
+    exact = _lpe_run(_torch_lpe, x.double(), labels, upstream)
+    for name, k, t, r in zip(("logp", "entropy", "grad"), got, same, exact):
+        assert_within_torch_error(f"cuda {name}", k, t, r)
+
+
+@gpu
+def test_cuda_vocab_partials_combine_to_full():
+    x = logits(6, 3000, seed=52, dtype=torch.float32).cuda()
+    labels = labels_for(x.cpu(), seed=52).cuda()
+    combined = ops.combine_partials([
+        ops.logprob_entropy_partials(x[:, :1200], labels, 0),
+        ops.logprob_entropy_partials(x[:, 1200:], labels, 1200),
+    ])
+    full = ops.logprob_entropy(x, labels)
+    torch.testing.assert_close(combined.logp, full[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(combined.entropy, full[1], rtol=0, atol=1e-5)
+
+
+@gpu
+def test_cuda_bad_label_gives_nan_and_devices_are_checked():
+    x = logits(3, 10, seed=53, dtype=torch.float32).cuda()
+    logp, _ = ops.logprob_entropy(x, torch.tensor([0, 10, 1], device="cuda"))
+    assert torch.isnan(logp[1]) and torch.isfinite(logp[[0, 2]]).all()
+    with pytest.raises(ValueError, match="labels \\[N\\] is on cpu but logits is on cuda"):
+        torch.ops.pfppo.logprob_entropy(x, torch.tensor([0, 1, 2]))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0], ids=["no_dual", "dual3"])
+@pytest.mark.parametrize("mode", ppo.LOSS_AGG_MODES)
+def test_cuda_policy_loss(mode, dual_clip_c, dtype):
+    inputs = {k: v.cuda() for k, v in policy_inputs(6, 2500, seed=54, dtype=dtype).items()}
+    mask = ragged_mask(6, 2500, seed=54).cuda()
+
+    def run(fn, dt):
+        logp = inputs["logp"].to(dt).clone().requires_grad_()
+        out = fn(logp, inputs["old_logp"].to(dt), inputs["advantages"].to(dt), mask,
+                 clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip_c=dual_clip_c,
+                 loss_agg_mode=mode, is_weights=inputs["is_weights"].to(dt))
+        out.loss.backward()
+        return out, logp.grad
+
+    k_out, k_grad = run(ops.policy_loss, dtype)
+    t_out, t_grad = run(ppo.policy_loss, dtype)
+    r_out, r_grad = run(ppo.policy_loss, torch.float64)
+    for name in ("loss", "pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "is_weight_mean"):
+        assert_within_torch_error(f"cuda {mode} {name}", getattr(k_out, name),
+                                  getattr(t_out, name), getattr(r_out, name))
+    assert_within_torch_error(f"cuda {mode} grad", k_grad, t_grad, r_grad)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "rows,cols,row_chunks,whiten",
+    [(3, 5000, 0, False), (3, 5000, 1, True), (300, 700, 0, True), (2, 1, 0, False), (4, 9000, 5, False)],
+    ids=str,
+)
+def test_cuda_gae(rows, cols, row_chunks, whiten, dtype):
+    """3 x 5000: few rows, so rows are cut into pieces (chunked scan) unless row_chunks=1."""
+    g = {k: v.cuda() for k, v in gae_inputs(rows, cols, seed=55, dtype=dtype).items()}
+    mask = ragged_mask(rows, cols, seed=55, holes=True).cuda()
+
+    def reference(r, v):
+        adv, ret = ppo.compute_gae(r, v, mask, gamma=0.99, lam=0.95)
+        return (ppo.masked_whiten(adv, mask) if whiten else adv), ret
+
+    k = ops.gae(g["rewards"], g["values"], mask, gamma=0.99, lam=0.95, whiten=whiten,
+                row_chunks=row_chunks)
+    t = reference(g["rewards"], g["values"])
+    r = reference(g["rewards"].double(), g["values"].double())
+    for name, kk, tt, rr in zip(("advantages", "returns"), k, t, r):
+        assert_within_torch_error(f"cuda gae {name}", kk, tt, rr)
+
+
+@gpu
+def test_cuda_matches_cpu_kernels():
+    """The same inputs give the CPU kernels' results (different summation orders only)."""
+    x = logits(8, 5000, seed=56, dtype=torch.float32)
+    labels = labels_for(x, seed=56)
+    cpu = ops.logprob_entropy(x, labels)
+    gpu_out = ops.logprob_entropy(x.cuda(), labels.cuda())
+    torch.testing.assert_close(gpu_out[0].cpu(), cpu[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(gpu_out[1].cpu(), cpu[1], rtol=0, atol=1e-5)
