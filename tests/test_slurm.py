@@ -41,6 +41,13 @@ if _WHY is not None:
     print(f"tests/test_slurm.py: cluster tests skipped: {_WHY}")
 
 
+def test_ci_has_a_slurm_cluster():
+    """.ci/run starts a local cluster first: in CI the cluster tests must run, never skip."""
+    if os.environ.get("CI") != "true":
+        pytest.skip("not in CI (CI != true): a developer machine may lack Slurm")
+    assert _WHY is None, _WHY
+
+
 def _header(path: Path) -> dict[str, str]:
     opts = {}
     for line in path.read_text().splitlines():

@@ -136,23 +136,41 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{f}: sha256 mismatch (corrupted)")
 
 
-def load_latest(root: Path, *, log=print) -> Checkpoint | None:
-    """The newest checkpoint that verifies, or None when there is none. Corrupt ones are reported."""
+def _candidates(root: Path) -> list[Path]:
+    """Step dirs up to the one `latest` names (a newer dir without the pointer moved is not trusted
+    first, but is still a candidate below it only if older), oldest first."""
     candidates = _step_dirs(root)
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
-        if named in candidates:  # prefer the pointer, then older ones
-            candidates = [c for c in candidates if int(_STEP_DIR.match(c.name).group(1))
-                          <= int(_STEP_DIR.match(named.name).group(1))]
-    for path in reversed(candidates):
+        if named in candidates:
+            limit = int(_STEP_DIR.match(named.name).group(1))
+            candidates = [c for c in candidates if int(_STEP_DIR.match(c.name).group(1)) <= limit]
+    return candidates
+
+
+def latest_valid_step(root: Path, *, log=print) -> int | None:
+    """The newest step whose checkpoint verifies (corrupt ones are reported), or None."""
+    for path in reversed(_candidates(root)):
         try:
             verify(path)
         except CheckpointError as e:
             log(f"[checkpoint] skipping {path.name}: {e}")
             continue
-        tensors = {f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
-        state = torch.load(path / "state.pt", weights_only=False)
-        return Checkpoint(step=int(_STEP_DIR.match(path.name).group(1)), path=path,
-                          tensors=tensors, state=state)
+        return int(_STEP_DIR.match(path.name).group(1))
     return None
+
+
+def load_step(root: Path, step: int) -> Checkpoint:
+    """Load (and verify) the checkpoint of `step`."""
+    path = root / f"step_{step:06d}"
+    verify(path)
+    tensors = {f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
+    state = torch.load(path / "state.pt", weights_only=False)
+    return Checkpoint(step=step, path=path, tensors=tensors, state=state)
+
+
+def load_latest(root: Path, *, log=print) -> Checkpoint | None:
+    """The newest checkpoint that verifies, or None when there is none. Corrupt ones are reported."""
+    step = latest_valid_step(root, log=log)
+    return None if step is None else load_step(root, step)

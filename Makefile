@@ -1,0 +1,27 @@
+# Two commands from a fresh clone:  `make demo`  and  `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pfppo-installed
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py build_ext.py requirements.lock
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -c "import pfppo_mega._C" && touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pfppo demo
+
+test: setup
+	$(PY) -m pytest tests -q -ra --durations=15
+
+bench: setup
+	$(VENV)/bin/pfppo bench kernels --json runs/bench/kernels.json
+
+clean:
+	rm -rf build runs pfppo_mega/_C*.so *.egg-info

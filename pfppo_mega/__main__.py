@@ -1,0 +1,3 @@
+from pfppo_mega.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""`pfppo` command line.
+
+    pfppo demo [overrides]              SFT warm start (if missing) + PPO on the built-in task
+    pfppo sft CONFIG [overrides]        supervised warm start -> HF checkpoint
+    pfppo train CONFIG [overrides]      PPO / PF-PPO training
+    pfppo validate CONFIG [overrides]   print the resolved config or every problem (exit 2)
+    pfppo plan CONFIG [--gpu h100|h200] [--dry-run-rank R]   per-GPU memory plan of a cluster layout
+    pfppo compare CONFIG --seeds 3      PF-PPO pool off vs on, same budget; markdown + PNG report
+    pfppo bench kernels [--quick] [--json PATH]
+
+Overrides are `key.path=value` (YAML-parsed values), applied after the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+
+
+def _load(config: str, overrides: list[str]):
+    from pfppo_mega.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        print(f"pfppo: {config}: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _train(cfg) -> int:
+    from pfppo_mega.trainer.loop import PPOTrainer, SetupError
+
+    try:
+        trainer = PPOTrainer(cfg)
+    except (SetupError, ValueError, FileNotFoundError) as e:
+        print(f"pfppo: cannot start: {e}", file=sys.stderr)
+        return 2
+    res = trainer.fit()
+    for key, label in (("eval/accuracy", "sampled"), ("eval/accuracy_greedy", "greedy")):
+        print(f"[pfppo] held-out accuracy ({label}): {res.eval_before[key]:.3f} -> {res.eval_after[key]:.3f}")
+    print(f"[pfppo] {res.steps} steps in {res.wall_s:.0f}s")
+    print(f"[pfppo] outputs in {res.out_dir}/:")
+    print(f"    metrics     {res.metrics_path}")
+    print(f"    tensorboard {res.out_dir / 'tensorboard'}")
+    if res.plot_path:
+        print(f"    plots       {res.plot_path}")
+    print(f"    checkpoints {res.out_dir / 'checkpoints'}")
+    if res.export_dir:
+        print(f"    HF export   {res.export_dir}")
+    print(f"    summary     {res.out_dir / 'summary.json'}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    return _train(_load(args.config, args.overrides))
+
+
+def cmd_sft(args) -> int:
+    from pfppo_mega.sft import run_sft
+
+    run_sft(_load(args.config, args.overrides))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Warm start once (reused when present), then PPO; both on the built-in default config."""
+    from pfppo_mega.sft import run_sft
+
+    cfg = _load(str(DEMO_CONFIG), args.overrides)
+    t0 = time.monotonic()
+    sft_dir = Path(cfg.sft.output_dir)
+    if args.fresh or not (sft_dir / "model.safetensors").is_file():
+        print(f"[pfppo] SFT warm start -> {sft_dir}", flush=True)
+        run_sft(cfg)
+    else:
+        print(f"[pfppo] reusing SFT warm start in {sft_dir} (pfppo demo --fresh to redo it)")
+    rc = _train(cfg)
+    print(f"[pfppo] demo finished in {time.monotonic() - t0:.0f}s")
+    return rc
+
+
+def cmd_validate(args) -> int:
+    from pfppo_mega.config.loader import validate_main
+
+    return validate_main([args.config, *args.overrides])
+
+
+def cmd_bench(args) -> int:
+    if args.what == "kernels":
+        from pfppo_mega.bench.kernels import main
+
+        return main(args.rest)
+    print(f"pfppo bench: unknown benchmark {args.what!r} (allowed: kernels)", file=sys.stderr)
+    return 2
+
+
+def cmd_plan(args) -> int:
+    from pfppo_mega.planning import main
+
+    return main(args.rest)
+
+
+def cmd_compare(args) -> int:
+    from pfppo_mega.experiments.compare import main
+
+    return main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pfppo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, fn, needs_cfg in (("train", cmd_train, True), ("sft", cmd_sft, True),
+                                ("validate", cmd_validate, True), ("demo", cmd_demo, False)):
+        p = sub.add_parser(name)
+        if needs_cfg:
+            p.add_argument("config")
+        p.add_argument("overrides", nargs="*", help="key.path=value")
+        if name == "demo":
+            p.add_argument("--fresh", action="store_true", help="redo the SFT warm start")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("plan", help="memory plan of a config on a GPU cluster; exit 2 if it does not fit")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("compare", help="PF-PPO pool off vs on over seeds; writes a report")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("bench")
+    p.add_argument("what")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

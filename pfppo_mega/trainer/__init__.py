@@ -1,0 +1,1 @@
+"""The PPO / PF-PPO training loop, its typed batches, metrics and checkpoints."""

@@ -1,0 +1,685 @@
+"""The PPO training loop. One step reads top to bottom in named phases:
+
+    rollout -> score -> prepare -> advantages -> update -> sync -> log
+
+each a method with a typed input and output (see ``batch.py``). Models, engine and optimizers are
+built once in ``PPOTrainer.__init__``; parallel state is set up in one place
+(``pfppo_mega.parallel``) before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pfppo_mega import ppo
+from pfppo_mega.config import Config, config_to_dict, dump_yaml
+from pfppo_mega.kernels import get_backend
+from pfppo_mega.models import engine as mengine
+from pfppo_mega.models import gpt, hf_io
+from pfppo_mega.parallel import init_parallel
+from pfppo_mega import pool as pfpool
+from pfppo_mega.rollout import BuiltinEngine, LlamaShape, SamplingParams
+from pfppo_mega.tasks.addition import AdditionTask, Problem
+from pfppo_mega.tasks.tokenizer import Tokenizer
+from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, RolloutBatch, ScoredBatch, concat_rollouts,
+                                      pack)
+from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, quantiles, read_jsonl, repetition_rate
+
+
+class SetupError(RuntimeError):
+    """A problem found before any work starts (paths, checkpoint/config/tokenizer mismatch)."""
+
+
+@dataclass
+class PhaseTimer:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    metrics_path: Path
+    plot_path: Path | None
+    export_dir: Path | None
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    steps: int
+    wall_s: float
+
+
+# ============================================================================ setup helpers
+
+
+def check_model_path(path: str | None) -> Path:
+    if path is None:
+        raise SetupError("actor_rollout.model_path is not set: PPO starts from a checkpoint "
+                         "(make one with `pfppo sft`)")
+    p = Path(path)
+    if not p.is_dir():
+        raise SetupError(f"actor_rollout.model_path = {path!r}: no such directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not (p / name).is_file():
+            raise SetupError(f"actor_rollout.model_path = {path!r}: {name} missing")
+    return p
+
+
+def check_lengths(cfg: Config, model_cfg, tokenizer: Tokenizer) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise SetupError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = "
+                         f"{model_cfg.vocab_size}: the checkpoint and tokenizer do not belong together")
+    need = cfg.data.max_prompt_length + cfg.algorithm.max_response_length
+    if need > model_cfg.max_position_embeddings:
+        raise SetupError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + algorithm.max_response_length "
+            f"({cfg.algorithm.max_response_length}) = {need} > model.max_position_embeddings "
+            f"({model_cfg.max_position_embeddings})")
+
+
+def check_batch_split(cfg: Config, dp: int) -> None:
+    t = cfg.training
+    samples = t.rollout_batch_size * cfg.actor_rollout.n_samples_per_prompt
+    for key, value in (("training.rollout_batch_size", t.rollout_batch_size), ("training.batch_size", t.batch_size)):
+        if value % dp:
+            raise SetupError(f"{key} ({value}) must be divisible by the data-parallel size dp ({dp}) "
+                             f"= WORLD_SIZE / (tp * pp)")
+    if (samples // dp) % (t.batch_size // dp):
+        raise SetupError(f"per-rank samples ({samples // dp}) must be a multiple of the per-rank "
+                         f"mini-batch batch_size / dp ({t.batch_size // dp})")
+
+
+def tensor_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and tensor buffers of the unwrapped model (megatron's _extra_state dropped)."""
+    return {k: v for k, v in gpt.unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def load_tensor_state(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    own = tensor_state(module)
+    if own.keys() != sd.keys():
+        raise ValueError(f"checkpoint tensors differ from the model: missing {sorted(own.keys() - sd.keys())}, "
+                         f"unexpected {sorted(sd.keys() - own.keys())}")
+    with torch.no_grad():
+        for k, v in own.items():
+            if v.shape != sd[k].shape:
+                raise ValueError(f"checkpoint tensor {k}: shape {tuple(sd[k].shape)}, model {tuple(v.shape)}")
+            v.copy_(sd[k])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ============================================================================ trainer
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, *, log=print):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.training.num_threads)
+        seed_everything(cfg.training.seed)
+        self.out_dir = Path(cfg.logging.output_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+        # --- checkpoint, tokenizer, shapes: every check before any work
+        model_dir = check_model_path(cfg.actor_rollout.model_path)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        hf_cfg = hf_io.read_hf_config(model_dir)
+        self.model_cfg = hf_io.model_config_from_hf(hf_cfg, cfg.model)
+        check_lengths(cfg, self.model_cfg, self.tokenizer)
+        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+        gpt.check_layout(self.model_cfg, tp=tp, pp=pp)
+        self.task = AdditionTask(cfg.data.num_digits)
+        self.eval_problems = self.task.eval_prompts(cfg.data.eval_size)
+
+        # --- parallel state (one place), then models and optimizers
+        self.parallel = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed)
+        self.is_logger = self.parallel.rank == 0
+        self.log = log if self.is_logger else (lambda *_: None)
+        check_batch_split(cfg, self.parallel.dp)
+        # Each data-parallel rank draws its own prompts and samples; the ranks of one model
+        # replica (same dp_rank) draw the same ones.
+        self.rng = random.Random(cfg.training.seed + 7777 * self.parallel.dp_rank)
+        actor = gpt.build_actor(self.model_cfg)
+        hf_io.load_actor_from_hf(actor, model_dir)
+        self.actor = gpt.wrap_ddp(actor)
+        self.ref = gpt.build_actor(self.model_cfg)  # frozen copy of the initial policy
+        hf_io.load_actor_from_hf(self.ref, model_dir)
+        self.ref.eval().requires_grad_(False)
+        critic = gpt.build_critic(self.model_cfg)  # SFT trunk + zero-initialised value head
+        hf_io.load_critic_trunk_from_hf(critic, model_dir)
+        self.critic = gpt.wrap_ddp(critic)
+        t = cfg.training
+        self.actor_opt = gpt.build_optimizer(self.actor, lr=t.lr, weight_decay=t.weight_decay,
+                                             grad_clip=t.grad_clip)
+        self.critic_opt = gpt.build_optimizer(self.critic, lr=t.critic_lr, weight_decay=t.weight_decay,
+                                              grad_clip=t.grad_clip)
+        self.kernels = get_backend(cfg.kernels)
+        self.running_reward = ppo.RunningMoments()
+
+        # --- rollout engine, fed HF-named weights by version (the PF-PPO pool plugs in here)
+        self.engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=self.tokenizer.pad_id)
+        self.assign_gen = torch.Generator().manual_seed(cfg.training.seed + 7919)
+        self.step = 0
+        self.guards = {"bad_rewards": 0, "skipped_updates": 0, "corrupt_snapshots": 0}
+        self._resume()
+        self.sync_weights(self.step)
+
+        # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
+        self.pool: pfpool.SnapshotPool | None = None
+        if cfg.algorithm.use_pf_ppo:
+            self.pool = pfpool.SnapshotPool(cfg.algorithm.pool.pool_size, log=self.log)
+            self.pool.add(self.step, self._current_weights())
+            self.log(f"[pfppo] PF-PPO pool: {cfg.algorithm.pool.pool_size} x "
+                     f"{self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshots in host memory, "
+                     f"sampling={cfg.algorithm.pool.sampling}, every {cfg.algorithm.pool.snapshot_interval} steps")
+
+    # ------------------------------------------------------------------ phase: rollout
+
+    def rollout(self, problems: list[Problem]) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate n samples per prompt. Plain PPO: with the current weights. PF-PPO: each
+        prompt group samples a behaviour snapshot; groups are generated per snapshot so the
+        engine switches weights at most once per snapshot used (from host memory, never disk)."""
+        n = self.cfg.actor_rollout.n_samples_per_prompt
+        if self.pool is None:
+            return self._generate(problems, n, version=self.step), {}
+        cands = self.pool.candidates(self.step, self.cfg.algorithm.pool.include_current)
+        pc = self.cfg.algorithm.pool
+        probs = pfpool.snapshot_weights([c.version for c in cands], method=pc.sampling,
+                                        temperature=pc.sampling_temperature, current_version=self.step,
+                                        kl=[c.kl_to_current for c in cands],
+                                        mean_reward=[c.mean_reward for c in cands])
+        assign = pfpool.assign_snapshots(len(problems), probs, self.assign_gen)       # [groups]
+        parts, order, switch_s = [], [], 0.0
+        for k, groups in pfpool.group_by_snapshot(assign).items():
+            t0 = time.perf_counter()
+            version = self._load_behaviour(cands[k])
+            switch_s += time.perf_counter() - t0
+            parts.append(self._generate([problems[g] for g in groups], n, version=version))
+            order += [g * n + j for g in groups for j in range(n)]
+        stats = {"pool/switch_s": switch_s, "pool/snapshots_used": float(len(parts)),
+                 "pool/size": float(len(self.pool))}
+        for k, c in enumerate(cands):
+            stats[f"pool/slot{k}/prob"] = float(probs[k])
+        return concat_rollouts(parts, order, pad_id=self.tokenizer.pad_id), stats
+
+    def _load_behaviour(self, cand: "pfpool.Candidate") -> int:
+        """Put a candidate behaviour policy into the engine; returns its version. A snapshot that
+        fails its checksum is evicted (counted) and the current weights are used instead."""
+        if cand.snapshot is not None:
+            try:
+                snap = self.pool.get_verified(cand.version)
+                self.engine.load_weights(snap.tensors, version=snap.version)
+                return snap.version
+            except pfpool.CorruptSnapshotError as e:
+                self.guards["corrupt_snapshots"] += 1
+                self.log(f"[pfppo] {e}; generating with the current weights instead")
+                if len(self.pool) == 0:  # never leave the pool empty: re-seed it with the current policy
+                    self.pool.add(self.step, self._current_weights())
+        self.sync_weights(self.step)
+        return self.step
+
+    def _generate(self, problems: list[Problem], n: int, *, version: int) -> RolloutBatch:
+        cfg = self.cfg
+        problems = [p for p in problems for _ in range(n)]
+        prompt_ids = [self.tokenizer.encode(p.prompt) for p in problems]
+        self._check_prompts(prompt_ids)
+        params = SamplingParams(temperature=cfg.actor_rollout.temperature, top_p=cfg.actor_rollout.top_p,
+                                max_new_tokens=cfg.algorithm.max_response_length,
+                                eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
+        out = self.engine.generate(prompt_ids, params)
+        texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
+        return RolloutBatch(problems=problems, prompt_ids=prompt_ids, responses=out.responses,
+                            response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
+                            versions=torch.full((len(problems),), out.weight_version), texts=texts)
+
+    def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
+        limit = self.cfg.data.max_prompt_length
+        for i, p in enumerate(prompt_ids):
+            if len(p) > limit:
+                raise ValueError(f"prompt {i} has {len(p)} tokens > data.max_prompt_length ({limit})")
+
+    # ------------------------------------------------------------------ phase: score
+
+    def score(self, rb: RolloutBatch) -> ScoredBatch:
+        cfg = self.cfg.reward
+        raw = torch.tensor([self.task.reward(p, t, bool(f))
+                            for p, t, f in zip(rb.problems, rb.texts, rb.finished)], dtype=torch.float32)
+        scores, n_bad = ppo.check_finite_rewards(raw)
+        lengths = rb.response_mask.sum(1)
+        if cfg.length_penalty:
+            scores = ppo.length_penalty(scores, lengths, coef=cfg.length_penalty,
+                                        max_length=self.cfg.algorithm.max_response_length)
+        if cfg.scaling == "running_zscore":
+            self.running_reward.update(scores)
+        scores = ppo.scale_rewards(scores, method=cfg.scaling, running=self.running_reward)
+        scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip)
+        scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
+        return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=n_bad)
+
+    def filter(self, sb: ScoredBatch) -> ScoredBatch:
+        """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
+        f = self.cfg.algorithm.filtration
+        if not f.enable:
+            return sb
+        w = ppo.filtration_weights(sb.raw_scores, method=f.reweight_method, weight_pow=f.weight_pow)
+        idx = ppo.resample_indices(w, num_samples=len(sb.raw_scores), generator=self.assign_gen)
+        return sb.select(idx.tolist())
+
+    # ------------------------------------------------------------------ phase: prepare
+
+    def _mbs(self, rows: int) -> int:
+        return self.cfg.training.micro_batch_size or rows
+
+    def _policy_logp(self, model, inp: PackedInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
+        Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1."""
+        return mengine.forward_logp_entropy(model, inp, temperature=self.cfg.actor_rollout.temperature,
+                                            micro_batch_size=self._mbs(inp.labels.shape[0]),
+                                            logprob_fn=self.kernels.logprob_entropy)
+
+    def _values(self, inp: PackedInputs) -> torch.Tensor:
+        return mengine.forward_values(self.critic, inp, micro_batch_size=self._mbs(inp.labels.shape[0]))  # [B, T]
+
+    @torch.no_grad()
+    def prepare(self, sb: ScoredBatch) -> tuple[PackedInputs, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor]:
+        rb = sb.rollout
+        inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=self.tokenizer.pad_id)
+        old_logp, entropy = self._policy_logp(self.actor, inp)
+        ref_logp, _ = self._policy_logp(self.ref, inp)
+        values = self._values(inp)
+        m = inp.response_mask
+        return inp, old_logp * m, ref_logp * m, values * m, entropy * m
+
+    # ------------------------------------------------------------------ phase: advantages
+
+    def advantages(self, sb: ScoredBatch, inp: PackedInputs, old_logp, ref_logp, values,
+                   entropy) -> ExperienceBatch:
+        a = self.cfg.algorithm
+        m = inp.response_mask
+        token_rewards = ppo.scores_to_token_rewards(sb.scores, m)                   # [B, T]
+        kl_ref = ppo.kl_estimate(old_logp, ref_logp, estimator=a.kl_estimator) * m
+        if not a.use_kl_loss and a.kl_coeff > 0:
+            token_rewards, kl_ref = ppo.apply_kl_penalty(token_rewards, old_logp, ref_logp, m,
+                                                         kl_coeff=a.kl_coeff, estimator=a.kl_estimator)
+        adv, returns = self.kernels.gae(token_rewards, values, m, gamma=a.gamma, lam=a.lmbda)
+        if a.whiten_advantages:
+            adv = ppo.masked_whiten(adv, m)
+        behav_logp = sb.rollout.behav_logp * m
+        # Rows generated by the current weights: behaviour == proximal policy, IS weight exactly 1.
+        on_policy = sb.rollout.versions == self.step                                   # [B]
+        is_weights, pg_mask = None, m
+        if self.pool is not None:
+            is_weights, pg_mask, _ = pfpool.behaviour_is_weights(
+                old_logp, behav_logp, m, mode=a.pool.is_mode, is_clip=a.pool.is_clip, on_policy=on_policy)
+        return ExperienceBatch(inputs=inp, old_logp=old_logp, behav_logp=behav_logp,
+                               ref_logp=ref_logp, old_values=values, token_rewards=token_rewards,
+                               advantages=adv, returns=returns, kl_ref=kl_ref, entropy=entropy,
+                               pg_mask=pg_mask, is_weights=is_weights, on_policy=on_policy)
+
+    # ------------------------------------------------------------------ phase: update
+
+    def update(self, eb: ExperienceBatch) -> dict[str, float]:
+        """ppo_epochs passes of shuffled mini-batches (batch_size / dp rows on this rank); each
+        mini-batch is one critic and one actor optimizer step, micro-batched by the engine."""
+        a, t = self.cfg.algorithm, self.cfg.training
+        B = eb.advantages.shape[0]
+        stats: dict[str, list[float]] = {}
+        train_actor = self.step >= t.critic_warmup_steps
+        g = torch.Generator().manual_seed(t.seed * 1000003 + self.step)
+        for _ in range(a.ppo_epochs):
+            for idx in torch.randperm(B, generator=g).split(t.batch_size // self.parallel.dp):
+                mb = eb.select(idx)
+                for k, v in self._critic_step(mb).items():
+                    stats.setdefault(k, []).append(v)
+                if train_actor:
+                    for k, v in self._actor_step(mb).items():
+                        stats.setdefault(k, []).append(v)
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def _actor_step(self, eb: ExperienceBatch) -> dict[str, float]:
+        """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
+        share of the mini-batch aggregate (see pfppo_mega.models.engine)."""
+        a = self.cfg.algorithm
+        mode = a.loss_agg_mode
+        pg_norm = mengine.global_normalizers(eb.pg_mask)
+        tis = self.pool is not None and a.pool.is_mode == "tis"
+
+        def loss_fn(logp, entropy, micro: mengine.MicroBatch):
+            r = micro.rows
+            m, pg_mask = micro.inputs.response_mask, eb.pg_mask[r]
+            out = self.kernels.policy_loss(
+                logp, eb.old_logp[r], eb.advantages[r], pg_mask, clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c, loss_agg_mode=mode,
+                is_weights=None if eb.is_weights is None else eb.is_weights[r])
+            pg = out.loss
+            if tis:  # truncated IS on pi_theta / pi_behav directly (no proximal clip)
+                behav = torch.where(eb.on_policy[r][:, None], eb.old_logp[r], eb.behav_logp[r])
+                pg = ppo.agg_loss(pfpool.tis_policy_loss(logp, behav, eb.advantages[r], m, is_clip=a.pool.is_clip),
+                                  m, mode=mode)
+                pg_mask = m
+            share = pg * mengine.share_scale(pg_mask, pg_norm, mode=mode)
+            resp_share = mengine.share_scale(m, micro.norm, mode=mode)
+            kl_loss = torch.zeros(())
+            if a.use_kl_loss and a.kl_coeff > 0:
+                kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode)
+                share = share + a.kl_coeff * kl_loss * resp_share
+            ent = ppo.agg_loss(entropy, m, mode=mode)
+            if a.entropy_coeff > 0:
+                share = share - a.entropy_coeff * ent * resp_share
+            return share, {"policy/pg_loss": pg.detach(), "policy/clipfrac": out.pg_clipfrac,
+                           "policy/clipfrac_dual": out.pg_clipfrac_lower, "policy/approx_kl": out.approx_kl,
+                           "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
+
+        self.actor.train()
+        res = mengine.train_step(self.actor, self.actor_opt, eb.inputs, loss_fn,
+                                 temperature=self.cfg.actor_rollout.temperature,
+                                 micro_batch_size=self._mbs(eb.advantages.shape[0]),
+                                 logprob_fn=self.kernels.logprob_entropy)
+        self._count_skip(res)
+        return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
+
+    def _critic_step(self, eb: ExperienceBatch) -> dict[str, float]:
+        a = self.cfg.algorithm
+
+        def loss_fn(values, micro: mengine.MicroBatch):
+            r = micro.rows
+            m = micro.inputs.response_mask
+            out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
+                                 loss_agg_mode=a.loss_agg_mode)
+            share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode)
+            return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
+
+        self.critic.train()
+        res = mengine.critic_train_step(self.critic, self.critic_opt, eb.inputs, loss_fn,
+                                        micro_batch_size=self._mbs(eb.advantages.shape[0]))
+        self._count_skip(res)
+        return {**res.stats, "critic/grad_norm": res.grad_norm}
+
+    def _count_skip(self, res: "mengine.StepResult") -> None:
+        if not res.update_successful:  # guarded: a NaN/inf loss or a refused step is skipped, counted
+            self.guards["skipped_updates"] += 1
+
+    # ------------------------------------------------------------------ phase: sync
+
+    def sync_phase(self) -> None:
+        """Plain PPO: push the updated weights to the engine. PF-PPO: snapshot them into the pool
+        every snapshot_interval steps (the rollout phase loads whichever snapshot it samples)."""
+        if self.pool is None:
+            self.sync_weights(self.step)
+        elif pfpool.snapshot_due(self.step, self.cfg.algorithm.pool.snapshot_interval):
+            self.pool.add(self.step, self._current_weights())
+
+    def _current_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(hf_io.megatron_named_params_to_hf(self.actor, self.model_cfg))
+
+    def sync_weights(self, version: int) -> None:
+        self.engine.load_weights(hf_io.megatron_named_params_to_hf(self.actor, self.model_cfg), version=version)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy of the current weights: sampled at the rollout temperature (the
+        policy's own success rate, seeded) and greedy."""
+        if self.engine.weight_version != self.step:  # the engine may hold a behaviour snapshot
+            self.sync_weights(self.step)
+        prompts = [self.tokenizer.encode(p.prompt) for p in self.eval_problems]
+        ar = self.cfg.actor_rollout
+        out = {}
+        for key, greedy in (("eval/accuracy", False), ("eval/accuracy_greedy", True)):
+            params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p, greedy=greedy,
+                                    max_new_tokens=self.cfg.algorithm.max_response_length,
+                                    eos_token_id=self.tokenizer.eos_id, seed=self.cfg.training.seed)
+            gen = self.engine.generate(prompts, params)
+            correct = sum(self.task.reward(p, self.tokenizer.decode(r[: int(l)].tolist()), bool(f))
+                          for p, r, l, f in zip(self.eval_problems, gen.responses, gen.lengths, gen.finished))
+            out[key] = correct / len(self.eval_problems)
+        return out
+
+    @torch.no_grad()
+    def kl_probe(self) -> float:
+        """KL(current || reference) per token on fresh samples of the current policy (held-out
+        prompts, fixed seed): the same estimator whichever behaviour policies trained it."""
+        if self.engine.weight_version != self.step:
+            self.sync_weights(self.step)
+        probs = self.eval_problems[: self.cfg.logging.kl_probe_size]
+        ar = self.cfg.actor_rollout
+        prompts = [self.tokenizer.encode(p.prompt) for p in probs]
+        out = self.engine.generate(prompts, SamplingParams(
+            temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=self.cfg.algorithm.max_response_length,
+            eos_token_id=self.tokenizer.eos_id, seed=self.cfg.training.seed + self.step))
+        inp = pack(prompts, out.responses, out.response_mask, pad_id=self.tokenizer.pad_id)
+        logp, _ = self._policy_logp(self.actor, inp)
+        ref, _ = self._policy_logp(self.ref, inp)
+        return ppo.masked_mean(logp - ref, inp.response_mask).item()
+
+    # ------------------------------------------------------------------ one step, and the run
+
+    def train_step(self) -> dict[str, float]:
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        problems = self.task.train_prompts(self.cfg.training.rollout_batch_size // self.parallel.dp, self.rng)
+        with timer("rollout"):
+            rb, pool_stats = self.rollout(problems)
+        with timer("score"):
+            sb = self.filter(self.score(rb))
+        with timer("prepare"):
+            inp, old_logp, ref_logp, values, entropy = self.prepare(sb)
+        with timer("advantages"):
+            eb = self.advantages(sb, inp, old_logp, ref_logp, values, entropy)
+        with timer("update"):
+            upd = self.update(eb)
+        self.step += 1
+        with timer("sync"):
+            self.sync_phase()
+        step_s = time.perf_counter() - t0
+        probe = {"kl/probe_k1": self.kl_probe()} if self.cfg.logging.kl_probe_size else {}
+        self.guards["bad_rewards"] += sb.n_bad_rewards
+        metrics = self._step_metrics(sb, eb, upd, timer, step_s)
+        metrics.update(pool_stats)
+        metrics.update(probe)
+        if self.pool is not None:
+            metrics.update(self._pool_metrics(sb, eb))
+        return self._mean_over_dp(metrics)
+
+    def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average each metric over data-parallel ranks (each saw its own part of the batch)."""
+        if self.parallel.dp == 1:
+            return metrics
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        everyone: list = [None] * self.parallel.dp
+        dist.all_gather_object(everyone, metrics, group=ps.get_data_parallel_group(with_context_parallel=False))
+        keys = set().union(*everyone)
+        return {k: sum(m[k] for m in everyone if k in m) / sum(k in m for m in everyone) for k in sorted(keys)}
+
+    def _pool_metrics(self, sb: ScoredBatch, eb: ExperienceBatch) -> dict[str, float]:
+        """Per-snapshot sample count, reward, KL to current, IS weights; feeds the pool's stats."""
+        a = self.cfg.algorithm
+        m = eb.inputs.response_mask
+        per = pfpool.per_snapshot_stats(sb.rollout.versions, sb.raw_scores, eb.is_weights, m, eb.behav_logp,
+                                        eb.old_logp, is_clip=a.pool.is_clip, on_policy=eb.on_policy)
+        out: dict[str, float] = {"pool/bytes": float(self.pool.bytes_total()),
+                                 "guard/corrupt_snapshots": float(self.guards["corrupt_snapshots"])}
+        _, _, agg = pfpool.behaviour_is_weights(eb.old_logp, eb.behav_logp, m, mode=a.pool.is_mode,
+                                                is_clip=a.pool.is_clip, on_policy=eb.on_policy)
+        out.update({"is/mean": agg.mean, "is/max": agg.max, "is/frac_truncated": agg.frac_truncated,
+                    "is/ess": agg.ess})
+        current = self.step - 1  # the version the rollout treated as current
+        # Keyed by recency rank (snap0 = newest behaviour policy used this step), not by version,
+        # so the curves stay comparable over a run.
+        for rank, version in enumerate(sorted(per, reverse=True)):
+            st = per[version]
+            rows = sb.rollout.versions == version
+            self.pool.record_samples(version, sb.raw_scores[rows], kl_to_current=st.kl_to_current,
+                                     current_version=current)
+            out[f"pool/snap{rank}/age"] = float(current - version)
+            for k, v in dataclasses.asdict(st).items():
+                if v is not None:
+                    out[f"pool/snap{rank}/{k}"] = float(v)
+        return out
+
+    def _step_metrics(self, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float],
+                      timer: PhaseTimer, step_s: float) -> dict[str, float]:
+        rb, m = sb.rollout, eb.inputs.response_mask
+        lengths = m.sum(1)
+        first10 = m.clone()
+        first10[:, 10:] = 0
+        gen_tokens = float(lengths.sum())
+        k1 = ppo.masked_mean(eb.old_logp - eb.ref_logp, m).item()
+        # KL(current || ref) per token on the current policy's own distribution: under PF-PPO the
+        # samples come from older snapshots, so weight each sequence by pi_cur(y)/pi_behav(y)
+        # (self-normalised). Plain PPO: weights ~1 and this equals kl/ref_k1.
+        seq_w = torch.softmax(((eb.old_logp - eb.behav_logp) * m).sum(1).double(), dim=0)   # [B]
+        kl_cur = float((seq_w * ((eb.old_logp - eb.ref_logp) * m).sum(1)).sum() / (seq_w * lengths).sum())
+        metrics = {
+            "reward/mean": sb.raw_scores.mean().item(), "reward/std": sb.raw_scores.std().item()
+            if len(sb.raw_scores) > 1 else 0.0,
+            **{f"reward/{k}": v for k, v in quantiles(sb.raw_scores).items()},
+            "reward/scaled_mean": sb.scores.mean().item(),
+            "kl/ref_mean": ppo.masked_mean(eb.kl_ref, m).item(), "kl/ref_k1": k1, "kl/ref_k1_current": kl_cur,
+            "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+            "response/finished_frac": rb.finished.float().mean().item(),
+            "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
+                                            for r, l in zip(rb.responses, lengths)) / len(lengths),
+            "policy/entropy_first10": ppo.masked_mean(eb.entropy, first10).item(),
+            "rollout/logp_gap_max": ((eb.behav_logp - eb.old_logp).abs() * m).max().item(),
+            "critic/value_mean": ppo.masked_mean(eb.old_values, m).item(),
+            "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
+            "guard/bad_rewards": float(self.guards["bad_rewards"]),
+            "guard/skipped_updates": float(self.guards["skipped_updates"]),
+            "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
+            **{f"time/{k}_s": v for k, v in timer.seconds.items()},
+            **upd,
+        }
+        return metrics
+
+    def fit(self) -> RunResult:
+        cfg = self.cfg
+        t_start = time.monotonic()
+        total = cfg.training.total_training_steps
+        if self.is_logger:
+            (self.out_dir / "config.yaml").write_text(dump_yaml(cfg))
+        logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard and self.is_logger,
+                               progress=cfg.logging.progress and self.is_logger, total_steps=total,
+                               enabled=self.is_logger)
+        ckpt_root = self.out_dir / "checkpoints"
+        eval_before = self.evaluate()
+        self.log(f"[pfppo] held-out accuracy at step {self.step} ({len(self.eval_problems)} prompts): "
+                 f"sampled {eval_before['eval/accuracy']:.3f}, greedy {eval_before['eval/accuracy_greedy']:.3f}")
+        if self.step == 0:
+            logger.log(0, eval_before)
+        eval_acc = eval_before
+        while self.step < total:
+            metrics = self.train_step()
+            ev = cfg.logging.eval_interval
+            if (ev and self.step % ev == 0) or self.step == total:
+                eval_acc = self.evaluate()
+                metrics.update(eval_acc)
+            if self.step % cfg.logging.log_interval == 0 or "eval/accuracy" in metrics:
+                logger.log(self.step, metrics)
+            si = cfg.checkpoint.save_interval
+            if (si and self.step % si == 0) or self.step == total:
+                self.save(ckpt_root)
+            if self._stop_requested():  # Slurm asked for a checkpoint before preemption / time limit
+                self.save(ckpt_root)
+                self.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {self.step}, exiting")
+                break
+        logger.close()
+        plot = None
+        if cfg.logging.plots and self.is_logger:
+            plot = plot_curves(read_jsonl(logger.jsonl_path), self.out_dir / "curves.png",
+                               title=f"PPO on {cfg.data.task} ({self.model_cfg.num_layers} layers)")
+        export = None
+        if cfg.checkpoint.export_hf:
+            export = self.out_dir / "hf_export"
+            hf_io.export_hf(self.actor, self.model_cfg, export, tokenizer_files=self.tokenizer.files())
+        result = RunResult(out_dir=self.out_dir, metrics_path=logger.jsonl_path, plot_path=plot,
+                           export_dir=export, eval_before=eval_before, eval_after=eval_acc,
+                           steps=self.step, wall_s=time.monotonic() - t_start)
+        if self.is_logger:
+            (self.out_dir / "summary.json").write_text(json.dumps(
+            {"eval_before": eval_before, "eval_after": eval_acc, "steps": self.step,
+             "wall_s": result.wall_s, "guards": self.guards}, indent=2))
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _ckpt_dir(self, root: Path) -> Path:
+        """One checkpoint series per model-parallel rank (its TP/PP shards); dp_rank 0 writes it."""
+        p = self.parallel
+        return root if p.tp * p.pp == 1 else root / f"mp-tp{p.tp_rank}-pp{p.pp_rank}"
+
+    def save(self, root: Path) -> Path | None:
+        if self.parallel.dp_rank != 0:
+            return None
+        state = {"step": self.step, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
+                 "assign_rng": self.assign_gen.get_state(),
+                 "running_reward": self.running_reward.state_dict(), "guards": dict(self.guards),
+                 "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                 "config": config_to_dict(self.cfg)}
+        tensors = {"actor": tensor_state(self.actor), "critic": tensor_state(self.critic)}
+        return ckpt.save_checkpoint(self._ckpt_dir(root), self.step, tensors, state,
+                                    keep_last=self.cfg.checkpoint.keep_last)
+
+    def _resume(self) -> None:
+        """Every rank resumes from the newest step that verifies on all model-parallel ranks."""
+        if not self.cfg.checkpoint.resume:
+            return
+        root = self._ckpt_dir(self.out_dir / "checkpoints")
+        step = ckpt.latest_valid_step(root, log=self.log)
+        step = self._min_over_world(-1 if step is None else step)
+        if step < 0:
+            return
+        found = ckpt.load_step(root, step)
+        load_tensor_state(self.actor, found.tensors["actor"])
+        load_tensor_state(self.critic, found.tensors["critic"])
+        s = found.state
+        self.actor_opt.load_state_dict(s["actor_opt"])
+        self.critic_opt.load_state_dict(s["critic_opt"])
+        if self.parallel.dp == 1:
+            self.rng.setstate(s["rng"])
+        else:  # only dp_rank 0's stream is saved: the others restart theirs deterministically
+            self.rng.seed(self.cfg.training.seed + 7777 * self.parallel.dp_rank + 1_000_003 * s["step"])
+        torch.set_rng_state(s["torch_rng"])
+        self.assign_gen.set_state(s["assign_rng"])
+        self.running_reward.load_state_dict(s["running_reward"])
+        self.guards.update(s["guards"])
+        self.step = s["step"]
+        self.log(f"[pfppo] resumed from {found.path} (step {self.step})")
+
+    def _stop_requested(self) -> bool:
+        """Rank 0 tests $PFPPO_STOP_FILE (created by scripts/slurm/lib.sh on SIGUSR1) and every
+        rank gets its answer, so all of them checkpoint and leave at the same step boundary."""
+        path = os.environ.get("PFPPO_STOP_FILE")
+        if not path:
+            return False
+        flag = 1 if self.parallel.rank == 0 and os.path.exists(path) else 0
+        return self._min_over_world(-flag) < 0
+
+    def _min_over_world(self, value: int) -> int:
+        if self.parallel.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
