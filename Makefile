@@ -12,7 +12,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PY) -c "import pfppo_mega._C" && touch $(STAMP)
+	$(PY) -c "import torch, pfppo_mega._C" && touch $(STAMP)
 
 demo: setup
 	$(VENV)/bin/pfppo demo
