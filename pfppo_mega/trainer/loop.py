@@ -138,6 +138,9 @@ class PPOTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
         # --- checkpoint, tokenizer, shapes: every check before any work
+        if cfg.actor_rollout.engine != "builtin":
+            raise SetupError(f"actor_rollout.engine = {cfg.actor_rollout.engine!r}: only 'builtin' is "
+                             f"implemented in this version (the vLLM engine is not built yet)")
         model_dir = check_model_path(cfg.actor_rollout.model_path)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         hf_cfg = hf_io.read_hf_config(model_dir)
