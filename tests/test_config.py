@@ -24,7 +24,7 @@ from pfppo_mega.config import (
 )
 from pfppo_mega.config import reference
 from pfppo_mega.config.loader import _field_types, _is_section
-from pfppo_mega.config.tree import Problem, Section, _range, opt
+from pfppo_mega.config.tree import PoolConfig, Problem, Section, _range, opt
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = ROOT / "configs" / "article_example.yaml"
@@ -430,7 +430,7 @@ def test_overrides_are_read_as_yaml_and_replace_file_values():
     assert type(cfg.training.lr) is float and cfg.training.lr == 1e-5
     assert cfg.algorithm.use_pf_ppo is False and cfg.algorithm.value_clip is None
     assert (cfg.algorithm.pool.pool_size, cfg.algorithm.pool.sampling) == (3, "kl")
-    assert cfg.algorithm.pool.snapshot_interval == 10  # a mapping override merges
+    assert cfg.algorithm.pool.snapshot_interval == PoolConfig().snapshot_interval  # a mapping override merges
     assert cfg.algorithm.pool.is_clip == 4.0 and cfg.actor_rollout.model_path == "/other"
 
 
@@ -470,7 +470,7 @@ def test_round_trip():
     cfg = load_config(ARTICLE, ["algorithm.value_clip=null", "algorithm.kl_penalty=low_var_kl",
                                 "reward.clip_range=5", "model.num_layers=4"])
     d = config_to_dict(cfg)
-    assert d["algorithm"]["pool"]["pool_size"] == 5 and d["algorithm"]["value_clip"] is None
+    assert d["algorithm"]["pool"]["pool_size"] == PoolConfig().pool_size and d["algorithm"]["value_clip"] is None
     assert load_config_dict(d) == cfg
     text = dump_yaml(cfg)
     assert "  lr: 1.0e-06\n" in text
