@@ -188,3 +188,24 @@ def test_stop_file_checkpoints_and_exits_at_step_boundary(sft_dir, tmp_path, mon
     stop.unlink()
     tr = PPOTrainer(cfg, log=lambda *_: None)  # requeued job: resumes from step 1
     assert tr.step == 1
+
+
+@pytest.mark.parametrize("is_mode", ["tis", "mask"])
+def test_other_paths_run_finite(sft_dir, tmp_path, is_mode):
+    """TIS / mask correction, include_current, policy filtration, KL as a loss, entropy bonus,
+    micro-batching and reward shaping together: every step finite, the pool offers the live weights."""
+    cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 3, "micro_batch_size": 8},
+               checkpoint={"resume": False},
+               algorithm={"use_pf_ppo": True, "use_kl_loss": True, "kl_estimator": "k3", "entropy_coeff": 0.01,
+                          "loss_agg_mode": "seq-mean-token-mean",
+                          "pool": {"pool_size": 2, "snapshot_interval": 1, "is_mode": is_mode,
+                                   "include_current": True, "sampling": "reward"},
+                          "filtration": {"enable": True, "reweight_method": "max_random"}},
+               reward={"scaling": "running_zscore", "quantile_clip": 0.95, "clip_range": 3.0,
+                       "length_penalty": 0.1})
+    tr, metrics, _ = _run(cfg)
+    for m in metrics:
+        for key in ("policy/pg_loss", "policy/kl_loss", "critic/value_loss", "policy/grad_norm"):
+            assert math.isfinite(m[key]), (key, m[key])
+    # k3 is >= 0, and 0 only while the policy equals the reference (the first mini-batch).
+    assert all(m["policy/kl_loss"] >= 0 for m in metrics) and metrics[-1]["policy/kl_loss"] > 0
