@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pfppo_mega.config.tree import ModelConfig
+from pfppo_mega.families import CheckpointError, CheckpointFileMissing, boolean, positive_float, positive_int
 from pfppo_mega.models import reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
 from pfppo_mega.models.reshard import Split, Stage
@@ -67,27 +68,31 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def _require_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"checkpoint directory {str(p)!r} does not exist")
+        raise CheckpointFileMissing(f"checkpoint directory {str(p)!r} does not exist")
     if not p.is_dir():
-        raise NotADirectoryError(f"checkpoint path {str(p)!r} is not a directory")
+        raise CheckpointError(f"checkpoint path {str(p)!r} is not a directory")
     return p
 
 
 def _read_json(file: Path) -> Any:
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from None
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{str(file)!r} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{str(file)!r} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{str(file)!r} cannot be read: {e.strerror or e}") from None
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
     """The parsed config.json of checkpoint directory ``path``."""
     file = _require_dir(path) / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{str(file)!r} is missing: a Hugging Face checkpoint needs {CONFIG_FILE}")
+        raise CheckpointFileMissing(f"{str(file)!r} is missing: a Hugging Face checkpoint needs {CONFIG_FILE}")
     cfg = _read_json(file)
     if not isinstance(cfg, dict):
-        raise ValueError(f"{str(file)!r} must hold a JSON object, found {type(cfg).__name__}")
+        raise CheckpointError(f"{str(file)!r} must hold a JSON object, found {type(cfg).__name__}")
     return cfg
 
 
@@ -168,11 +173,15 @@ def _checkpoint_values(hf: dict) -> dict[str, Any]:
         else:
             values[field] = default
     if missing:
-        raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
+        raise CheckpointError(f"config.json lacks required key(s): {', '.join(missing)}")
     if values["num_query_groups"] is None:
         values["num_query_groups"] = values["num_attention_heads"]
-    values["rope_theta"] = float(_rope_theta(hf)[0])
-    values["tie_word_embeddings"] = bool(values["tie_word_embeddings"])
+    typed = {**hf, **{_HF_KEYS[f][0]: v for f, v in values.items()}}
+    for field, (key, _) in _HF_KEYS.items():
+        check = {"norm_epsilon": positive_float, "tie_word_embeddings": boolean}.get(field, positive_int)
+        values[field] = check(typed, key)
+    theta, _ = _rope_theta(hf)
+    values["rope_theta"] = positive_float({"rope_theta": theta}, "rope_theta")
     return values
 
 
@@ -184,17 +193,17 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
     sliding windows, scaled RoPE, head_dim != hidden_size / heads) are rejected with the reason.
     Whether the q/k/v projections carry biases is not a ModelConfig field: see qkv_bias_from_hf.
     """
+    ckpt = _checkpoint_values(hf_cfg)  # typed first: the architecture checks compute with these
     problems = _architecture_problems(hf_cfg)
     if problems:
-        raise ValueError("unsupported checkpoint architecture:\n" + "\n".join(f"  - {p}" for p in problems))
-    ckpt = _checkpoint_values(hf_cfg)
+        raise CheckpointError("unsupported checkpoint architecture:\n" + "\n".join(f"  - {p}" for p in problems))
     mismatched = [
         f"  - {field}: config {getattr(base, field)!r}, checkpoint {value!r}"
         for field, value in ckpt.items()
         if getattr(base, field) is not None and getattr(base, field) != value
     ]
     if mismatched:
-        raise ValueError("model config differs from the checkpoint's config.json:\n" + "\n".join(mismatched))
+        raise CheckpointError("model config differs from the checkpoint's config.json:\n" + "\n".join(mismatched))
     fill = {field: value for field, value in ckpt.items() if getattr(base, field) is None}
     return dataclasses.replace(base, **fill)
 
@@ -206,38 +215,58 @@ class CheckpointReader:
     """The tensors of a safetensors checkpoint, read one at a time: model.safetensors, or the
     shards listed in model.safetensors.index.json (model-0000x-of-0000y.safetensors).
 
-    ``shape`` reads only the file headers, so a checkpoint can be checked before any data is read.
+    ``shape`` and ``dtype`` read only the file headers, so a checkpoint can be checked before any
+    data is read. ``get`` refuses a tensor holding NaN or inf. Every problem is a CheckpointError
+    naming the file and the tensor.
     """
 
     def __init__(self, path: str | os.PathLike):
         root = _require_dir(path)
+        self.root = root
         index, single = root / INDEX_FILE, root / SINGLE_FILE
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to shard files")
+            parsed = _read_json(index)
+            weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+            if (not isinstance(weight_map, dict) or not weight_map
+                    or not all(isinstance(f, str) and _SAFE_NAME.match(f) for f in weight_map.values())):
+                raise CheckpointError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to "
+                                      f"shard file names in the same directory")
             files = sorted(set(weight_map.values()))
             absent = [f for f in files if not (root / f).is_file()]
             if absent:
-                raise FileNotFoundError(f"shard file(s) listed in {INDEX_FILE} are missing from "
-                                        f"{str(root)!r}: {', '.join(absent)}")
+                raise CheckpointFileMissing(f"shard file(s) listed in {INDEX_FILE} are missing from "
+                                            f"{str(root)!r}: {', '.join(absent)}")
         elif single.is_file():
             files, weight_map = [SINGLE_FILE], None
         else:
             found = sorted(p.name for p in root.iterdir())
-            raise FileNotFoundError(
+            raise CheckpointFileMissing(
                 f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r} (found: {', '.join(found) or 'nothing'}); "
                 f"only safetensors checkpoints are supported")
-        self._handles = {f: safe_open(str(root / f), framework="pt") for f in files}
+        self._handles = {f: self._open(root / f) for f in files}
         self._file_of: dict[str, str] = {}
         for f, handle in self._handles.items():
             for name in handle.keys():
+                if name in self._file_of:
+                    raise CheckpointError(f"tensor {name!r} is stored twice: in {self._file_of[name]!r} and {f!r}")
                 self._file_of[name] = f
         if weight_map is not None:
             lost = sorted(n for n, f in weight_map.items() if self._file_of.get(n) != f)
             if lost:
-                raise ValueError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
-                                 f"{', '.join(lost[:10])}")
+                raise CheckpointError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
+                                      f"{', '.join(lost[:10])}")
+
+    @staticmethod
+    def _open(file: Path) -> Any:
+        size = file.stat().st_size
+        try:
+            return safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own SafetensorError (an Exception) for a bad file
+            raise CheckpointError(f"{str(file)!r} ({size} bytes) is not a readable safetensors file "
+                                  f"(zero-byte, truncated or corrupt?): {e}") from None
+
+    def _where(self, name: str) -> str:
+        return str(self.root / self._file_of[name])
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -245,10 +274,22 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code of ``name`` (F32, BF16, F16, F64, I64, ...), from the header."""
+        return str(self._handles[self._file_of[name]].get_slice(name).get_dtype())
+
     def get(self, name: str) -> Tensor:
         if name not in self._file_of:
-            raise KeyError(f"checkpoint lacks tensor {name!r}")
-        return self._handles[self._file_of[name]].get_tensor(name)
+            raise CheckpointError(f"checkpoint {str(self.root)!r} lacks tensor {name!r}")
+        try:
+            t = self._handles[self._file_of[name]].get_tensor(name)
+        except Exception as e:  # SafetensorError for data that cannot be read
+            raise CheckpointError(f"{self._where(name)!r}: tensor {name!r} cannot be read: {e}") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{self._where(name)!r}: tensor {name!r} {tuple(t.shape)} holds {bad} NaN/inf "
+                                  f"value(s); a checkpoint's weights must be finite")
+        return t
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -335,16 +376,36 @@ def _expected_hf_shapes(dims: _Dims) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # old transformers' RoPE cache
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors codes of the weight dtypes a checkpoint may use
+
+
 def _check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
-                  what: str) -> None:
+                  what: str, *, tied: bool = False) -> None:
+    """Every expected tensor present with its shape, and nothing else (a rotary cache, and a
+    redundant lm_head.weight when the embeddings are tied, are ignored)."""
     missing = [n for n in expected if n not in found]
     if missing:
         more = " ..." if len(missing) > 10 else ""
-        raise KeyError(f"{what} lacks tensor(s): {', '.join(missing[:10])}{more}")
+        raise CheckpointError(f"{what} lacks tensor(s): {', '.join(missing[:10])}{more}")
+    unexpected = [n for n in found if n not in expected and not _IGNORED.match(n)
+                  and not (tied and n == "lm_head.weight")]
+    if unexpected:
+        more = " ..." if len(unexpected) > 10 else ""
+        raise CheckpointError(
+            f"{what} holds unexpected tensor(s) that config.json does not describe (more layers than "
+            f"num_hidden_layers, biases or norms the family has none of?): {', '.join(sorted(unexpected)[:10])}{more}")
     wrong = [f"  - {n}: expected {tuple(expected[n])}, found {tuple(found[n])}"
              for n in expected if tuple(found[n]) != tuple(expected[n])]
     if wrong:
-        raise ValueError(f"{what} has tensor(s) of the wrong shape:\n" + "\n".join(wrong))
+        raise CheckpointError(f"{what} has tensor(s) of the wrong shape:\n" + "\n".join(wrong))
+
+
+def _check_dtypes(found: Mapping[str, str], what: str) -> None:
+    wrong = [f"  - {n}: {d}" for n, d in found.items() if d not in FLOAT_DTYPES]
+    if wrong:
+        raise CheckpointError(f"{what} has tensor(s) of a non-floating dtype (weights must be one of "
+                              f"{', '.join(FLOAT_DTYPES)}; integers would truncate):\n" + "\n".join(wrong[:10]))
 
 
 def _shapes(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -422,7 +483,7 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *, qkv_bias:
     """HF Llama / Qwen2 tensors -> GPTModel (tp = pp = 1) state dict. Checks every HF tensor's
     presence and shape; ignores rotary caches and, when tied, a redundant lm_head.weight."""
     dims = _Dims.of(model, qkv_bias=qkv_bias)
-    _check_shapes(_shapes(hf_sd), _expected_hf_shapes(dims), "HF state dict")
+    _check_shapes(_shapes(hf_sd), _expected_hf_shapes(dims), "HF state dict", tied=dims.tied)
     head = _lm_head(dims, dims.vocab, tied_here=dims.tied)
     names = _full_shapes(dims, dims.vocab, _single_stage(dims), output_layer=head)
     return {n: _megatron_tensor(n, hf_sd.__getitem__, dims, dims.vocab) for n in names}
@@ -531,7 +592,8 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     layout = _current_layout(dims.layers)
     reader = CheckpointReader(path)
     _check_shapes({n: reader.shape(n) for n in reader.names()}, _expected_hf_shapes(dims),
-                  f"checkpoint {str(path)!r}")
+                  f"checkpoint {str(path)!r}", tied=dims.tied)
+    _check_dtypes({n: reader.dtype(n) for n in reader.names() if not _IGNORED.match(n)}, f"checkpoint {str(path)!r}")
     vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
     stage = layout.stage
     full_shapes = _full_shapes(dims, vocab_rows, stage,
@@ -542,16 +604,16 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     expected = {n: v for n, v in expected.items() if not n.startswith(skip_prefixes)}
     missing = [n for n in params if n not in expected]
     if missing:
-        raise KeyError(f"model parameter(s) have no tensor in the checkpoint (tied / untied mismatch?): "
+        raise CheckpointError(f"model parameter(s) have no tensor in the checkpoint (tied / untied mismatch?): "
                        f"{', '.join(missing)}")
     unused = [n for n in expected if n not in params]
     if unused:
-        raise ValueError(f"checkpoint tensor(s) have no parameter in the model "
+        raise CheckpointError(f"checkpoint tensor(s) have no parameter in the model "
                          f"(tied / untied mismatch?): {', '.join(unused)}")
     wrong = [f"  - {n}: model expects {tuple(p.shape)}, checkpoint gives {expected[n][1]}"
              for n, p in params.items() if tuple(p.shape) != expected[n][1]]
     if wrong:
-        raise ValueError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
+        raise CheckpointError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
     with torch.no_grad():
         for name, param in params.items():
             global_name = expected[name][0]

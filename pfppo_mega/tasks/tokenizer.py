@@ -19,6 +19,14 @@ SPECIALS = (PAD, BOS, EOS, UNK)
 ADDITION_CHARS = "0123456789+="
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file and the problem."""
+
+
+class TokenizerFileMissing(TokenizerError, FileNotFoundError):
+    pass
+
+
 @dataclass(frozen=True)
 class Tokenizer:
     """Encode/decode with the special-token ids the trainer needs."""
@@ -64,12 +72,15 @@ class Tokenizer:
     def from_dir(cls, directory: str | Path) -> "Tokenizer":
         path = Path(directory, "tokenizer.json")
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer: {path} not found (a checkpoint dir needs tokenizer.json)")
-        hf = HFTokenizer.from_file(str(path))
+            raise TokenizerFileMissing(f"tokenizer: {path} not found (a checkpoint dir needs tokenizer.json)")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
+            raise TokenizerError(f"tokenizer: {path} cannot be parsed as a tokenizers JSON file: {e}") from None
         ids = {name: hf.token_to_id(name) for name in (PAD, BOS, EOS)}
         missing = [n for n, i in ids.items() if i is None]
         if missing:
-            raise ValueError(f"tokenizer: {path} lacks the special tokens {missing} "
+            raise TokenizerError(f"tokenizer: {path} lacks the special tokens {missing} "
                              f"(needs {PAD}, {BOS}, {EOS})")
         return cls(hf, pad_id=ids[PAD], bos_id=ids[BOS], eos_id=ids[EOS])
 
