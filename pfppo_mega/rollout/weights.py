@@ -1,0 +1,337 @@
+"""Weights on their way into a rollout engine: layouts, buckets and weight sources.
+
+An engine takes weights in its *layout*: an ordered list of (Hugging Face name, shape) in one
+dtype (the engine's). They travel as a stream of *buckets*: flat buffers of about
+``bucket_bytes`` each holding whole tensors, never a full-model dict. A bucket boundary never
+splits a *fused group* -- q/k/v (weights and biases) of one layer, gate/up of one layer -- because
+vLLM's loader fuses them into one parameter and must see the whole group in one call.
+
+Every bucket carries the weight version it belongs to and a checksum over its header (index,
+version, names, shapes, dtype) and bytes, taken where the bytes were produced (a pool snapshot's
+checksum is taken at capture time). The engine recomputes it on receipt: a bit flipped at rest or
+in transit, or a bucket of another version, is refused by name.
+
+A *weight source* produces the buckets of one version for a bucket plan. Two producers matter:
+the live trainer (pfppo_mega.rollout.live.LiveWeights) and a pool snapshot
+(pfppo_mega.pool.snapshots.PoolSnapshot); ``NamedTensorSource`` wraps a plain list of tensors.
+Refit to the current policy and a switch to a behaviour snapshot are the same call::
+
+    engine.update_weights(source.buckets(engine.bucket_plan()), source.version)
+
+In several processes ``source.buckets(plan, group=g)`` broadcasts each bucket from the rank that
+owns it to every rank of ``g`` (pfppo_mega.rollout.refit). Imports only torch and the standard
+library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+_QKV = re.compile(r"^(.*\.layers\.\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate|up)_proj\.weight$")
+CHECKSUM_BYTES = 32  # hex digits of the blake2b-128 digest
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was refused (wrong names or shapes, stale version, failed checksum)."""
+
+
+def fused_group(name: str) -> str:
+    """The group a tensor must travel with: '<layer>.qkv', '<layer>.gate_up', or its own name."""
+    m = _QKV.match(name)
+    if m:
+        return m.group(1) + ".qkv"
+    m = _GATE_UP.match(name)
+    if m:
+        return m.group(1) + ".gate_up"
+    return name
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """What one engine takes: (name, shape) in order, one dtype. tie_word_embeddings: a
+    ``lm_head.weight`` equal to the embedding is accepted and skipped by load_weights."""
+
+    specs: tuple[tuple[str, tuple[int, ...]], ...]
+    dtype: torch.dtype
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, *, tied: bool = False) -> "WeightLayout":
+        return cls(tuple((n, tuple(s)) for n, s in shapes.items()), dtype, tied)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) for _, s in self.specs) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Bucket ``index`` of a plan: which tensors, in which order, in ``flat``."""
+
+    index: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def split(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """flat [numel] -> (name, view of its shape) for every tensor of the bucket."""
+        return [(n, piece.view(s)) for n, s, piece in zip(self.names, self.shapes, flat.split(self.numels))]
+
+
+def plan_buckets(layout: WeightLayout, bucket_bytes: int,
+                 segment: Optional[Callable[[str], object]] = None) -> list[BucketSpec]:
+    """Pack the layout's tensors, in order, into buckets of at most ``bucket_bytes``; a fused
+    group is never split, and a group larger than bucket_bytes gets a bucket of its own.
+    segment(name): buckets never mix names of two segments (e.g. two pipeline stages)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    groups: list[list[tuple[str, tuple[int, ...]]]] = []
+    seen: set[str] = set()
+    for name, shape in layout.specs:
+        key = fused_group(name)
+        if groups and fused_group(groups[-1][-1][0]) == key:
+            groups[-1].append((name, shape))
+            continue
+        if key in seen:
+            raise ValueError(f"layout order splits fused group {key!r} (at {name!r}); list its members together")
+        seen.add(key)
+        groups.append([(name, shape)])
+    item = _itemsize(layout.dtype)
+    plan: list[BucketSpec] = []
+    current: list[tuple[str, tuple[int, ...]]] = []
+    size = 0
+    for group in groups:
+        gbytes = sum(math.prod(s) for _, s in group) * item
+        new_segment = segment is not None and current and segment(current[-1][0]) != segment(group[0][0])
+        if current and (size + gbytes > bucket_bytes or new_segment):
+            plan.append(BucketSpec(len(plan), *_unzip(current), layout.dtype))
+            current, size = [], 0
+        current += group
+        size += gbytes
+    if current:
+        plan.append(BucketSpec(len(plan), *_unzip(current), layout.dtype))
+    return plan
+
+
+def _unzip(pairs):
+    return tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
+
+
+def _host_bytes(flat: torch.Tensor):
+    # a zero-copy uint8 view of a contiguous CPU tensor (bf16 included); a host sync on CUDA
+    return flat.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+
+
+def bucket_checksum(spec: BucketSpec, version: int, flat: torch.Tensor) -> str:
+    """blake2b-128 over the header (index, version, names, shapes, dtype) and a crc32 of the bytes."""
+    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES // 2)
+    digest.update(f"{spec.index}|{version}|{spec.names}|{spec.shapes}|{spec.dtype}|".encode())
+    digest.update(zlib.crc32(_host_bytes(flat)).to_bytes(4, "little"))
+    return digest.hexdigest()
+
+
+def stream_checksum(bucket_checksums: Iterable[str]) -> str:
+    """One checksum for a whole update: blake2b over the buckets' checksums in order."""
+    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES // 2)
+    for c in bucket_checksums:
+        digest.update(c.encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Bucket:
+    """The bytes of ``spec`` for weight ``version``; checksum as taken by the producer."""
+
+    spec: BucketSpec
+    version: int
+    flat: torch.Tensor  # [spec.numel] contiguous, spec.dtype
+    checksum: str
+    source_rank: int = 0  # the rank whose bytes these are (named in errors)
+
+    @classmethod
+    def pack(cls, spec: BucketSpec, version: int, tensors: list[torch.Tensor], *,
+             source_rank: int = 0) -> "Bucket":
+        """A fresh contiguous flat copy of ``tensors`` (cast to spec.dtype) with its checksum."""
+        for name, shape, t in zip(spec.names, spec.shapes, tensors):
+            if tuple(t.shape) != shape:
+                raise WeightUpdateError(f"bucket {spec.index}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        flat = torch.empty(spec.numel, dtype=spec.dtype, device=tensors[0].device)
+        for piece, t in zip(flat.split(spec.numels), tensors):
+            piece.copy_(t.detach().reshape(-1))
+        return cls(spec, version, flat, bucket_checksum(spec, version, flat), source_rank)
+
+    def verify(self, version: int) -> None:
+        """Raise WeightUpdateError unless this bucket is of ``version`` and its bytes match."""
+        if self.version != version:
+            raise WeightUpdateError(
+                f"bucket {self.spec.index} from rank {self.source_rank} is of weight version {self.version}, "
+                f"the update is to version {version}: stale bucket refused")
+        if self.flat.numel() != self.spec.numel or self.flat.dtype != self.spec.dtype:
+            raise WeightUpdateError(
+                f"bucket {self.spec.index} from rank {self.source_rank} holds {self.flat.numel()} x {self.flat.dtype}, "
+                f"its spec says {self.spec.numel} x {self.spec.dtype}")
+        got = bucket_checksum(self.spec, self.version, self.flat)
+        if got != self.checksum:
+            raise WeightUpdateError(
+                f"bucket {self.spec.index} ({self.spec.names[0]} ..) from rank {self.source_rank} failed its "
+                f"checksum for version {version}: received {got}, producer said {self.checksum}; corrupt bytes refused")
+
+
+def check_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout,
+                        version: int) -> dict[str, torch.Tensor]:
+    """Strict check of a full set of weights against ``layout``: every name exactly once, nothing
+    else, exact shapes (a tied lm_head.weight equal to the embedding is accepted and dropped).
+    Returns name -> tensor; raises WeightUpdateError listing every problem."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise WeightUpdateError(f"weight version={version!r} must be an int >= 0")
+    expected = layout.shapes
+    received: dict[str, torch.Tensor] = {}
+    duplicates: list[str] = []
+    for name, tensor in named_tensors:
+        if name in received:
+            duplicates.append(name)
+        received[name] = tensor
+    tied_head = received.pop("lm_head.weight") if layout.tie_word_embeddings and "lm_head.weight" in received else None
+    missing = [n for n in expected if n not in received]
+    unexpected = [n for n in received if n not in expected]
+    misshaped = [f"{n}: got {tuple(t.shape)}, expected {expected[n]}"
+                 for n, t in received.items() if n in expected and tuple(t.shape) != expected[n]]
+    problems = []
+    if missing:
+        problems.append("missing: " + ", ".join(f"{n} {expected[n]}" for n in missing))
+    if unexpected:
+        problems.append("unexpected: " + ", ".join(unexpected))
+    if duplicates:
+        problems.append("given more than once: " + ", ".join(duplicates))
+    if misshaped:
+        problems.append("wrong shape: " + "; ".join(misshaped))
+    if tied_head is not None and not problems:
+        embed = received["model.embed_tokens.weight"]
+        if tied_head.shape != embed.shape or not torch.equal(tied_head, embed):
+            problems.append("unexpected: lm_head.weight differs from model.embed_tokens.weight "
+                            "but tie_word_embeddings=True")
+    if problems:
+        raise WeightUpdateError("load_weights(version=%d) rejected: %s" % (version, " | ".join(problems)))
+    return received
+
+
+class BucketReceiver:
+    """The engine side of an update: verifies each bucket (version, checksum) and that the
+    buckets, in order, cover the engine's layout exactly (same names, shapes and dtype), never
+    splitting a fused group; at the end, that the stream was complete. Any plan that does so is
+    accepted: the producer picks bucket boundaries (e.g. at pipeline-stage boundaries)."""
+
+    def __init__(self, layout: WeightLayout, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightUpdateError(f"weight version={version!r} must be an int >= 0")
+        self.layout, self.version = layout, version
+        self.checksums: list[str] = []
+        self.cursor = 0  # tensors of the layout received so far
+
+    def accept(self, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+        spec, specs = bucket.spec, self.layout.specs
+        want = specs[self.cursor:self.cursor + len(spec.names)]
+        got = tuple(zip(spec.names, spec.shapes))
+        if got != want or spec.dtype != self.layout.dtype:
+            nxt = specs[self.cursor][0] if self.cursor < len(specs) else "nothing (the layout is complete)"
+            raise WeightUpdateError(
+                f"update to version {self.version}: bucket {spec.index} holds {list(got[:3])}.. in {spec.dtype}, "
+                f"the engine expects {nxt} next in {self.layout.dtype}; the source used another layout")
+        if self.cursor and fused_group(specs[self.cursor - 1][0]) == fused_group(spec.names[0]):
+            raise WeightUpdateError(
+                f"update to version {self.version}: bucket {spec.index} splits fused group "
+                f"{fused_group(spec.names[0])!r}; vLLM must see q/k/v and gate/up of a layer in one call")
+        bucket.verify(self.version)
+        self.checksums.append(bucket.checksum)
+        self.cursor += len(spec.names)
+        return spec.split(bucket.flat)
+
+    def finish(self) -> str:
+        """The stream checksum; raises when tensors are missing (an interrupted refit)."""
+        if self.cursor != len(self.layout.specs):
+            raise WeightUpdateError(
+                f"update to version {self.version} ended after {len(self.checksums)} bucket(s), "
+                f"{self.cursor} of {len(self.layout.specs)} tensors (interrupted refit); "
+                f"the engine's weights are incomplete")
+        return stream_checksum(self.checksums)
+
+
+class WeightSource:
+    """Produces the buckets of one weight ``version``.
+
+    Subclasses say which rank owns each bucket (``owner``) and make it there (``produce``,
+    called on every rank of the group in plan order -- a producer may run collectives in it --
+    returning the bucket on the owner and None elsewhere). ``buckets`` delivers every bucket to
+    every rank: directly in one process, by broadcast from the owner over ``group`` otherwise.
+    """
+
+    version: int
+
+    def owner(self, spec: BucketSpec) -> int:
+        return 0
+
+    def produce(self, spec: BucketSpec) -> Optional[Bucket]:
+        raise NotImplementedError
+
+    def buckets(self, plan: list[BucketSpec], group: Optional[dist.ProcessGroup] = None) -> Iterator[Bucket]:
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            for spec in plan:
+                bucket = self.produce(spec)
+                if bucket is None:
+                    raise RuntimeError(f"{type(self).__name__} produced no bucket {spec.index} in one process")
+                yield bucket
+            return
+        from pfppo_mega.rollout.refit import broadcast_bucket
+
+        for spec in plan:
+            yield broadcast_bucket(self.produce(spec), spec, self.version, src=self.owner(spec), group=group)
+
+
+class NamedTensorSource(WeightSource):
+    """A full set of (name, tensor) pairs held by rank ``src`` -> buckets. src None: every rank
+    holds them (no broadcast needed; each rank packs its own)."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                 layout: Optional[WeightLayout] = None, src: Optional[int] = None) -> None:
+        self.version = version
+        self.src = src
+        self.tensors = (check_named_tensors(named_tensors, layout, version) if layout is not None
+                        else dict(named_tensors))
+
+    def owner(self, spec: BucketSpec) -> int:
+        return self.src or 0
+
+    def produce(self, spec: BucketSpec) -> Optional[Bucket]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.src is not None and rank != self.src:
+            return None
+        return Bucket.pack(spec, self.version, [self.tensors[n] for n in spec.names], source_rank=rank)
