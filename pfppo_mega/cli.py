@@ -9,6 +9,8 @@
     pfppo bench kernels [--quick] [--json PATH]
 
 Overrides are `key.path=value` (YAML-parsed values), applied after the file.
+Every command that takes a config refuses a bad one (unreadable file, bad value, an output
+directory that is a file) with the key, the value and the rule on stderr, and exit status 2.
 """
 
 from __future__ import annotations
@@ -22,14 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 
 
-def _load(config: str, overrides: list[str]):
-    from pfppo_mega.config import ConfigError, load_config
+def _load(config: str, overrides: list[str], *output_dirs: str):
+    """The config, or exit 2 with every problem; `output_dirs` (dotted keys) name the directories
+    the command creates, refused at start when they cannot be (e.g. one is an existing file)."""
+    from pfppo_mega.config import load_config_cli
 
-    try:
-        return load_config(config, overrides)
-    except ConfigError as e:
-        print(f"pfppo: {config}: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    return load_config_cli("pfppo", config, overrides, output_dirs=output_dirs)
 
 
 def _train(cfg) -> int:
@@ -57,13 +57,14 @@ def _train(cfg) -> int:
 
 
 def cmd_train(args) -> int:
-    return _train(_load(args.config, args.overrides))
+    return _train(_load(args.config, args.overrides, "logging.output_dir"))
 
 
 def cmd_sft(args) -> int:
+    cfg = _load(args.config, args.overrides, "sft.output_dir")  # before the slow torch import
     from pfppo_mega.sft import run_sft
 
-    run_sft(_load(args.config, args.overrides))
+    run_sft(cfg)
     return 0
 
 
@@ -71,7 +72,7 @@ def cmd_demo(args) -> int:
     """Warm start once (reused when present), then PPO; both on the built-in default config."""
     from pfppo_mega.sft import run_sft
 
-    cfg = _load(str(DEMO_CONFIG), args.overrides)
+    cfg = _load(str(DEMO_CONFIG), args.overrides, "sft.output_dir", "logging.output_dir")
     t0 = time.monotonic()
     sft_dir = Path(cfg.sft.output_dir)
     if args.fresh or not (sft_dir / "model.safetensors").is_file():

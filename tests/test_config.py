@@ -24,7 +24,7 @@ from pfppo_mega.config import (
 )
 from pfppo_mega.config import reference
 from pfppo_mega.config.loader import _field_types, _is_section
-from pfppo_mega.config.tree import PoolConfig, Problem, Section, _range, opt
+from pfppo_mega.config.tree import PoolConfig, Problem, Section, TrainingConfig, _range, opt
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = ROOT / "configs" / "article_example.yaml"
@@ -283,7 +283,23 @@ def test_alias_and_canonical_conflict():
                                      training={"actor_lr": "1e-6", "lr": 1e-6}))
     assert cfg.algorithm.lmbda == 0.9 and cfg.training.lr == 1e-6
     p = only_problem(with_base(algorithm={"norm_adv_by_std_in_grpo": 1, "whiten_advantages": True}))
-    assert p.key == "algorithm.norm_adv_by_std_in_grpo"
+    assert p.key == "algorithm.norm_adv_by_std_in_grpo" and "expected bool" in p.rule
+
+
+def test_verl_grpo_std_switch_does_not_turn_ppo_whitening_off():
+    # verl's norm_adv_by_std_in_grpo concerns GRPO only; it used to be read as whiten_advantages
+    for whiten in (True, False):
+        res = resolve_config_dict(with_base(algorithm={"norm_adv_by_std_in_grpo": False,
+                                                       "whiten_advantages": whiten}))
+        assert res.config.algorithm.whiten_advantages is whiten
+        assert res.notes() == ["algorithm.norm_adv_by_std_in_grpo = False ignored: verl applies it "
+                               "to adv_estimator=grpo only; this trainer's estimator is gae (see "
+                               "whiten_advantages)"]
+    res = resolve_config_dict(BASE, ["algorithm.norm_adv_by_std_in_grpo=false"])
+    assert res.config.algorithm.whiten_advantages is True
+    assert [u.key for u in res.ignored] == ["algorithm.norm_adv_by_std_in_grpo"]
+    p = only_problem(BASE, ["algorithm.norm_adv_by_std_in_grpo=maybe"])
+    assert p.key == "algorithm.norm_adv_by_std_in_grpo" and "expected bool" in p.rule
 
 
 def test_dotted_and_nested_spelling_of_one_key_must_agree():
@@ -372,7 +388,7 @@ def test_every_problem_is_reported_together():
 def test_bad_child_value_is_not_reported_twice_by_a_parent_rule():
     # batch_size 0 breaks the training rule; the root's divisibility rule must not add a second line
     p = only_problem(with_base(training={"batch_size": 0}))
-    assert (p.key, p.value, p.rule) == ("training.batch_size", 0, "must be >= 1")
+    assert (p.key, p.value, p.rule) == ("training.batch_size", 0, "must be >= 1 and <= 1048576")
 
 
 def test_missing_model_is_a_root_problem():
@@ -555,5 +571,77 @@ def test_validate_main_problems(tmp_path, capsys):
 def test_validate_main_usage_and_missing_file(tmp_path, capsys):
     assert validate_main([]) == 2
     assert validate_main([str(tmp_path / "nope.yaml")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "nope.yaml': no such file" in capsys.readouterr().err
     assert validate_main(["--help"]) == 0
+
+
+# ----------------------------------------------------------------------------- hardening (issue 8)
+
+
+@dataclasses.dataclass
+class _Unbounded(Section):
+    n: int = opt(0, "An int no rule bounds.")
+    x: float = opt(0.0, "A float no rule bounds.")
+
+
+def test_every_float_must_be_finite_and_every_int_is_bounded():
+    with pytest.raises(ConfigError) as info:
+        resolve_config_dict({"n": 10**30, "x": "1e400"}, root=_Unbounded)
+    assert [(p.key, p.rule) for p in info.value.problems] == [
+        ("x", "must be a finite number (not inf or nan)"),
+        ("n", "must be >= -2147483647 and <= 2147483647")]
+    with pytest.raises(ConfigError, match="lr = inf: must be a finite number"):
+        TrainingConfig(lr=float("inf"))  # built directly, not through the loader
+    # one problem per key: nan is "not finite", not also "must be > 0"
+    p = only_problem(with_base(training={"lr": float("nan")}))
+    assert (p.key, p.rule) == ("training.lr", "must be a finite number (not inf or nan)")
+
+
+def test_two_spellings_in_overrides_conflict_like_in_a_file():
+    p = only_problem(BASE, ["algorithm.lam=0.5", "algorithm.lmbda=0.9"])
+    assert (p.key, p.value) == ("algorithm.lmbda", 0.9)
+    assert p.rule == ("conflicts with the override algorithm.lam=0.5 (both are read as "
+                      "algorithm.lmbda); keep one")
+    # the same spelling twice: the last wins (scripts append overrides)
+    assert load_config_dict(BASE, ["algorithm.lam=0.5", "algorithm.lam=0.9"]).algorithm.lmbda == 0.9
+
+
+@pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure_python"])
+def test_hostile_yaml_is_refused_fast_with_either_parser(libyaml, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(yaml, "__with_libyaml__", libyaml and yaml.__with_libyaml__)
+    bomb = "a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{c}: &{c} [{','.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    assert len(bomb) == 332
+    for text, rule in ((bomb, "expands to more than 10000 values"),
+                       ("[" * 5000 + "]" * 5000, "nests mappings/lists more than 32 deep"),
+                       ("a: &x [1, *x]\n", "recursive alias")):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        assert time.perf_counter() - t0 < (2.0 if libyaml else 5.0)  # pure Python: deep flow is slower
+        assert [p.key for p in e.value.problems] == ["config file"] and rule in e.value.problems[0].rule
+
+
+def test_constants_are_shared_by_config_math_and_kernels():
+    from pfppo_mega import constants, kernels, pool, ppo
+    from pfppo_mega.config import tree
+
+    assert tree.AlgorithmConfig.CHOICES["kl_estimator"] is constants.KL_ESTIMATORS is ppo.KL_ESTIMATORS
+    assert tree.AlgorithmConfig.CHOICES["loss_agg_mode"] is constants.LOSS_AGG_MODES is ppo.LOSS_AGG_MODES
+    assert tree.RewardConfig.CHOICES["scaling"] is constants.REWARD_SCALING is ppo.REWARD_SCALING
+    assert tree.PoolConfig.CHOICES["sampling"] is constants.POOL_SAMPLING is pool.SAMPLING_METHODS
+    assert tree.PoolConfig.CHOICES["is_mode"] is constants.IS_MODES is pool.IS_MODES
+    assert tree.Config.CHOICES["kernels"] is constants.KERNEL_MODES is kernels.KERNEL_MODES
+    assert tree.FiltrationConfig.CHOICES["reweight_method"] is constants.REWEIGHT_METHODS
+    assert constants.REWEIGHT_METHODS[:3] == ("pow", "max_min", "max_random")  # verl's names
+    from pfppo_mega.ppo import kl, losses
+
+    assert kl._LOG_RATIO_LIMIT == losses._LOG_RATIO_LIMIT == constants.LOG_RATIO_LIMIT
+    # the C++ / CUDA policy loss hard-code it (a header generated from constants.py would be better)
+    for src in ("csrc/cpu/policy_loss.cpp", "csrc/cuda/policy_loss.cu"):
+        text = (ROOT / src).read_text()
+        assert f"constexpr double kLogRatioLimit = {constants.LOG_RATIO_LIMIT};" in text, src

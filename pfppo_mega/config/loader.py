@@ -3,11 +3,16 @@
 Every step collects :class:`Problem` s instead of stopping at the first one; one
 :class:`ConfigError` lists them all at the end:
 
-1. parse the YAML; a key given twice in one mapping is a problem (PyYAML keeps the last silently);
+0. read the file: it must exist, be a file, be UTF-8 text without NUL bytes, and be at most
+   MAX_FILE_BYTES;
+1. parse the YAML, bounded: at most MAX_DEPTH nested collections and MAX_NODES values once
+   every alias is expanded (a few hundred bytes of nested aliases expand to billions); a key
+   given twice in one mapping is a problem (PyYAML keeps the last silently);
 2. expand literal dotted keys: ``{"algorithm.lam": 0.9}`` -> ``{"algorithm": {"lam": 0.9}}``;
 3. canonicalise section by section from the root: move each alias (``Section.ALIASES``, a key
    path relative to the section) to its canonical key, report unknown keys with a did-you-mean;
-4. apply the ``key.path=value`` overrides (alias paths allowed; they replace file values);
+4. apply the ``key.path=value`` overrides (alias paths allowed; they replace file values; two
+   spellings of one key with different values are a problem, as in a file);
 5. build: coerce each value to its field type (rules in :func:`coerce`), construct each section,
    which runs its own ``_check``, and prefix the section's problems with its path.
 """
@@ -18,7 +23,8 @@ import argparse
 import copy
 import dataclasses
 import difflib
-import functools
+import math
+import os
 import re
 import sys
 import types
@@ -29,12 +35,19 @@ from typing import Any, Literal, Mapping, Sequence, Union
 
 import yaml
 
-from pfppo_mega.config.tree import Config, ConfigError, Problem, Section
+from pfppo_mega.config.tree import Config, ConfigError, Problem, Section, field_types
 
+_field_types = field_types  # the name reference.py and the tests use
 _NONE = type(None)
 _MISSING = object()
 # What `float()` should accept from a string: YAML 1.1 reads `1e-6` (no dot) as a string.
 _FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+# A config is a few KiB, three sections deep and about a hundred values; these bounds are far
+# above that and keep a hostile file (deep nesting, an alias bomb) to milliseconds.
+MAX_FILE_BYTES = 256 << 10
+MAX_DEPTH = 32  # nested mappings / lists
+MAX_NODES = 10_000  # values, keys and collections, with every alias expanded
 
 
 # ----------------------------------------------------------------------------- results
@@ -65,6 +78,18 @@ class ValueAliasUse:
         return f"{self.key} = {self.value!r} read as {self.canonical!r}"
 
 
+@dataclass(frozen=True)
+class IgnoredUse:
+    """A key of another project accepted and ignored (``Section.IGNORED``)."""
+
+    key: str
+    value: Any
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r} ignored: {self.why}"
+
+
 @dataclass
 class Resolved:
     """A loaded config and the alternative spellings it was written with."""
@@ -72,9 +97,10 @@ class Resolved:
     config: Config  # or the `root` section given to resolve_config_dict
     aliases: list[AliasUse] = field(default_factory=list)
     value_aliases: list[ValueAliasUse] = field(default_factory=list)
+    ignored: list[IgnoredUse] = field(default_factory=list)
 
     def notes(self) -> list[str]:
-        return [str(u) for u in self.aliases] + [str(u) for u in self.value_aliases]
+        return [str(u) for u in (*self.aliases, *self.value_aliases, *self.ignored)]
 
 
 @dataclass
@@ -82,6 +108,9 @@ class _Ctx:
     problems: list[Problem] = field(default_factory=list)
     aliases: list[AliasUse] = field(default_factory=list)
     value_aliases: list[ValueAliasUse] = field(default_factory=list)
+    ignored: list[IgnoredUse] = field(default_factory=list)
+    # override key text that set each canonical key (two spellings of one key must agree)
+    override_keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
     def add(self, key: str, value: Any, rule: str) -> None:
         self.problems.append(Problem(key, value, rule))
@@ -103,14 +132,12 @@ def load_config_dict(d: Mapping[str, Any], overrides: Sequence[str] = ()) -> Con
 def resolve_config(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     """As :func:`load_config`, also returning which aliases were used.
 
-    Raises FileNotFoundError / OSError when the file cannot be read."""
-    text = Path(path).read_text()
+    A file that cannot be read (missing, a directory, binary, not UTF-8, too large) or parsed
+    raises ConfigError too, with one problem keyed by the path."""
     ctx = _Ctx()
-    try:
-        _find_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "", ctx)
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError([Problem(str(path), "(file)", f"is not valid YAML: {e}")]) from None
+    raw = _parse_yaml(_read_text(path), "config file", str(path), ctx, "")
+    if ctx.problems:
+        raise ConfigError(ctx.problems)
     return _resolve(raw, overrides, ctx)
 
 
@@ -148,6 +175,53 @@ def dump_yaml(cfg: Section) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
+def load_config_cli(prog: str, path: str | Path, overrides: Sequence[str] = (), *,
+                    output_dirs: Sequence[str] = ()) -> Config:
+    """load_config for a command: prints one "note: ..." line per alias or ignored key on
+    stderr; on any problem prints them all and exits with status 2 (no traceback).
+    `output_dirs`: dotted keys of the directories the command will create (output_dir_problem)."""
+    try:
+        resolved = resolve_config(path, overrides)
+        problems = []
+        for key in output_dirs:
+            value: Any = resolved.config
+            for part in key.split("."):
+                value = getattr(value, part)
+            problems.append(output_dir_problem(key, value))
+        if any(problems):
+            raise ConfigError([p for p in problems if p])
+    except ConfigError as e:
+        _print_problems(prog, path, e.problems)
+        raise SystemExit(2) from None
+    for note in resolved.notes():
+        print(f"{prog}: note: {note}", file=sys.stderr)
+    return resolved.config
+
+
+def output_dir_problem(key: str, path: str | Path) -> Problem | None:
+    """Why directory `path` (config key `key`) cannot be created or written into, or None.
+
+    Checked by the commands before they start: the nearest existing ancestor must be a directory."""
+    p = Path(path)
+    for parent in (p, *p.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                what = "is" if parent == p else f"is under {str(parent)!r}, which is"
+                return Problem(key, str(path), f"{what} an existing file, not a directory; "
+                                               "choose a directory that does not exist or is one")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return Problem(key, str(path), f"cannot be created or written: {str(parent)!r} "
+                                               "is not writable")
+            return None
+    return None
+
+
+def _print_problems(prog: str, path: str | Path, problems: Sequence[Problem]) -> None:
+    print(f"{prog}: error: {path}: {len(problems)} config problem(s):", file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+
+
 def validate_main(argv: Sequence[str]) -> int:
     """`pfppo validate CONFIG [key.path=value ...]`.
 
@@ -163,18 +237,10 @@ def validate_main(argv: Sequence[str]) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return 0 if e.code in (0, None) else 2
     try:
-        resolved = resolve_config(args.config, args.overrides)
-    except OSError as e:
-        print(f"error: cannot read {args.config}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"error: {args.config}: {len(e.problems)} config problem(s):", file=sys.stderr)
-        for p in e.problems:
-            print(f"  - {p}", file=sys.stderr)
-        return 2
-    for note in resolved.notes():
-        print(f"note: {note}", file=sys.stderr)
-    sys.stdout.write(dump_yaml(resolved.config))
+        cfg = load_config_cli("pfppo validate", args.config, args.overrides)
+    except SystemExit as e:
+        return int(e.code)
+    sys.stdout.write(dump_yaml(cfg))
     return 0
 
 
@@ -186,7 +252,7 @@ def _resolve(raw: Any, overrides: Sequence[str], ctx: _Ctx, root: type = Config)
     cfg, _ = _build(root, canonical, "", ctx)
     if ctx.problems:
         raise ConfigError(ctx.problems)
-    return Resolved(cfg, ctx.aliases, ctx.value_aliases)
+    return Resolved(cfg, ctx.aliases, ctx.value_aliases, ctx.ignored)
 
 
 def _canonical_with_overrides(raw: Any, overrides: Sequence[str], ctx: _Ctx,
@@ -207,13 +273,6 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    """Field name -> resolved type (the tree uses `from __future__ import annotations`)."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, Section)
 
@@ -231,17 +290,131 @@ def _same(a: Any, b: Any) -> bool:
 def _as_float(v: Any) -> float | None:
     if isinstance(v, bool):
         return None
-    if isinstance(v, (int, float)):
-        return float(v)
+    if isinstance(v, int):
+        try:
+            return float(v)
+        except OverflowError:  # an int beyond 1.8e308: refused as not finite, like 1e400
+            return math.inf if v > 0 else -math.inf
+    if isinstance(v, float):
+        return v
     if isinstance(v, str) and _FLOAT_RE.fullmatch(v.strip()):
         return float(v)
     return None
 
 
-# ----------------------------------------------------------------------------- 1. duplicate keys
+# ----------------------------------------------------------------------------- 0, 1. read and parse
 
 
-def _find_duplicate_keys(node: yaml.Node | None, path: str, ctx: _Ctx) -> None:
+def _read_text(path: str | Path) -> str:
+    """The file's text, or ConfigError keyed by the path saying why it is not a config file."""
+    def refuse(rule: str) -> ConfigError:
+        return ConfigError([Problem("config file", str(path), rule)])
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise refuse("is a directory; give the YAML config file")
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise refuse("no such file") from None
+    except OSError as e:
+        raise refuse(f"cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise refuse(f"is larger than {MAX_FILE_BYTES} bytes; a config is a few KiB of YAML text")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise refuse(f"is a binary file (NUL byte at offset {nul}), not YAML text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise refuse(f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                     "save it as UTF-8") from None
+
+
+def _parse_yaml(text: str, key: str, value: Any, ctx: _Ctx, path: str) -> Any:
+    """yaml.safe_load(text) within MAX_DEPTH and MAX_NODES, duplicate keys reported; on a
+    problem adds it (keyed `key`, shown with `value`) and returns None."""
+    loader = None
+    try:
+        _check_size(text, key, value)
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        _find_duplicate_keys(node, path, ctx, set())
+        return None if node is None else loader.construct_document(node)
+    except ConfigError as e:
+        ctx.problems += e.problems
+    except yaml.YAMLError as e:
+        ctx.add(key, value, f"is not valid YAML: {e}")
+    except ValueError as e:  # an int of more digits than Python converts
+        ctx.add(key, value, f"holds a number of more digits than Python reads ({str(e).split(';')[0]})")
+    finally:
+        if loader is not None:
+            loader.dispose()
+    return None
+
+
+def _check_size(text: str, key: str, value: Any) -> None:
+    """Refuses nesting deeper than MAX_DEPTH and more than MAX_NODES nodes with every alias
+    expanded, from one pass over the parse events (no tree is built; the composer and the
+    constructor that run after it recurse once per level and copy what aliases share).
+
+    libyaml's parser when PyYAML has it (the pure-Python one scans deep flow nesting in
+    quadratic time); a document libyaml refuses is checked again with the pure-Python one."""
+    if yaml.__with_libyaml__:
+        try:
+            return _check_events(yaml.CSafeLoader(text), key, value)
+        except yaml.YAMLError:
+            pass
+    try:
+        _check_events(yaml.SafeLoader(text), key, value)
+    except yaml.YAMLError:
+        pass  # reported, with its position, by the parse that follows
+
+
+def _check_events(loader: Any, key: str, value: Any) -> None:
+    def refuse(rule: str) -> ConfigError:
+        return ConfigError([Problem(key, value, rule)])
+
+    sizes: dict[str, int] = {}  # anchor -> nodes of the anchored node, aliases expanded
+    open_sizes, open_anchors = [0], [None]  # per open collection (and the document)
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            n = 0
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                if len(open_sizes) > MAX_DEPTH:
+                    raise refuse(f"nests mappings/lists more than {MAX_DEPTH} deep (line "
+                                 f"{event.start_mark.line + 1}); a config is a few sections deep")
+                open_sizes.append(1)
+                open_anchors.append(event.anchor)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                n, anchor = open_sizes.pop(), open_anchors.pop()
+                if anchor is not None:
+                    sizes[anchor] = n
+            elif isinstance(event, yaml.ScalarEvent):
+                n = 1
+                if event.anchor is not None:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, yaml.AliasEvent):
+                if event.anchor in open_anchors:
+                    raise refuse(f"holds a recursive alias (*{event.anchor} inside the collection "
+                                 f"&{event.anchor}, line {event.start_mark.line + 1})")
+                n = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
+            open_sizes[-1] += n
+            if open_sizes[-1] > MAX_NODES:
+                raise refuse(f"expands to more than {MAX_NODES} values once its aliases (*name) are "
+                             "expanded; nested aliases are refused (a YAML 'billion laughs')")
+    finally:
+        loader.dispose()
+
+
+def _find_duplicate_keys(node: yaml.Node | None, path: str, ctx: _Ctx, seen_nodes: set[int]) -> None:
+    """Report keys given twice in one mapping. A node shared through aliases is scanned once
+    (at its first path): walking every alias again made this exponential in the nesting."""
+    if node is None or id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for key_node, value_node in node.value:
@@ -252,10 +425,10 @@ def _find_duplicate_keys(node: yaml.Node | None, path: str, ctx: _Ctx) -> None:
                 ctx.add(_join(path, key), f"lines {seen[key]} and {line}",
                         "key given twice in one mapping (YAML would silently keep the last)")
             seen.setdefault(key, line)
-            _find_duplicate_keys(value_node, _join(path, key), ctx)
+            _find_duplicate_keys(value_node, _join(path, key), ctx, seen_nodes)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _find_duplicate_keys(item, f"{path}[{i}]", ctx)
+            _find_duplicate_keys(item, f"{path}[{i}]", ctx, seen_nodes)
 
 
 # ----------------------------------------------------------------------------- 2. dotted keys
@@ -300,6 +473,9 @@ def _merge(dst: dict, key: str, value: Any, full: str, ctx: _Ctx) -> None:
 def _canonicalize(cls: type, d: dict, path: str, ctx: _Ctx, source: str) -> dict[str, Any]:
     """Move the aliases of section `cls` (at `path`) to their canonical keys, drop and report
     unknown keys, recurse into child sections."""
+    for key in cls.IGNORED:
+        if key in d:
+            _ignore(cls, key, d.pop(key), path, ctx)
     placed_by: dict[str, str] = {}  # canonical key (relative) -> alias that set it
     for alias, canonical in cls.ALIASES.items():
         value = _pop_path(d, alias.split("."))
@@ -340,6 +516,16 @@ def _canonicalize(cls: type, d: dict, path: str, ctx: _Ctx, source: str) -> dict
         else:
             out[key] = value
     return out
+
+
+def _ignore(cls: type, key: str, value: Any, path: str, ctx: _Ctx) -> None:
+    """Accept key `key` of `cls.IGNORED` if its value has the declared type, and note it."""
+    tp, why = cls.IGNORED[key]
+    value, error = coerce(value, tp)
+    if error:
+        ctx.add(_join(path, key), value, error)
+    else:
+        ctx.ignored.append(IgnoredUse(_join(path, key), value, why))
 
 
 def _pop_path(d: dict, parts: list[str]) -> Any:
@@ -395,16 +581,23 @@ def _apply_override(root: type, d: dict, text: str, ctx: _Ctx) -> None:
         return
     key, raw = text.split("=", 1)
     key = key.strip()
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        ctx.add(key, raw, f"override value is not valid YAML: {e}")
+    n_problems = len(ctx.problems)
+    value = _parse_yaml(raw, key, raw, ctx, key)
+    if len(ctx.problems) > n_problems:
+        ctx.problems[n_problems:] = [dataclasses.replace(p, rule="override value " + p.rule)
+                                     for p in ctx.problems[n_problems:]]
         return
     target = _resolve_key(root, key.split("."), "", key, value, ctx)
     if target is None:
         return
     parts, tp = target
     full = ".".join(parts)
+    earlier = ctx.override_keys.get(full)
+    if earlier and earlier[0] != key and not _same(earlier[1], value):
+        ctx.add(key, value, f"conflicts with the override {earlier[0]}={earlier[1]!r} (both are "
+                            f"read as {full}); keep one")
+        return
+    ctx.override_keys[full] = (key, value)
     if _is_section(tp) and isinstance(value, dict):
         value = _canonicalize(tp, _expand_dotted(value, full, ctx), full, ctx, "override")
     node = d
@@ -426,9 +619,12 @@ def _override(dst: dict, key: str, value: Any) -> None:
 def _resolve_key(cls: type, parts: list[str], path: str, text: str, value: Any,
                  ctx: _Ctx) -> tuple[list[str], Any] | None:
     """Canonical key parts and type of an override key path (aliases allowed), or None after
-    reporting why it is not a key of the tree."""
+    reporting why it is not a key of the tree (or noting that it is an ignored key)."""
     types_ = _field_types(cls)
     head = parts[0]
+    if head in cls.IGNORED and len(parts) == 1:
+        _ignore(cls, head, value, path, ctx)
+        return None
     if head not in types_:
         for n in range(len(parts), 0, -1):  # longest alias that is a prefix of the path
             alias = ".".join(parts[:n])

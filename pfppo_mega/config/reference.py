@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
-from pfppo_mega.config.loader import _field_types, _is_section, _type_name
+from pfppo_mega.config.loader import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, _field_types, _is_section, _type_name
 from pfppo_mega.config.tree import Config
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
@@ -46,7 +46,14 @@ How values are read:
   different values is an error.
 - Command-line overrides `key.path=value` (alias paths allowed) replace values of the file;
   the value is read as YAML (`training.lr=1e-6`, `algorithm.use_pf_ppo=true`,
-  `algorithm.value_clip=null`).
+  `algorithm.value_clip=null`). One key given twice in the same spelling: the last wins; in two
+  spellings with different values (`algorithm.lam=0.5 algorithm.lmbda=0.9`): an error.
+- Every float key must be finite: `.inf`, `-.inf`, `.nan` and `1e400` are refused (null, where
+  a key allows it, is the way to say "off"). Every int key has an upper bound (sizes, steps and
+  intervals far above any real run); the error names the range.
+- Some keys of other projects are accepted and ignored with a note (listed per section).
+- The file must be UTF-8 text of at most {MAX_FILE_BYTES} bytes, nest at most {MAX_DEPTH} mappings
+  or lists deep, and hold at most {MAX_NODES} values once YAML aliases (`*name`) are expanded.
 - Every problem of a config is reported at once, each with its key, its value and the rule.
 """
 
@@ -101,6 +108,9 @@ def _section_markdown(path: str, cls: type, aliases: dict[str, list[str]]) -> st
             row = [f"`{key}`", _type_name(tp), f"`{_yaml(f.default)}`", allowed, doc,
                    ", ".join(f"`{a}`" for a in aliases.get(key, []))]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    for name, (tp, why) in cls.IGNORED.items():
+        lines.append(f"\nAccepted and ignored, with a note: `{_join(path, name)}` "
+                     f"({_type_name(tp)}): {why}.")
     return "\n".join(lines) + "\n"
 
 

@@ -10,8 +10,13 @@ Types, unknown keys, aliases and command-line overrides are handled by
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
+
+from pfppo_mega import constants as C
 
 
 # ----------------------------------------------------------------------------- error reporting
@@ -29,7 +34,10 @@ class Problem:
         return Problem(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.rule)
 
     def __str__(self) -> str:
-        return f"{self.key} = {self.value!r}: {self.rule}"
+        shown = repr(self.value)
+        if len(shown) > 120:  # e.g. a hostile override value: its start and its length
+            shown = f"{shown[:80]}... ({len(shown)} characters)"
+        return f"{self.key} = {shown}: {self.rule}"
 
 
 class ConfigError(ValueError):
@@ -49,7 +57,12 @@ def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = Non
 
 
 class Section:
-    """Base of every section: collects the problems of ``_check`` and raises them together."""
+    """Base of every section: collects the problems of ``_check`` and raises them together.
+
+    Before a section's own rules, every float key must be finite (no inf, -inf or nan: none of
+    them means "off" anywhere in the tree; null does where a key allows it). After them, an int
+    key that no rule bounded is still refused beyond +-constants.INT_LIMIT. One problem per key.
+    """
 
     # verl / article spellings accepted on load: alias key path -> canonical key (in this section).
     ALIASES: ClassVar[dict[str, str]] = {}
@@ -58,17 +71,45 @@ class Section:
     # key -> {alternative spelling of a value: canonical value}; applied by the section itself,
     # declared here so the loader can note the rewrite and the reference can list it.
     VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {}
+    # keys of other projects accepted and ignored (with a printed note): key -> (type, why).
+    IGNORED: ClassVar[dict[str, tuple[type, str]]] = {}
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
+        types_ = field_types(type(self))
+        for key, tp in types_.items():
+            value = getattr(self, key)
+            if value_type(tp) is float and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and not math.isfinite(value):
+                problems.append(Problem(key, value, "must be a finite number (not inf or nan)"))
         for key, allowed in self.CHOICES.items():
             _choice(problems, key, getattr(self, key), allowed)
         self._check(problems)
+        reported = {q.key for q in problems}
+        for key, tp in types_.items():
+            value = getattr(self, key)
+            if value_type(tp) is int and isinstance(value, int) and key not in reported:
+                _range(problems, key, value, ge=-C.INT_LIMIT, le=C.INT_LIMIT)
         if problems:
             raise ConfigError(problems)
 
     def _check(self, p: list[Problem]) -> None:  # overridden by sections with rules
         pass
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type (the tree uses `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def value_type(tp: Any) -> Any:
+    """X for X and Optional[X]; other types unchanged."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is not Literal and len(args) == 1 and len(typing.get_args(tp)) == 2:
+        return args[0]
+    return tp
 
 
 def _choice(p: list[Problem], key: str, value: Any, allowed: tuple) -> None:
@@ -79,6 +120,8 @@ def _choice(p: list[Problem], key: str, value: Any, allowed: tuple) -> None:
 def _range(
     p: list[Problem], key: str, value: Any, *, ge=None, gt=None, le=None, lt=None, optional=False
 ) -> None:
+    if any(q.key == key for q in p):  # one problem per key (e.g. "must be finite" came first)
+        return
     if value is None:
         if not optional:
             p.append(Problem(key, value, "must be set"))
@@ -94,7 +137,6 @@ def _range(
 
 # ----------------------------------------------------------------------------- sections
 
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -126,7 +168,7 @@ class ModelConfig(Section):
         "rms_norm_eps": "norm_epsilon",
         "seq_length": "max_position_embeddings",
     }
-    CHOICES: ClassVar[dict[str, tuple]] = {"params_dtype": DTYPES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"params_dtype": C.PARAMS_DTYPES}
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -136,8 +178,10 @@ class ModelConfig(Section):
 
     def _check(self, p: list[Problem]) -> None:
         for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "vocab_size", "max_position_embeddings"):
-            _range(p, key, getattr(self, key), ge=1, optional=True)
+                    "num_query_groups"):
+            _range(p, key, getattr(self, key), ge=1, le=C.MAX_MODEL_DIM, optional=True)
+        for key in ("vocab_size", "max_position_embeddings"):
+            _range(p, key, getattr(self, key), ge=1, le=C.MAX_TOKENS, optional=True)
         _range(p, "rope_theta", self.rope_theta, gt=0, optional=True)
         _range(p, "norm_epsilon", self.norm_epsilon, gt=0, optional=True)
         h, q = self.num_attention_heads, self.num_query_groups
@@ -166,14 +210,14 @@ class ParallelConfig(Section):
         "tensor_parallel_size": "tensor_model_parallel_size",
         "pipeline_parallel_size": "pipeline_model_parallel_size",
     }
-    CHOICES: ClassVar[dict[str, tuple]] = {"backend": ("auto", "gloo", "nccl")}
+    CHOICES: ClassVar[dict[str, tuple]] = {"backend": C.PARALLEL_BACKENDS}
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1)
-        _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1)
+        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
+        _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1,
+               le=C.MAX_PARALLEL)
 
 
-ENGINES = ("builtin", "vllm")
 
 
 @dataclass
@@ -194,17 +238,17 @@ class ActorRolloutConfig(Section):
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
                                          "model.path": "model_path"}
-    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ENGINES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"engine": C.ROLLOUT_ENGINES}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "temperature", self.temperature, gt=0)
         _range(p, "top_p", self.top_p, gt=0, le=1)
         _range(p, "gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
-        _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1)
+        _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
 
 
-POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
-IS_MODES = ("truncate", "mask", "tis")
+POOL_SAMPLING = C.POOL_SAMPLING  # kept importable from here (tests/test_pool.py)
+IS_MODES = C.IS_MODES
 
 
 @dataclass
@@ -228,13 +272,10 @@ class PoolConfig(Section):
     CHOICES: ClassVar[dict[str, tuple]] = {"sampling": POOL_SAMPLING, "is_mode": IS_MODES}
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "pool_size", self.pool_size, ge=1)
-        _range(p, "snapshot_interval", self.snapshot_interval, ge=1)
+        _range(p, "pool_size", self.pool_size, ge=1, le=C.MAX_COUNT)
+        _range(p, "snapshot_interval", self.snapshot_interval, ge=1, le=C.MAX_STEPS)
         _range(p, "sampling_temperature", self.sampling_temperature, gt=0)
         _range(p, "is_clip", self.is_clip, gt=1)
-
-
-REWEIGHT_METHODS = ("pow", "max_min", "max_random")
 
 
 @dataclass
@@ -242,17 +283,19 @@ class FiltrationConfig(Section):
     """Policy filtration (verl's `pf_ppo`, arXiv 2409.06957): reward-weighted batch resampling."""
 
     enable: bool = opt(False, "Resample each rollout batch with weights computed from rewards.")
-    reweight_method: str = opt("pow", "How sequence rewards become sampling weights.")
-    weight_pow: float = opt(2.0, "Exponent of the pow method (> 0).")
+    reweight_method: str = opt(
+        "pow",
+        "How sequence scores s become sampling weights. verl's names give verl's weights: pow "
+        "(|s|^weight_pow), max_min (1 for the max and min scores, 0 otherwise), max_random (0.4 for "
+        "the max score, 0.1 otherwise). This project's variants: pow_minmax (min-max scaled s, then "
+        "^weight_pow: monotone in s) and best_random (each sample's chance of being in a "
+        "best-random pair).")
+    weight_pow: float = opt(2.0, "Exponent of the pow and pow_minmax methods (> 0).")
 
-    CHOICES: ClassVar[dict[str, tuple]] = {"reweight_method": REWEIGHT_METHODS}
+    CHOICES: ClassVar[dict[str, tuple]] = {"reweight_method": C.REWEIGHT_METHODS}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "weight_pow", self.weight_pow, gt=0)
-
-
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 @dataclass
@@ -292,19 +335,22 @@ class AlgorithmConfig(Section):
         "kl_penalty": "kl_estimator",
         "clip_ratio_c": "dual_clip_c",
         "cliprange_value": "value_clip",
-        "norm_adv_by_std_in_grpo": "whiten_advantages",
         "pf_ppo.reweight_method": "filtration.reweight_method",
         "pf_ppo.weight_pow": "filtration.weight_pow",
     }
     # verl's estimator names, accepted as values of kl_estimator.
-    KL_VALUE_ALIASES: ClassVar[dict[str, str]] = {
-        "kl": "k1", "mse": "k2", "low_var_kl": "k3"
-    }
+    KL_VALUE_ALIASES: ClassVar[dict[str, str]] = C.KL_ESTIMATOR_ALIASES
     VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES}
     # kl_estimator is checked after __post_init__ has rewritten the verl names above.
     CHOICES: ClassVar[dict[str, tuple]] = {
-        "name": ("ppo",), "kl_estimator": KL_ESTIMATORS, "adv_estimator": ("gae",),
-        "loss_agg_mode": LOSS_AGG_MODES,
+        "name": C.ALGORITHMS, "kl_estimator": C.KL_ESTIMATORS, "adv_estimator": C.ADV_ESTIMATORS,
+        "loss_agg_mode": C.LOSS_AGG_MODES,
+    }
+    # verl's GRPO-only switch; with adv_estimator gae it means nothing here. (Mapping it onto
+    # whiten_advantages, as before, let a verl config with it false turn PPO whitening off.)
+    IGNORED: ClassVar[dict[str, tuple[type, str]]] = {
+        "norm_adv_by_std_in_grpo": (bool, "verl applies it to adv_estimator=grpo only; this "
+                                          "trainer's estimator is gae (see whiten_advantages)"),
     }
 
     def __post_init__(self) -> None:
@@ -327,11 +373,8 @@ class AlgorithmConfig(Section):
         _range(p, "vf_coef", self.vf_coef, ge=0)
         _range(p, "value_clip", self.value_clip, gt=0, optional=True)
         _range(p, "entropy_coeff", self.entropy_coeff, ge=0)
-        _range(p, "max_response_length", self.max_response_length, ge=1)
-        _range(p, "ppo_epochs", self.ppo_epochs, ge=1)
-
-
-REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
+        _range(p, "max_response_length", self.max_response_length, ge=1, le=C.MAX_TOKENS)
+        _range(p, "ppo_epochs", self.ppo_epochs, ge=1, le=C.MAX_STEPS)
 
 
 @dataclass
@@ -345,7 +388,7 @@ class RewardConfig(Section):
     )
     length_penalty: float = opt(0.0, "Subtract coef * response_length / max_response_length.")
 
-    CHOICES: ClassVar[dict[str, tuple]] = {"scaling": REWARD_SCALING}
+    CHOICES: ClassVar[dict[str, tuple]] = {"scaling": C.REWARD_SCALING}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "clip_range", self.clip_range, gt=0, optional=True)
@@ -378,21 +421,19 @@ class TrainingConfig(Section):
     }
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1)
-        _range(p, "batch_size", self.batch_size, ge=1)
+        _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1, le=C.MAX_COUNT)
+        _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
         _range(p, "lr", self.lr, gt=0)
         _range(p, "critic_lr", self.critic_lr, gt=0, optional=True)
         _range(p, "weight_decay", self.weight_decay, ge=0)
         _range(p, "grad_clip", self.grad_clip, ge=0)
-        _range(p, "total_training_steps", self.total_training_steps, ge=1)
-        _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0)
-        _range(p, "micro_batch_size", self.micro_batch_size, ge=1, optional=True)
-        _range(p, "num_threads", self.num_threads, ge=1)
+        _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
+        _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0, le=C.MAX_STEPS)
+        _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
+        _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
+        _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
         if self.critic_lr is None:
             self.critic_lr = self.lr
-
-
-TASKS = ("addition",)
 
 
 @dataclass
@@ -404,12 +445,12 @@ class DataConfig(Section):
     eval_size: int = opt(256, "Held-out prompts scored greedily at each evaluation.")
     max_prompt_length: int = opt(16, "Longest prompt in tokens; longer prompts are an error.")
 
-    CHOICES: ClassVar[dict[str, tuple]] = {"task": TASKS}
+    CHOICES: ClassVar[dict[str, tuple]] = {"task": C.TASKS}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "num_digits", self.num_digits, ge=1, le=9)
-        _range(p, "eval_size", self.eval_size, ge=1)
-        _range(p, "max_prompt_length", self.max_prompt_length, ge=1)
+        _range(p, "eval_size", self.eval_size, ge=1, le=C.MAX_EVAL_PROMPTS)
+        _range(p, "max_prompt_length", self.max_prompt_length, ge=1, le=C.MAX_TOKENS)
 
 
 @dataclass
@@ -428,9 +469,9 @@ class LoggingConfig(Section):
            "PF-PPO (costs one extra small generation + two forward passes).")
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "log_interval", self.log_interval, ge=1)
-        _range(p, "eval_interval", self.eval_interval, ge=0)
-        _range(p, "kl_probe_size", self.kl_probe_size, ge=0)
+        _range(p, "log_interval", self.log_interval, ge=1, le=C.MAX_STEPS)
+        _range(p, "eval_interval", self.eval_interval, ge=0, le=C.MAX_STEPS)
+        _range(p, "kl_probe_size", self.kl_probe_size, ge=0, le=C.MAX_EVAL_PROMPTS)
 
 
 @dataclass
@@ -443,8 +484,8 @@ class CheckpointConfig(Section):
     export_hf: bool = opt(True, "Export the final actor as a Hugging Face checkpoint.")
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "save_interval", self.save_interval, ge=0)
-        _range(p, "keep_last", self.keep_last, ge=1)
+        _range(p, "save_interval", self.save_interval, ge=0, le=C.MAX_STEPS)
+        _range(p, "keep_last", self.keep_last, ge=1, le=C.MAX_COUNT)
 
 
 @dataclass
@@ -457,17 +498,16 @@ class SFTConfig(Section):
     batch_size: int = opt(64, "Demonstrations per step.")
     lr: float = opt(3e-3, "AdamW learning rate (cosine decay to 10%).")
     noise: float = opt(0.3, "Fraction of demonstrations with one wrong digit (imperfect labels).")
-    max_seconds: float = opt(120.0, "Stop early after this wall time; 0 = no limit.")
+    max_seconds: float = opt(
+        0.0, "Safety limit on wall time: SFT always runs sft.steps steps and fails with an error (writing "
+             "nothing) if they take longer than this; 0 = no limit.")
 
     def _check(self, p: list[Problem]) -> None:
-        _range(p, "steps", self.steps, ge=1)
-        _range(p, "batch_size", self.batch_size, ge=1)
+        _range(p, "steps", self.steps, ge=1, le=C.MAX_STEPS)
+        _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
         _range(p, "lr", self.lr, gt=0)
         _range(p, "noise", self.noise, ge=0, lt=1)
         _range(p, "max_seconds", self.max_seconds, ge=0)
-
-
-KERNEL_MODES = ("auto", "torch", "fused")
 
 
 @dataclass
@@ -487,7 +527,7 @@ class Config(Section):
     kernels: str = opt("auto", "PPO math kernels: auto (fused when built), torch or fused.")
 
     ALIASES: ClassVar[dict[str, str]] = {"trainer.total_training_steps": "training.total_training_steps"}
-    CHOICES: ClassVar[dict[str, tuple]] = {"kernels": KERNEL_MODES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"kernels": C.KERNEL_MODES}
 
     def _check(self, p: list[Problem]) -> None:
         samples = self.training.rollout_batch_size * self.actor_rollout.n_samples_per_prompt

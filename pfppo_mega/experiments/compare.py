@@ -200,7 +200,7 @@ def _plot(curves: dict[str, list[list[dict]]], path: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from pfppo_mega.config import load_config
+    from pfppo_mega.config import load_config, load_config_cli
     from pfppo_mega.trainer.loop import PPOTrainer
     from pfppo_mega.trainer.metrics import read_jsonl
 
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threshold", type=float, default=0.75, help="reward threshold for steps-to-threshold")
     args = ap.parse_args(argv)
 
-    base = load_config(args.config, args.overrides)
+    base = load_config_cli("pfppo compare", args.config, args.overrides)  # exit 2 if bad
     out = Path(args.out or f"{base.logging.output_dir}_compare")
     out.mkdir(parents=True, exist_ok=True)
     stats, curves = [], {arm: [] for arm in ARMS}

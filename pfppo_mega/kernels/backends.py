@@ -14,7 +14,7 @@ from pfppo_mega import ppo
 from pfppo_mega.kernels import ops
 from pfppo_mega.ppo.losses import PolicyLossOutput
 
-KERNEL_MODES = ("auto", "torch", "fused")
+from pfppo_mega.constants import KERNEL_MODES
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16)
 

@@ -129,16 +129,12 @@ def main(argv: list[str]) -> int:
         args = ap.parse_intermixed_args(list(argv))
     except SystemExit as e:
         return 0 if e.code in (0, None) else 2
-    from pfppo_mega.config import ConfigError, load_config
+    from pfppo_mega.config import load_config_cli
 
     try:
-        cfg = load_config(args.config, args.overrides)
-    except OSError as e:
-        print(f"pfppo plan: cannot read {args.config}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
-        return 2
+        cfg = load_config_cli("pfppo plan", args.config, args.overrides)
+    except SystemExit as e:  # every problem printed
+        return int(e.code)
     knobs = Knobs(micro_batch=args.micro_batch, recompute=args.recompute,
                   sequence_parallel=args.sequence_parallel, layer=args.layer,
                   distributed_optimizer=args.distributed_optimizer,

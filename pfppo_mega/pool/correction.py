@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-IS_MODES = ("truncate", "mask", "tis")
+from pfppo_mega.constants import IS_MODES
 
 
 @dataclass

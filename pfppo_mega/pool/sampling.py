@@ -8,7 +8,7 @@ import math
 
 import torch
 
-SAMPLING_METHODS = ("uniform", "recency", "kl", "reward")
+from pfppo_mega.constants import POOL_SAMPLING as SAMPLING_METHODS
 
 
 def _fill_unknown(values: list[float | None], name: str, fill: str) -> torch.Tensor:

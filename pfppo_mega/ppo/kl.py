@@ -12,10 +12,7 @@ import torch
 
 from pfppo_mega.ppo.masked import check_same_shape, zero_padding
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-
-# exp() of a log-ratio beyond this overflows float32 long before it carries information.
-_LOG_RATIO_LIMIT = 20.0
+from pfppo_mega.constants import KL_ESTIMATORS, LOG_RATIO_LIMIT as _LOG_RATIO_LIMIT
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, *, estimator: str) -> torch.Tensor:

@@ -6,10 +6,7 @@ import torch
 
 from pfppo_mega.ppo.masked import check_same_shape, masked_mean, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
-# exp() of a log-ratio beyond this overflows float32 long before it carries information.
-_LOG_RATIO_LIMIT = 20.0
+from pfppo_mega.constants import LOSS_AGG_MODES, LOG_RATIO_LIMIT as _LOG_RATIO_LIMIT
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
+from pfppo_mega.constants import REWARD_SCALING
 
 
 class RunningMoments:

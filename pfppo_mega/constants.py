@@ -1,0 +1,50 @@
+"""Names and limits shared by the config tree, the math modules and the kernel checks.
+
+Imports nothing (not even torch), so every layer may read it: the config tree takes its CHOICES
+from here, the pure-torch math checks its `mode=` / `method=` arguments against the same tuples,
+and tests/test_config.py checks that the C++ kernels hard-code the same LOG_RATIO_LIMIT.
+"""
+
+# ----------------------------------------------------------------------------- enum tuples
+
+PARAMS_DTYPES = ("float32", "bfloat16")  # model.params_dtype
+ROLLOUT_ENGINES = ("builtin", "vllm")  # actor_rollout.engine
+PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
+KERNEL_MODES = ("auto", "torch", "fused")  # kernels
+TASKS = ("addition",)  # data.task
+ALGORITHMS = ("ppo",)  # algorithm.name
+ADV_ESTIMATORS = ("gae",)  # algorithm.adv_estimator
+
+# Snapshot choice of the PF-PPO pool (algorithm.pool.sampling, pool/sampling.py).
+POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
+# Behaviour importance weight (algorithm.pool.is_mode, pool/correction.py).
+IS_MODES = ("truncate", "mask", "tis")
+# Per-token KL estimators (algorithm.kl_estimator, ppo/kl.py) and verl's names for them.
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# Token-loss aggregation (algorithm.loss_agg_mode, ppo/losses.py, the fused policy loss).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# Sequence-score normalisation (reward.scaling, ppo/rewards.py).
+REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
+# Policy-filtration weights (algorithm.filtration.reweight_method, ppo/filtration.py):
+# verl's three under verl's names with verl's definitions, then this project's variants.
+VERL_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
+REWEIGHT_METHODS = VERL_REWEIGHT_METHODS + ("pow_minmax", "best_random")
+
+# ----------------------------------------------------------------------------- numeric limits
+
+# exp() of a log-ratio beyond this overflows float32 long before it carries information.
+# The C++/CUDA policy loss hard-codes the same value (kLogRatioLimit; a test compares them).
+LOG_RATIO_LIMIT = 20.0
+
+# Upper bounds of the config's integer keys: far above any real run, far below what overflows
+# an int32 index, a seed or a loop that would run for days.
+MAX_COUNT = 1 << 20  # batch sizes, samples per prompt, prompts, pool size: 1,048,576
+MAX_STEPS = 100_000_000  # steps and step intervals
+MAX_TOKENS = 1 << 24  # sequence lengths and vocabulary: 16,777,216
+MAX_MODEL_DIM = 1 << 20  # layers, widths, heads
+MAX_PARALLEL = 4096  # TP / PP degree
+MAX_EVAL_PROMPTS = 100_000  # data.eval_size (each is generated and scored every evaluation)
+MAX_SEED = (1 << 32) - 1
+MAX_THREADS = 1024
+INT_LIMIT = (1 << 31) - 1  # any other int key (a generic backstop in the config tree)
