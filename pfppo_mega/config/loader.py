@@ -47,7 +47,7 @@ _FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 # above that and keep a hostile file (deep nesting, an alias bomb) to milliseconds.
 MAX_FILE_BYTES = 256 << 10
 MAX_DEPTH = 32  # nested mappings / lists
-MAX_NODES = 10_000  # values, keys and collections, with every alias expanded
+MAX_NODES = 2_000  # keys, values and collections, with every alias expanded (a config: ~250)
 
 
 # ----------------------------------------------------------------------------- results
@@ -403,8 +403,9 @@ def _check_events(loader: Any, key: str, value: Any) -> None:
                 n = sizes.get(event.anchor, 1)  # an undefined one is reported by the composer
             open_sizes[-1] += n
             if open_sizes[-1] > MAX_NODES:
-                raise refuse(f"expands to more than {MAX_NODES} values once its aliases (*name) are "
-                             "expanded; nested aliases are refused (a YAML 'billion laughs')")
+                raise refuse(f"holds more than {MAX_NODES} keys, values and lists with every alias "
+                             "(*name) expanded (nested aliases: a YAML 'billion laughs'); a config "
+                             "holds a few hundred")
     finally:
         loader.dispose()
 

@@ -53,7 +53,7 @@ How values are read:
   intervals far above any real run); the error names the range.
 - Some keys of other projects are accepted and ignored with a note (listed per section).
 - The file must be UTF-8 text of at most {MAX_FILE_BYTES} bytes, nest at most {MAX_DEPTH} mappings
-  or lists deep, and hold at most {MAX_NODES} values once YAML aliases (`*name`) are expanded.
+  or lists deep, and hold at most {MAX_NODES} keys, values and lists once YAML aliases (`*name`) are expanded.
 - Every problem of a config is reported at once, each with its key, its value and the rule.
 """
 

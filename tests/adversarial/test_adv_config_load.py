@@ -183,12 +183,16 @@ FILE_CASES = [
     Case("undefined_alias", "yaml", from_file(BASE_YAML + "training: *nowhere\n"),
          ("config.yaml", "undefined alias")),
     Case("self_alias", "yaml", from_file("a: &x [*x]\n"), ("config.yaml",), "alias"),
-    Case("alias_bomb_294_bytes", "yaml", from_file(BOMB_294), ("config.yaml", "aliases")),
-    Case("alias_bomb_332_bytes", "yaml", from_file(BOMB_332), ("config.yaml", "aliases")),
-    Case("alias_bomb_doubling_60", "yaml", from_file(doubling_bomb(60)), ("config.yaml", "aliases")),
-    Case("alias_bomb_merge_keys", "yaml", from_file(merge_bomb(12)), ("config.yaml", "aliases")),
+    Case("alias_bomb_294_bytes", "yaml", from_file(BOMB_294), ("config.yaml", "billion laughs")),
+    Case("alias_bomb_332_bytes", "yaml", from_file(BOMB_332), ("config.yaml", "billion laughs")),
+    Case("alias_bomb_doubling_60", "yaml", from_file(doubling_bomb(60)), ("config.yaml", "billion laughs")),
+    Case("alias_bomb_merge_keys", "yaml", from_file(merge_bomb(12)), ("config.yaml", "billion laughs")),
     Case("alias_bomb_in_section", "yaml", from_file(BASE_YAML + "training:\n  lr: " + FLOW_BOMB + "\n"),
-         ("config.yaml", "aliases")),
+         ("config.yaml", "billion laughs")),
+    Case("unknown_keys_990", "yaml", from_file("".join(f"k{i}: 1\n" for i in range(990))),
+         ("k989",), "unknown key"),
+    Case("too_many_keys_3000", "yaml", from_file("".join(f"k{i}: 1\n" for i in range(3000))),
+         ("config.yaml", "more than 2000")),
     Case("deep_flow_mapping_5000", "yaml", from_file("{a: " * DEEP + "1" + "}" * DEEP),
          ("config.yaml", "deep")),
     Case("deep_flow_list_5000", "yaml", from_file("[" * DEEP + "]" * DEEP), ("config.yaml", "deep")),
@@ -237,7 +241,7 @@ OVERRIDE_CASES = [
     Case("into_a_scalar", "override", from_overrides("training.lr.x=1"), ("training.lr.x",), "not a section"),
     Case("bad_yaml_value", "override", from_overrides("training.lr=[1, "), ("training.lr",), "not valid YAML"),
     Case("alias_bomb_value", "override", from_overrides("training.lr=" + FLOW_BOMB),
-         ("training.lr",), "aliases"),
+         ("training.lr",), "billion laughs"),
     Case("deep_value_5000", "override", from_overrides("training.lr=" + "[" * DEEP + "]" * DEEP),
          ("training.lr",), "deep"),
     Case("eval_size_10^12", "override", from_overrides("data.eval_size=1000000000000"),
@@ -381,7 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Count the outcome classes of the adversarial config suite.")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds before a case counts as a hang")
     ap.add_argument("-v", action="store_true", help="print every case")
+    ap.add_argument("--preimport", action="store_true",
+                    help="import the trainer and SFT first, so that a slow torch import is not "
+                         "counted as a hang (older trees import them before reading the config)")
     args = ap.parse_args(argv)
+    if args.preimport:
+        import pfppo_mega.sft  # noqa: F401
+        import pfppo_mega.trainer.loop  # noqa: F401
     by_group: dict[str, Counter] = {}
     total, slowest = Counter(), (0.0, "")
     for case in CASES:
