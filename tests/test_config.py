@@ -135,8 +135,8 @@ def test_article_example_is_verbatim_and_loads_exactly():
 @pytest.mark.parametrize("text, expected", [("1e-6", 1e-6), ("3E-5", 3e-5), ("+2.5e+3", 2500.0),
                                             (".5", 0.5), ("7", 7.0), (" 1e-6 ", 1e-6)])
 def test_float_strings_are_floats(text, expected):
-    cfg = load_config_dict(with_base(training={"lr": text}, reward={"clip_range": text}))
-    assert type(cfg.training.lr) is float and cfg.training.lr == expected
+    cfg = load_config_dict(with_base(algorithm={"vf_coef": text}, reward={"clip_range": text}))
+    assert type(cfg.algorithm.vf_coef) is float and cfg.algorithm.vf_coef == expected
     # Optional[float] takes the same strings
     assert type(cfg.reward.clip_range) is float and cfg.reward.clip_range == expected
 

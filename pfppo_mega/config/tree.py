@@ -402,8 +402,8 @@ class TrainingConfig(Section):
 
     rollout_batch_size: int = opt(64, "Prompts sampled per training step.")
     batch_size: int = opt(64, "Samples per optimiser step (mini-batch) within the PPO update.")
-    lr: float = opt(1e-6, "Actor learning rate.")
-    critic_lr: Optional[float] = opt(None, "Critic learning rate (defaults to lr).")
+    lr: float = opt(1e-6, "Actor learning rate (AdamW), in (0, 1].")
+    critic_lr: Optional[float] = opt(None, "Critic learning rate, in (0, 1] (defaults to lr).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Clip the global grad norm at this value; 0 = off.")
     total_training_steps: int = opt(500, "Training steps (one rollout batch each).")
@@ -423,8 +423,8 @@ class TrainingConfig(Section):
     def _check(self, p: list[Problem]) -> None:
         _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1, le=C.MAX_COUNT)
         _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
-        _range(p, "lr", self.lr, gt=0)
-        _range(p, "critic_lr", self.critic_lr, gt=0, optional=True)
+        _range(p, "lr", self.lr, gt=0, le=1)  # AdamW: a step of lr per parameter
+        _range(p, "critic_lr", self.critic_lr, gt=0, le=1, optional=True)
         _range(p, "weight_decay", self.weight_decay, ge=0)
         _range(p, "grad_clip", self.grad_clip, ge=0)
         _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
@@ -496,7 +496,7 @@ class SFTConfig(Section):
     output_dir: str = opt("runs/sft", "Where the SFT checkpoint (config.json, model.safetensors, tokenizer) goes.")
     steps: int = opt(300, "Optimiser steps.")
     batch_size: int = opt(64, "Demonstrations per step.")
-    lr: float = opt(3e-3, "AdamW learning rate (cosine decay to 10%).")
+    lr: float = opt(3e-3, "AdamW learning rate, in (0, 1] (cosine decay to 10%).")
     noise: float = opt(0.3, "Fraction of demonstrations with one wrong digit (imperfect labels).")
     max_seconds: float = opt(
         0.0, "Safety limit on wall time: SFT always runs sft.steps steps and fails with an error (writing "
@@ -505,7 +505,7 @@ class SFTConfig(Section):
     def _check(self, p: list[Problem]) -> None:
         _range(p, "steps", self.steps, ge=1, le=C.MAX_STEPS)
         _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
-        _range(p, "lr", self.lr, gt=0)
+        _range(p, "lr", self.lr, gt=0, le=1)
         _range(p, "noise", self.noise, ge=0, lt=1)
         _range(p, "max_seconds", self.max_seconds, ge=0)
 
