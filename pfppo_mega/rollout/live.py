@@ -33,6 +33,8 @@ _LAYER_RULES: dict[str, tuple[str, str]] = {
     "self_attn.q_proj.bias": ("self_attention.linear_qkv.bias", "q"),
     "self_attn.k_proj.bias": ("self_attention.linear_qkv.bias", "k"),
     "self_attn.v_proj.bias": ("self_attention.linear_qkv.bias", "v"),
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", "same"),  # Qwen3
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", "same"),
     "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", "same"),
     "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", "same"),
     "mlp.gate_proj.weight": ("mlp.linear_fc1.weight", "gate"),
