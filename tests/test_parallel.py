@@ -28,6 +28,7 @@ MULTIRANK = REPO / "tests" / "multirank"
 sys.path.insert(0, str(MULTIRANK))
 
 import common  # noqa: E402
+import refit_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from pfppo_mega import parallel  # noqa: E402
@@ -54,6 +55,7 @@ def _expected_checks() -> list[tuple[int, str, str]]:
             out.append((world, layout, "logp_entropy_vs_fp64[llama]"))
             if tp > 1:
                 out.append((world, layout, "vocab_parallel_fwd_bwd_vs_fp64"))
+            out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
     return out
 
 

@@ -234,6 +234,14 @@ class ActorRolloutConfig(Section):
         0.85, "Fraction of GPU memory a colocated vLLM engine may take (ignored by builtin)."
     )
     n_samples_per_prompt: int = opt(1, "Responses sampled for each prompt.")
+    tensor_model_parallel_size: int = opt(
+        1, "Rollout tensor parallelism: ranks per vLLM engine (vLLM's external launcher, no extra processes); "
+        "may differ from parallel.tensor_model_parallel_size and must divide the world size. builtin: 1."
+    )
+    refit_bucket_mb: float = opt(
+        64.0, "Size (MB) of the flat buckets weights travel in from the trainer or the pool to the engines; "
+        "a fused group (q/k/v or gate/up of a layer) is never split."
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
@@ -244,6 +252,8 @@ class ActorRolloutConfig(Section):
         _range(p, "temperature", self.temperature, gt=0)
         _range(p, "top_p", self.top_p, gt=0, le=1)
         _range(p, "gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
+        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1)
+        _range(p, "refit_bucket_mb", self.refit_bucket_mb, gt=0)
         _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
 
 

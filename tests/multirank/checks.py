@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import common  # noqa: E402
+import refit_checks  # noqa: E402
 from pfppo_mega import parallel  # noqa: E402
 
 LOGITS_TOL = 2e-5      # fp32 megatron vs fp64 transformers (as tests/test_models.py)
@@ -213,6 +214,7 @@ def main() -> None:
             check_round_trip(layout, kind, path, exports)
             check_ppo_update(layout, kind, path, mbs, batch, results)
         check_logp_entropy(layout, "llama", paths["llama"], mbs, batch, refs)
+        refit_checks.run(layout, paths, report, all_ranks_ok)  # broadcast refit, sharded pool, registry
         if tp > 1:
             check_vocab_parallel_grads(layout)
         parallel.destroy_parallel()
