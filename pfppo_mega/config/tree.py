@@ -252,7 +252,7 @@ class ActorRolloutConfig(Section):
         _range(p, "temperature", self.temperature, gt=0)
         _range(p, "top_p", self.top_p, gt=0, le=1)
         _range(p, "gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
-        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1)
+        _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
         _range(p, "refit_bucket_mb", self.refit_bucket_mb, gt=0)
         _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
 
