@@ -33,14 +33,18 @@ def _load(config: str, overrides: list[str], *output_dirs: str):
 
 
 def _train(cfg) -> int:
-    from pfppo_mega.trainer.loop import PPOTrainer, SetupError
+    from pfppo_mega.trainer.loop import PPOTrainer, SetupError, TrainingHalted
 
     try:
         trainer = PPOTrainer(cfg)
     except (SetupError, ValueError, FileNotFoundError) as e:
         print(f"pfppo: cannot start: {e}", file=sys.stderr)
         return 2
-    res = trainer.fit()
+    try:
+        res = trainer.fit()
+    except TrainingHalted as e:
+        print(f"pfppo: training stopped: {e}", file=sys.stderr)
+        return 3
     for key, label in (("eval/accuracy", "sampled"), ("eval/accuracy_greedy", "greedy")):
         print(f"[pfppo] held-out accuracy ({label}): {res.eval_before[key]:.3f} -> {res.eval_after[key]:.3f}")
     print(f"[pfppo] {res.steps} steps in {res.wall_s:.0f}s")
@@ -62,9 +66,13 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     cfg = _load(args.config, args.overrides, "sft.output_dir")  # before the slow torch import
-    from pfppo_mega.sft import run_sft
+    from pfppo_mega.sft import SFTTimeout, run_sft
 
-    run_sft(cfg)
+    try:
+        run_sft(cfg)
+    except SFTTimeout as e:
+        print(f"pfppo: sft stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

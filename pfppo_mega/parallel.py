@@ -173,3 +173,88 @@ def destroy_parallel() -> None:
     if _state.store_dir is not None:
         shutil.rmtree(_state.store_dir, ignore_errors=True)
     _state = None
+
+
+# ----------------------------------------------------------------------------- collectives
+# The trainer's reductions, written once. Each takes the process group it reduces over (None, or a
+# group of one rank, returns the input unchanged: the single-process computation) and runs the
+# collective on the device the group's backend needs (cuda for nccl, cpu for gloo); the result
+# comes back on the input's device and dtype.
+
+
+def data_parallel_group() -> Optional[dist.ProcessGroup]:
+    """megatron's data-parallel group (context parallelism excluded), or None when dp == 1 or the
+    parallel state is not initialised. Entry points look it up here and pass it down."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1:
+        return None
+    return ps.get_data_parallel_group(with_context_parallel=False)
+
+
+def world_group() -> Optional[dist.ProcessGroup]:
+    """The default (world) group, or None in a one-process world or before init."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
+
+
+def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live (nccl: the current CUDA device)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _active(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _all_reduce(t: torch.Tensor, op, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    if not _active(group):
+        return t
+    buf = t.detach().to(comm_device(group), copy=True)
+    dist.all_reduce(buf, op=op, group=group)
+    return buf.to(device=t.device, dtype=t.dtype)
+
+
+def dp_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Element-wise sum of ``t`` over the ranks of ``group`` (every rank gets it). Not autograd."""
+    return _all_reduce(t, dist.ReduceOp.SUM, group)
+
+
+def dp_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Element-wise max of ``t`` over ``group``."""
+    return _all_reduce(t, dist.ReduceOp.MAX, group)
+
+
+def dp_min(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Element-wise min of ``t`` over ``group``."""
+    return _all_reduce(t, dist.ReduceOp.MIN, group)
+
+
+def dp_mean(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Element-wise unweighted mean of ``t`` over ``group`` (use dp_sum of weighted values and
+    weights where the ranks' shares differ)."""
+    if not _active(group):
+        return t
+    return dp_sum(t, group) / dist.get_world_size(group)
+
+
+def world_min(value: int, group: Optional[dist.ProcessGroup] = None) -> int:
+    """min of an int over ``group`` (default: the world). Used for agreements such as "the newest
+    checkpoint every rank has" and "stop now"."""
+    if group is None:
+        group = world_group()
+    t = torch.tensor([value], dtype=torch.long)
+    return int(dp_min(t, group).item())
+
+
+def dp_gather_objects(obj, group: Optional[dist.ProcessGroup]) -> list:
+    """[obj of rank 0, obj of rank 1, ...] of ``group`` on every rank (picklable objects; a host
+    round trip, for small records such as per-rank metric dicts whose keys may differ)."""
+    if not _active(group):
+        return [obj]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone

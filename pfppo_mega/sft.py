@@ -24,6 +24,10 @@ from pfppo_mega.tasks.addition import AdditionTask, Problem
 from pfppo_mega.tasks.tokenizer import Tokenizer, char_tokenizer
 
 
+class SFTTimeout(RuntimeError):
+    """sft.max_seconds (a safety limit) ran out before sft.steps were done."""
+
+
 def demo_batch(task: AdditionTask, tok: Tokenizer, problems: list[Problem], rng: random.Random,
                noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [B, S], targets [B, S] (next token), loss mask [B, S] on answer + EOS targets."""
@@ -78,9 +82,13 @@ def run_sft(cfg: Config, *, log=print) -> Path:
         gpt.optimizer_step(model, opt)
         if step % 50 == 0 or step == 1:
             log(f"[sft] step {step}/{s.steps} loss {loss.item():.4f} ({time.monotonic() - t0:.0f}s)")
-        if s.max_seconds and time.monotonic() - t0 > s.max_seconds:
-            log(f"[sft] stopping at step {step}: sft.max_seconds = {s.max_seconds} reached")
-            break
+        if s.max_seconds and time.monotonic() - t0 > s.max_seconds and step < s.steps:
+            # A safety limit, not a stopping rule: a checkpoint cut short by wall time would depend
+            # on the machine's load, so nothing is written.
+            raise SFTTimeout(
+                f"sft.max_seconds = {s.max_seconds} exceeded at step {step} of sft.steps = {s.steps} "
+                f"({time.monotonic() - t0:.0f}s): SFT stops on steps only; lower sft.steps or raise / unset "
+                f"sft.max_seconds (0 = no limit). No checkpoint written.")
     out = Path(s.output_dir)
     hf_io.export_hf(model, model_cfg, out, tokenizer_files=tok.files())
     (out / "sft_info.json").write_text(json.dumps(

@@ -496,40 +496,65 @@ def test_per_snapshot_stats_hand_computed():
         per_snapshot_stats(versions[:2], rewards, w, mask, behav, prox, is_clip=CLIP)
 
 
-def test_trainer_flow_sketch():
-    """The per-step sequence the trainer runs (pool_size 3, snapshot every 2 steps, reward)."""
-    pool = new_pool(3)
-    gen = torch.Generator().manual_seed(0)
-    current = weights_of(0)
+TINY_RUN = {
+    "model": {"num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2,
+              "num_query_groups": 1, "vocab_size": 16, "max_position_embeddings": 24,
+              "rope_theta": 10000.0, "norm_epsilon": 1e-5, "tie_word_embeddings": False},
+    "data": {"num_digits": 1, "eval_size": 8, "max_prompt_length": 8},
+    "training": {"rollout_batch_size": 8, "batch_size": 8, "lr": 3e-4, "total_training_steps": 9, "seed": 2,
+                 "num_threads": 1},
+    "algorithm": {"max_response_length": 4, "use_pf_ppo": True,
+                  "pool": {"pool_size": 3, "snapshot_interval": 2, "sampling": "reward", "include_current": True,
+                           "sampling_temperature": 0.5}},
+    "logging": {"eval_interval": 0, "tensorboard": False, "plots": False, "progress": False},
+    "checkpoint": {"export_hf": False, "resume": False},
+    "sft": {"steps": 10, "batch_size": 16, "max_seconds": 0},
+}
+
+
+def test_trainer_flow(tmp_path):
+    """The real trainer's per-step pool flow (pool_size 3, a snapshot every 2 steps, reward-weighted
+    sampling with the live weights offered): which versions are held, that every generated row is
+    attributed to one behaviour policy, and that the pool's reward statistics are exactly the
+    rewards of the rows each snapshot generated."""
+    import json
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.sft import run_sft
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    d = json.loads(json.dumps(TINY_RUN))
+    d["sft"]["output_dir"] = str(tmp_path / "sft")
+    d["actor_rollout"] = {"model_path": str(tmp_path / "sft")}
+    d["logging"]["output_dir"] = str(tmp_path / "run")
+    run_sft(load_config_dict(d), log=lambda *_: None)
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    rows_by_version: dict[int, int] = {}
+    reward_by_version: dict[int, float] = {}
+    step_versions: list[set[int]] = []
+    score = tr.score
+
+    def spy(rb):  # the real score phase; records which version generated each row and its reward
+        sb = score(rb)
+        step_versions.append(set(rb.versions.tolist()))
+        for v, r in zip(rb.versions.tolist(), sb.raw_scores.tolist()):
+            rows_by_version[v] = rows_by_version.get(v, 0) + 1
+            reward_by_version[v] = reward_by_version.get(v, 0.0) + r
+        return sb
+
+    tr.score = spy
     for step in range(9):
-        if snapshot_due(step, 2):
-            pool.add(step, current)
-        cands = pool.candidates(current_version=step, include_current=True)
-        probs = snapshot_weights(
-            [c.version for c in cands], method="reward", temperature=0.5, current_version=step,
-            kl=[c.kl_to_current for c in cands], mean_reward=[c.mean_reward for c in cands],
-        )
-        groups = group_by_snapshot(assign_snapshots(8, probs, gen))
-        versions = torch.empty(8, dtype=torch.int64)
-        for k, group_ids in groups.items():
-            c = cands[k]
-            tensors = current if c.snapshot is None else pool.get_verified(c.version).tensors
-            assert tensors[0][1].shape == (7, 4)  # engine.load_weights(tensors, c.version) here
-            versions[group_ids] = c.version
-        on_policy = versions == step
-        prox = -torch.rand(8, 5, generator=gen)
-        behav = torch.where(on_policy[:, None], prox + 0.01, prox - 0.2)
-        mask = torch.ones(8, 5)
-        w, m, _ = behaviour_is_weights(
-            prox, behav, mask, mode="truncate", is_clip=2.0, on_policy=on_policy
-        )
-        assert torch.equal(w[on_policy], torch.ones_like(w[on_policy]))
-        rewards = versions.double() / 10  # newer snapshots score higher here
-        stats = per_snapshot_stats(
-            versions, rewards, w, mask, behav, prox, is_clip=2.0, on_policy=on_policy
-        )
-        for v, st in stats.items():
-            pool.record_samples(v, rewards[versions == v], st.kl_to_current, current_version=step)
-        current = weights_of(step + 1)  # the update
-    assert pool.versions == [4, 6, 8] and pool.n_corrupt == 0
-    assert sum(s.stats.n_samples for s in pool.snapshots) > 0
+        held = list(tr.pool.versions)
+        m = tr.train_step()
+        assert held == [v for v in range(0, step + 1, 2)][-3:]  # snapshots at 0, 2, 4, ...: the 3 newest
+        live = step not in held  # the current version is not a snapshot: include_current offers it
+        n_cands = len(held) + live
+        assert sum(m[f"pool/slot{k}/prob"] for k in range(n_cands)) == pytest.approx(1.0)
+        assert f"pool/slot{n_cands}/prob" not in m
+        assert sum(m[k] for k in m if k.startswith("pool/snap") and k.endswith("/count")) == 8
+        assert step_versions[-1] <= set(held) | ({step} if live else set())
+    assert tr.pool.versions == [4, 6, 8] and tr.pool.n_corrupt == 0
+    for snap in tr.pool.snapshots:  # stats are exactly the rows each held snapshot generated
+        assert snap.stats.n_samples == rows_by_version.get(snap.version, 0)
+        assert snap.stats.reward_sum == pytest.approx(reward_by_version.get(snap.version, 0.0))
+    assert sum(s.stats.n_samples for s in tr.pool.snapshots) > 0

@@ -20,43 +20,83 @@ def approx(xs):
     return pytest.approx(xs, abs=1e-12)
 
 
-def test_pow_hand_computed():
+def test_pow_minmax_hand_computed():
     # shift by min: [0, 1, 2, 4] -> squared [0, 1, 4, 16] / 21
-    assert weights([1.0, 2.0, 3.0, 5.0], "pow", 2.0) == approx([0, 1 / 21, 4 / 21, 16 / 21])
+    assert weights([1.0, 2.0, 3.0, 5.0], "pow_minmax", 2.0) == approx([0, 1 / 21, 4 / 21, 16 / 21])
     # negative scores, pow 1: shift [0, 2, 1] / 3
-    assert weights([-3.0, -1.0, -2.0], "pow", 1.0) == approx([0, 2 / 3, 1 / 3])
+    assert weights([-3.0, -1.0, -2.0], "pow_minmax", 1.0) == approx([0, 2 / 3, 1 / 3])
     # pow 0: every weight 1 -> uniform
-    assert weights([0.0, 1.0, 9.0], "pow", 0.0) == approx([1 / 3] * 3)
+    assert weights([0.0, 1.0, 9.0], "pow_minmax", 0.0) == approx([1 / 3] * 3)
     # large pow on a tiny spread must not underflow to 0/0
     tiny = 2.0**-50
-    assert weights([0.0, 1e-30, 2e-30], "pow", 50.0) == approx([0, tiny / (1 + tiny), 1 / (1 + tiny)])
+    assert weights([0.0, 1e-30, 2e-30], "pow_minmax", 50.0) == approx([0, tiny / (1 + tiny), 1 / (1 + tiny)])
 
 
-def test_max_min_hand_computed():
-    # ties on both ends count: indices 0, 1, 3, 4 share the mass
-    assert weights([0.1, 0.9, 0.5, 0.9, 0.1, 0.3], "max_min") == approx([0.25, 0.25, 0, 0.25, 0.25, 0])
-    assert weights([1.0, 2.0], "max_min") == approx([0.5, 0.5])
+# verl's definitions (verl/trainer/ppo/core_algos.py, compute_pf_ppo_reweight_data), written out:
+# w = |s|^p, indicator of max/min, 0.4 / 0.1; then clamp(w + 1e-8, min=1e-8), not normalised.
+EPS = 1e-8
 
 
-def test_max_random_hand_computed():
+def test_verl_pow_is_abs_power():
+    assert weights([1.0, -2.0, 3.0, 0.0], "pow", 2.0) == approx([1 + EPS, 4 + EPS, 9 + EPS, EPS])
+    # not monotone for negative scores: -3 weighs more than 1 (verl's behaviour, kept under its name)
+    w = weights([-3.0, 1.0], "pow", 1.0)
+    assert w[0] > w[1]
+
+
+def test_verl_max_min_indicator():
+    assert weights([0.1, 0.9, 0.5, 0.9, 0.1, 0.3], "max_min") == approx(
+        [1 + EPS, 1 + EPS, EPS, 1 + EPS, 1 + EPS, EPS])
+    assert weights([0.7] * 3, "max_min") == approx([1 + EPS] * 3)
+
+
+def test_verl_max_random_point_four_point_one():
+    assert weights([1.0, 0.0, 0.2, 1.0, -1.0], "max_random") == approx([0.4 + EPS, 0.1 + EPS, 0.1 + EPS,
+                                                                        0.4 + EPS, 0.1 + EPS])
+
+
+def test_verl_weights_in_scores_dtype_and_draws_match_verl():
+    """float32 scores -> float32 weights, and the draw is torch.multinomial of exactly those weights
+    (batch size, with replacement), so a seeded verl run and ours pick the same rows."""
+    s = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, 2.0])
+    for method in ("pow", "max_min", "max_random"):
+        w = filtration_weights(s, method=method, weight_pow=2.0)
+        assert w.dtype == torch.float32
+        if method == "pow":
+            expect = torch.clamp(torch.pow(torch.abs(s), 2.0) + 1e-8, min=1e-8)
+        elif method == "max_min":
+            expect = torch.clamp(torch.where((s == s.max()) | (s == s.min()), 1.0, 0.0) + 1e-8, min=1e-8)
+        else:
+            expect = torch.clamp(torch.where(s == s.max(), 0.4, 0.1) + 1e-8, min=1e-8)
+        assert torch.equal(w, expect), method
+        ours = resample_indices(w, num_samples=6, generator=torch.Generator().manual_seed(7))
+        verl = torch.multinomial(expect, 6, replacement=True, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(ours, verl), method
+
+
+def test_best_random_hand_computed():
     # one maximum among 5: 0.5 on it, 0.5 / 4 on each other one (= verl's 0.4/0.1 normalised)
-    assert weights([1.0, 0.0, 0.2, 0.0, -1.0], "max_random") == approx([0.5] + [0.125] * 4)
+    assert weights([1.0, 0.0, 0.2, 0.0, -1.0], "best_random") == approx([0.5] + [0.125] * 4)
     verl = [0.4, 0.1, 0.1, 0.1, 0.1]
-    assert weights([1.0, 0.0, 0.2, 0.0, -1.0], "max_random") == approx([w / sum(verl) for w in verl])
+    assert weights([1.0, 0.0, 0.2, 0.0, -1.0], "best_random") == approx([w / sum(verl) for w in verl])
     # two tied maxima among 6: the best draw is one of them (1/4 each); the random draw is
     # uniform over the 5 others, which include the other maximum: maxima 1/4 + 1/2 * 1/2 * 1/5
-    assert weights([2.0, 2.0, 0.0, 1.0, 1.0, 0.0], "max_random") == approx([0.3, 0.3] + [0.1] * 4)
+    assert weights([2.0, 2.0, 0.0, 1.0, 1.0, 0.0], "best_random") == approx([0.3, 0.3] + [0.1] * 4)
     # three maxima, one other: 1/6 + 2/(6*3) = 5/18 each, the other 1/6 (not more than a max)
-    assert weights([1.0, 1.0, 0.0, 1.0], "max_random") == approx([5 / 18, 5 / 18, 1 / 6, 5 / 18])
+    assert weights([1.0, 1.0, 0.0, 1.0], "best_random") == approx([5 / 18, 5 / 18, 1 / 6, 5 / 18])
+
+
+OURS = ("pow_minmax", "best_random")
 
 
 @pytest.mark.parametrize("method", REWEIGHT_METHODS)
 def test_degenerate_inputs_uniform(method):
-    assert weights([0.7] * 4, method) == approx([0.25] * 4)
-    assert weights([-3.0], method) == approx([1.0])
+    w = torch.tensor(weights([0.7] * 4, method))
+    assert (w / w.sum()).tolist() == approx([0.25] * 4)
+    assert weights([-3.0], method)[0] > 0
 
 
-@pytest.mark.parametrize("method", REWEIGHT_METHODS)
+@pytest.mark.parametrize("method", OURS)
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_weights_nonnegative_sum_to_one(method, dtype):
     g = torch.Generator().manual_seed(0)
@@ -72,17 +112,19 @@ def test_weights_nonnegative_sum_to_one(method, dtype):
 
 
 def test_integer_scores_give_float_weights():
-    w = filtration_weights(torch.tensor([0, 1, 1]), method="pow", weight_pow=1.0)
+    w = filtration_weights(torch.tensor([0, 1, 1]), method="pow_minmax", weight_pow=1.0)
     assert w.dtype == torch.float32
     assert w.tolist() == approx([0.0, 0.5, 0.5])
+    assert filtration_weights(torch.tensor([0, 1, 1]), method="pow", weight_pow=1.0).dtype == torch.float32
 
 
 def test_weight_errors():
     s = torch.tensor([0.0, 1.0])
-    with pytest.raises(ValueError, match="method='best_of_n'.*'pow', 'max_min', 'max_random'"):
+    with pytest.raises(ValueError, match="method='best_of_n'.*'pow', 'max_min', 'max_random', 'pow_minmax', 'best_random'"):
         filtration_weights(s, method="best_of_n", weight_pow=1.0)
-    with pytest.raises(ValueError, match="weight_pow=-1"):
-        filtration_weights(s, method="pow", weight_pow=-1.0)
+    for method in ("pow", "pow_minmax"):
+        with pytest.raises(ValueError, match="weight_pow=-1"):
+            filtration_weights(s, method=method, weight_pow=-1.0)
     with pytest.raises(ValueError, match="1 of 2 scores are NaN/inf"):
         filtration_weights(torch.tensor([0.0, float("nan")]), method="max_min", weight_pow=1.0)
     with pytest.raises(ValueError, match=r"scores.shape=\(0,\)"):

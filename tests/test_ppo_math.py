@@ -660,3 +660,80 @@ def test_check_finite_rewards():
     assert clean.tolist() == [1.0, 0.0, 0.0, -2.0, 0.0]
     clean, n_bad = check_finite_rewards(torch.tensor([0.5]))
     assert n_bad == 0 and clean.tolist() == [0.5]
+
+
+# ----------------------------------------------------------------------------- data-parallel invariance
+# The batch statistics take a reduce_sum callable (the trainer binds parallel.dp_sum to its DP group).
+# Here the "ranks" are threads that exchange partial sums through a barrier: each runs the same
+# function on its shard, concurrently, as DP ranks do; the result must equal the unsharded one.
+
+
+def _run_sharded(fn, shards):
+    import threading
+
+    n = len(shards)
+    barrier = threading.Barrier(n)
+    slots: list = [None] * n
+    results: list = [None] * n
+
+    def reduce_for(rank):
+        def reduce_sum(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            total = sum(slots[1:], slots[0].clone())
+            barrier.wait()  # everyone has read the slots before the next reduction writes them
+            return total
+        return reduce_sum
+
+    def work(rank):
+        results[rank] = fn(shards[rank], reduce_for(rank))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_masked_whiten_is_independent_of_the_dp_split():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 5, generator=g, dtype=F64) * 3 + 1
+    mask = (torch.rand(6, 5, generator=g) > 0.3).to(F64)
+    whole = masked_whiten(x, mask)
+    shards = [(x[:2], mask[:2]), (x[2:3], mask[2:3]), (x[3:], mask[3:])]
+    parts = _run_sharded(lambda s, red: masked_whiten(s[0], s[1], reduce_sum=red), shards)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-12)
+    # without the reduction each shard is whitened on its own: different (the bug being fixed)
+    local = torch.cat([masked_whiten(a, m) for a, m in shards])
+    assert (local - whole).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("method", ["batch_zscore", "running_zscore"])
+def test_scale_rewards_is_independent_of_the_dp_split(method):
+    g = torch.Generator().manual_seed(12)
+    batches = [torch.randn(8, generator=g, dtype=F64) * 2 + 0.5 for _ in range(3)]
+    serial_running = RunningMoments()
+    serial = [scale_rewards(b, method=method, running=serial_running) for b in batches]
+
+    def rank_fn(shard_batches, red):
+        running = RunningMoments()
+        outs = [scale_rewards(b, method=method, running=running, reduce_sum=red) for b in shard_batches]
+        return outs, running
+
+    shards = [[b[:3] for b in batches], [b[3:] for b in batches]]
+    (out0, run0), (out1, run1) = _run_sharded(rank_fn, shards)
+    for k in range(3):
+        torch.testing.assert_close(torch.cat([out0[k], out1[k]]), serial[k], rtol=0, atol=1e-12)
+    if method == "running_zscore":
+        for r in (run0, run1):  # every rank holds the global moments
+            assert r.count == serial_running.count == 24
+            assert r.mean == pytest.approx(serial_running.mean, abs=1e-12)
+            assert r.std == pytest.approx(serial_running.std, abs=1e-12)
+
+
+def test_running_zscore_updates_the_moments_once_per_batch():
+    running = RunningMoments()
+    scale_rewards(torch.tensor([1.0, 2.0, 3.0, 4.0]), method="running_zscore", running=running)
+    assert running.count == 4
+    assert running.var == pytest.approx(torch.tensor([1.0, 2.0, 3.0, 4.0]).var().item())

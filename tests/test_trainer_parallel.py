@@ -24,9 +24,10 @@ CFG = {
     "training": {"rollout_batch_size": 32, "batch_size": 16, "lr": 3e-4, "critic_lr": 1e-3,
                  "total_training_steps": 3, "seed": 5, "num_threads": 1},
     "algorithm": {"kl_coeff": 0.01, "kl_estimator": "k1", "vf_coef": 0.5, "max_response_length": 4},
+    "reward": {"scaling": "running_zscore"},  # moments over the global batch (checked at dp2)
     "logging": {"eval_interval": 0, "tensorboard": False, "plots": False, "progress": False},
     "checkpoint": {"export_hf": False, "resume": False},
-    "sft": {"steps": 80, "batch_size": 32, "lr": 3e-3, "max_seconds": 60},
+    "sft": {"steps": 80, "batch_size": 32, "lr": 3e-3, "max_seconds": 0},  # stops on steps only
 }
 
 
@@ -68,13 +69,20 @@ def test_model_parallel_trainer_equals_serial(setup, layout):
     print(f"{layout}: max relative metric gap over 3 PPO steps {worst:.2e}")
 
 
-def test_data_parallel_trainer_runs_and_learns_on_half_batches(setup):
-    serial, results = setup
-    dp = results["dp2"]
-    assert dp["dp"] == 2 and len(dp["steps"]) == 3
-    # Rank 0 draws the same prompts as the serial run's first half; the metrics are DP means,
-    # so they are close to, not equal to, the serial run's.
-    assert all(abs(a["reward/mean"] - b["reward/mean"]) < 0.5 for a, b in zip(serial, dp["steps"]))
+def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
+    """DP2 vs DP1 on the same global batch: the reward z-scores (running moments), the whitened
+    advantages and the moments themselves agree; per-rank statistics would not."""
+    _, results = setup
+    assert results["dp2"]["dp"] == 2 and len(results["dp2"]["steps"]) == 3
+    inv = results["dp2_invariance"]
+    print(f"dp2 vs dp1: scores {inv['scores_diff']:.2e}, advantages {inv['adv_diff']:.2e} "
+          f"(per-rank whitening would be off by {inv['adv_local_diff']:.2e})")
+    assert inv["scaling"] == "running_zscore" and inv["rows"] == 32
+    assert inv["scores_diff"] <= 1e-5 and inv["adv_diff"] <= 1e-5
+    assert inv["adv_local_diff"] > 1e-3  # the check can tell global from per-rank statistics
+    # every rank merged the global batch: 3 steps of 32 rows before the probe, then the probe's 32
+    assert inv["seen_rows"] == [96, 96] and inv["running_count"] == [32.0, 32.0] and inv["serial_count"] == 32
+    assert inv["running_mean_diff"] <= 1e-9
 
 
 def test_resume_from_sharded_checkpoints(setup):

@@ -423,6 +423,10 @@ class TrainingConfig(Section):
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
+    max_consecutive_skipped_updates: int = opt(
+        5, "Stop the run with an error (non-zero exit) after this many consecutive skipped optimizer "
+           "updates of the actor or of the critic (non-finite loss or refused step): it is not learning. "
+           "0 = never stop.")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "train_batch_size": "rollout_batch_size",
@@ -442,6 +446,7 @@ class TrainingConfig(Section):
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
+        _range(p, "max_consecutive_skipped_updates", self.max_consecutive_skipped_updates, ge=0, le=C.MAX_STEPS)
         if self.critic_lr is None:
             self.critic_lr = self.lr
 

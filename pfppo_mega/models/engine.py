@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pfppo_mega import ppo
+from pfppo_mega import parallel, ppo
 from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, unwrap, zero_grads
 from pfppo_mega.models.vocab_parallel import vocab_parallel_logprob_entropy
 from pfppo_mega.trainer.batch import PackedInputs
@@ -77,7 +77,7 @@ class MicroBatch:
 @dataclass
 class StepResult:
     loss: float              # the global loss L (sum of the shares over micro-batches and DP ranks)
-    stats: dict[str, float]  # loss_fn's stats, averaged over micro-batches and DP ranks
+    stats: dict[str, float]  # loss_fn's stats, averaged over micro-batches and DP ranks weighted by tokens
     grad_norm: float         # global gradient norm before clipping (nan when skipped)
     update_successful: bool  # False when the loss was not finite (no step taken) or the optimizer refused
 
@@ -89,28 +89,11 @@ CriticLossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, Stats]]        # (va
 # ----------------------------------------------------------------------------- normalisation
 
 
-def _dp_group() -> Optional[dist.ProcessGroup]:
-    if not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1:
-        return None
-    return ps.get_data_parallel_group()
-
-
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live (NCCL: the current CUDA device)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def global_normalizers(mask: Tensor) -> Normalizers:
     """Normalizers of ``mask`` [B, T] (this rank's whole batch), summed over data-parallel ranks.
     Collective over the DP group when dp > 1; a host sync."""
     counts = torch.stack([mask.float().sum(), (mask.float().sum(dim=1) > 0).float().sum()]).double()
-    group = _dp_group()
-    if group is not None:
-        counts = counts.to(_comm_device(group))
-        dist.all_reduce(counts, group=group)
-    tokens, rows = counts.cpu().tolist()
+    tokens, rows = parallel.dp_sum(counts, parallel.data_parallel_group()).cpu().tolist()
     return Normalizers(tokens=tokens, rows=rows)
 
 
@@ -319,21 +302,34 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, *, micro_batch_siz
 
 
 def _reduce_summary(loss: Optional[float], stats: Optional[dict[str, float]]) -> tuple[float, dict[str, float]]:
-    """The last stage's (loss, stats) on every stage, then summed (loss) / averaged (stats) over DP."""
+    """The last stage's (loss, stats) on every stage, then summed over DP: the loss shares add up
+    to the global loss, and the stats arrive already weighted by each micro-batch's share of the
+    global response tokens (see _train), so their sum is the token-weighted global mean."""
     if _pp() > 1:
         box = [(loss, stats)]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         loss, stats = box[0]
-    group = _dp_group()
+    group = parallel.data_parallel_group()
     if group is None:
         return loss, stats
     keys = sorted(stats)
-    values = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64, device=_comm_device(group))
-    dist.all_reduce(values, group=group)
-    dp = dist.get_world_size(group)
-    values = values.cpu().tolist()
-    return values[0], {k: v / dp for k, v in zip(keys, values[1:])}
+    values = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64)
+    values = parallel.dp_sum(values, group).tolist()
+    return values[0], dict(zip(keys, values[1:]))
+
+
+def _token_weighted(stats: list[dict[str, float]], tokens: list[float], total: float) -> dict[str, float]:
+    """sum_mb stats_mb * tokens_mb / total: each micro-batch's stats weighted by its share of the
+    global response tokens (summed over DP ranks afterwards, this is the global token-weighted mean;
+    with one micro-batch on one rank it is the micro-batch's own stats). No tokens anywhere: the
+    unweighted mean over this rank's micro-batches (averaged over DP below, so divided by dp)."""
+    if len(stats) == 1 and tokens[0] == total:  # the whole global batch: exactly its own stats
+        return dict(stats[0])
+    if total > 0:
+        return {k: math.fsum(s[k] * n for s, n in zip(stats, tokens)) / total for k in stats[0]}
+    dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    return {k: sum(s[k] for s in stats) / len(stats) / dp for k in stats[0]}
 
 
 def _require_ddp(model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
@@ -359,6 +355,7 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
     undo = float(len(chunks) * (ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1))
     shares: list[float] = []
     stats: list[dict[str, float]] = []
+    tokens: list[float] = []
 
     def head(chunk: _Chunk, output: Tensor):
         mb = MicroBatch(inputs=_slice(inputs, chunk.rows), rows=chunk.rows, norm=norm)
@@ -367,12 +364,13 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
             raise ValueError(f"loss_fn must return a 0-dim loss share, got shape {tuple(share.shape)}")
         shares.append(float(share.detach()))
         stats.append({k: float(v) for k, v in mb_stats.items()})
+        tokens.append(float(mb.inputs.response_mask.sum()))
         return share * undo if undo != 1.0 else share, {}
 
     zero_grads(model, optimizer)
     _run_schedule(model, chunks, mbs, head, forward_only=False)  # backward + finalize_model_grads
     local_loss = math.fsum(shares) if _last_stage() else None
-    local_stats = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} if _last_stage() else None
+    local_stats = _token_weighted(stats, tokens, norm.tokens) if _last_stage() else None
     loss, mean_stats = _reduce_summary(local_loss, local_stats)
     if not math.isfinite(loss):  # never step on a NaN / inf loss
         zero_grads(model, optimizer)

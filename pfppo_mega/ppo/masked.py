@@ -5,7 +5,13 @@ never read (selected away with `torch.where`, not multiplied by 0), so NaN/inf i
 leak into a result or its gradient. Every reduction over zero real tokens returns 0, never NaN.
 """
 
+from typing import Callable
+
 import torch
+
+# Sums a tensor element-wise over the data-parallel ranks (the caller binds the process group);
+# None means this rank's batch is the whole batch.
+ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def check_same_shape(fn: str, **tensors: torch.Tensor) -> None:
@@ -68,18 +74,34 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce_sum: ReduceSum | None = None,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the real entries of x; 0 at masked positions.
 
     x, mask: [B, T] -> [B, T]. mean and the unbiased var are taken over all real tokens of the
-    (local) batch. shift_mean=False adds the mean back (scale only). A zero-variance batch gives
-    x - mean == 0 exactly, so the result is 0 (or the mean), never NaN/inf.
+    batch: this rank's, or, with reduce_sum (a function summing a tensor over the data-parallel
+    ranks, e.g. functools.partial(parallel.dp_sum, group=g)), of the global batch, so the result
+    does not depend on how the batch is split (two reductions: sums first, then centred squares).
+    shift_mean=False adds the mean back (scale only). A zero-variance batch gives x - mean == 0
+    exactly, so the result is 0 (or the mean), never NaN/inf.
     """
+    reduce_sum = reduce_sum or _identity
     x = zero_padding(x, mask)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    ones = torch.ones_like(x)
+    total, n = reduce_sum(torch.stack([masked_sum(x, mask), masked_sum(ones, mask)])).unbind(0)
+    mean = total / n.clamp(min=1e-8)
+    sq = reduce_sum(masked_sum((x - mean) ** 2, mask))
+    # unbiased: sum / n * n / (n - 1) for n >= 2 (the arithmetic of masked_var); 0 for n <= 1
+    var = sq / n.clamp(min=1.0) * n / (n - 1.0).clamp(min=1.0)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return zero_padding(whitened, mask)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -9,6 +9,7 @@ import math
 import torch
 
 from pfppo_mega.constants import REWARD_SCALING
+from pfppo_mega.ppo.masked import ReduceSum
 
 
 class RunningMoments:
@@ -43,20 +44,32 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.var)
 
-    def update(self, x: torch.Tensor) -> None:
-        """Merge the values of x (any shape, read as [N]) into the moments. Host sync (.item())."""
+    def update(self, x: torch.Tensor, *, reduce_sum: ReduceSum | None = None) -> None:
+        """Merge the values of x (any shape, read as [N]) into the moments. Host sync (.item()).
+
+        With reduce_sum (sums a tensor over the data-parallel ranks) the batch merged is the
+        global one (every rank's x), so every rank holds the same moments whatever the DP size.
+        """
         x = x.detach().reshape(-1).to(torch.float64)
-        n_b = x.numel()
-        if n_b == 0:
-            return
         n_bad = int((~torch.isfinite(x)).sum().item())
         if n_bad:
             raise ValueError(
-                f"RunningMoments.update: {n_bad} of {n_b} values are NaN/inf; moments only take "
+                f"RunningMoments.update: {n_bad} of {x.numel()} values are NaN/inf; moments only take "
                 "finite values (clean them with check_finite_rewards first)"
             )
-        mean_b = x.mean().item()
-        m2_b = (x - mean_b).square().sum().item()
+        if reduce_sum is None:
+            n_b = x.numel()
+            if n_b == 0:
+                return
+            mean_b = x.mean().item()
+            m2_b = (x - mean_b).square().sum().item()
+        else:
+            total, count = reduce_sum(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype)]))
+            n_b = int(count.item())
+            if n_b == 0:
+                return
+            mean_b = (total / count).item()
+            m2_b = reduce_sum((x - mean_b).square().sum()).item()
         n_a = self._count
         n = n_a + n_b
         delta = mean_b - self._mean
@@ -89,6 +102,7 @@ def scale_rewards(
     method: str,
     running: RunningMoments | None = None,
     eps: float = 1e-8,
+    reduce_sum: ReduceSum | None = None,
 ) -> torch.Tensor:
     """Scale sequence scores [B] -> [B].
 
@@ -96,8 +110,11 @@ def scale_rewards(
         batch_zscore    (s - mean(s)) / std(s)             mean/std of this batch (unbiased std)
         running_zscore  (s - mu) / sigma                   running.update(s) first, then mu/sigma
                                                            of everything seen, this batch included
-    When the std is <= eps (B == 1, all scores equal, or a single value seen) the scores are only
-    centred, never divided: no NaN/inf. running_zscore mutates `running`.
+    The only place `running` is updated: callers must not update it themselves (once per batch).
+    reduce_sum (sums a tensor over the data-parallel ranks; None: this rank's batch is the whole
+    batch) makes "this batch" the global batch for both z-scores, so the result does not depend
+    on the DP size. When the std is <= eps (one score, all scores equal, or a single value seen)
+    the scores are only centred, never divided: no NaN/inf. running_zscore mutates `running`.
     """
     if method not in REWARD_SCALING:
         raise ValueError(f"scale_rewards: method={method!r} is not one of {REWARD_SCALING}")
@@ -106,15 +123,22 @@ def scale_rewards(
     if method == "none":
         return scores
     if method == "batch_zscore":
-        if scores.numel() == 0:
-            return scores
-        mean = scores.mean()
-        std = scores.std(unbiased=True) if scores.numel() > 1 else torch.zeros_like(mean)
+        if reduce_sum is None:
+            if scores.numel() == 0:
+                return scores
+            mean = scores.mean()
+            std = scores.std(unbiased=True) if scores.numel() > 1 else torch.zeros_like(mean)
+        else:
+            total, n = reduce_sum(torch.stack([scores.sum(), torch.tensor(float(scores.numel()),
+                                                                          dtype=scores.dtype)]))
+            mean = total / n.clamp(min=1.0)
+            sq = reduce_sum((scores - mean).square().sum())
+            std = (sq / (n - 1.0).clamp(min=1.0)).sqrt()
         denom = torch.where(std > eps, std, torch.ones_like(std))
         return (scores - mean) / denom
     if running is None:
         raise ValueError("scale_rewards: method='running_zscore' needs running=RunningMoments()")
-    running.update(scores)
+    running.update(scores, reduce_sum=reduce_sum)
     centred = scores - running.mean
     return centred / running.std if running.std > eps else centred
 

@@ -62,13 +62,15 @@ class ScoredBatch:
     """Phase `score` output."""
 
     rollout: RolloutBatch
-    raw_scores: torch.Tensor           # [B] task reward as returned by the verifier
+    raw_scores: torch.Tensor           # [B] task reward as returned by the verifier (guarded: finite)
     scores: torch.Tensor               # [B] after the reward preprocessing
     n_bad_rewards: int                 # NaN / inf rewards replaced by 0 (guarded, counted)
+    n_reward_errors: int = 0           # reward calls that raised / returned None, scored 0 (counted)
 
     def select(self, idx: list[int]) -> "ScoredBatch":
         t = torch.tensor(idx, dtype=torch.long)
-        return ScoredBatch(self.rollout.select(idx), self.raw_scores[t], self.scores[t], self.n_bad_rewards)
+        return ScoredBatch(self.rollout.select(idx), self.raw_scores[t], self.scores[t], self.n_bad_rewards,
+                           self.n_reward_errors)
 
 
 @dataclass
@@ -80,6 +82,17 @@ class PackedInputs:
     resp_pos: torch.Tensor             # [B, T] position whose logits predict response token t
     labels: torch.Tensor               # [B, T] response tokens (pad where masked)
     response_mask: torch.Tensor        # [B, T]
+
+
+@dataclass
+class PreparedBatch:
+    """Phase `prepare` output: the trainer models' view of the scored rows (zero on padding)."""
+
+    inputs: PackedInputs
+    old_logp: torch.Tensor             # [B, T] current policy (proximal), recomputed by the trainer
+    ref_logp: torch.Tensor             # [B, T] reference policy
+    values: torch.Tensor               # [B, T] critic
+    entropy: torch.Tensor              # [B, T] current policy's entropy at each response position
 
 
 @dataclass

@@ -10,6 +10,7 @@ built once in ``PPOTrainer.__init__``; parallel state is set up in one place
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -25,19 +26,29 @@ from pfppo_mega.config import Config, config_to_dict, dump_yaml
 from pfppo_mega.kernels import get_backend
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.models import gpt, hf_io
+from pfppo_mega import parallel
 from pfppo_mega.parallel import init_parallel
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import BuiltinEngine, LlamaShape, SamplingParams
 from pfppo_mega.tasks.addition import AdditionTask, Problem
 from pfppo_mega.tasks.tokenizer import Tokenizer
 from pfppo_mega.trainer import checkpoint as ckpt
-from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, RolloutBatch, ScoredBatch, concat_rollouts,
-                                      pack)
-from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, quantiles, read_jsonl, repetition_rate
+from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, PreparedBatch, RolloutBatch, ScoredBatch,
+                                      concat_rollouts, pack)
+from pfppo_mega.trainer.metrics import (MetricsLogger, aggregate_rank_metrics, plot_curves, quantiles, read_jsonl,
+                                        repetition_rate)
+from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, choose_policy_loss,
+                                            get_policy_loss)
+from pfppo_mega.trainer.reward_guard import RewardGuard
 
 
 class SetupError(RuntimeError):
     """A problem found before any work starts (paths, checkpoint/config/tokenizer mismatch)."""
+
+
+class TrainingHalted(RuntimeError):
+    """The run cannot make progress (e.g. every update skipped for too long); the message says why.
+    `pfppo train` exits non-zero with it."""
 
 
 @dataclass
@@ -155,6 +166,10 @@ class PPOTrainer:
         self.is_logger = self.parallel.rank == 0
         self.log = log if self.is_logger else (lambda *_: None)
         check_batch_split(cfg, self.parallel.dp)
+        # Batch statistics (advantage whitening, reward z-scores and running moments) are taken over
+        # the global batch: the math gets this sum over the data-parallel ranks (None at dp = 1).
+        self.dp_group = parallel.data_parallel_group()
+        self.dp_sum = None if self.dp_group is None else functools.partial(parallel.dp_sum, group=self.dp_group)
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
         self.rng = random.Random(cfg.training.seed + 7777 * self.parallel.dp_rank)
@@ -179,7 +194,17 @@ class PPOTrainer:
         self.engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=self.tokenizer.pad_id)
         self.assign_gen = torch.Generator().manual_seed(cfg.training.seed + 7919)
         self.step = 0
-        self.guards = {"bad_rewards": 0, "skipped_updates": 0, "corrupt_snapshots": 0}
+        self.guards = {"bad_rewards": 0, "reward_errors": 0, "skipped_updates": 0, "corrupt_snapshots": 0}
+        self.reward_guard = RewardGuard(lambda p, text, finished: self.task.reward(p, text, finished),
+                                        log=self.log, name=f"{cfg.data.task} reward")
+        self.consecutive_skips = {"actor": 0, "critic": 0}  # optimizer updates skipped in a row, per model
+        a = cfg.algorithm
+        self.policy_loss_name = choose_policy_loss(use_pool=a.use_pf_ppo, is_mode=a.pool.is_mode)
+        self.policy_loss = get_policy_loss(self.policy_loss_name)
+        self.policy_loss_params = PolicyLossParams(
+            kernel_policy_loss=self.kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode,
+            is_clip=a.pool.is_clip)
         self._resume()
         self.sync_weights(self.step)
 
@@ -260,20 +285,23 @@ class PPOTrainer:
     # ------------------------------------------------------------------ phase: score
 
     def score(self, rb: RolloutBatch) -> ScoredBatch:
+        """Task rewards through the guard (a raising / None / NaN reward scores 0 and is counted),
+        then the reward preprocessing. z-scores use the global batch (every DP rank's rows)."""
         cfg = self.cfg.reward
-        raw = torch.tensor([self.task.reward(p, t, bool(f))
-                            for p, t, f in zip(rb.problems, rb.texts, rb.finished)], dtype=torch.float32)
-        scores, n_bad = ppo.check_finite_rewards(raw)
+        guarded = self.reward_guard([(p, t, bool(f)) for p, t, f in zip(rb.problems, rb.texts, rb.finished)])
+        raw = guarded.scores                                                          # [B] finite
         lengths = rb.response_mask.sum(1)
+        scores = raw
         if cfg.length_penalty:
             scores = ppo.length_penalty(scores, lengths, coef=cfg.length_penalty,
                                         max_length=self.cfg.algorithm.max_response_length)
-        if cfg.scaling == "running_zscore":
-            self.running_reward.update(scores)
-        scores = ppo.scale_rewards(scores, method=cfg.scaling, running=self.running_reward)
+        # The running moments are updated inside scale_rewards (once per batch, global batch).
+        scores = ppo.scale_rewards(scores, method=cfg.scaling, running=self.running_reward,
+                                   reduce_sum=self.dp_sum)
         scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip)
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
-        return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=n_bad)
+        return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
+                           n_reward_errors=guarded.errors)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
         """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
@@ -300,21 +328,22 @@ class PPOTrainer:
         return mengine.forward_values(self.critic, inp, micro_batch_size=self._mbs(inp.labels.shape[0]))  # [B, T]
 
     @torch.no_grad()
-    def prepare(self, sb: ScoredBatch) -> tuple[PackedInputs, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                 torch.Tensor]:
+    def prepare(self, sb: ScoredBatch) -> PreparedBatch:
         rb = sb.rollout
         inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=self.tokenizer.pad_id)
         old_logp, entropy = self._policy_logp(self.actor, inp)
         ref_logp, _ = self._policy_logp(self.ref, inp)
         values = self._values(inp)
         m = inp.response_mask
-        return inp, old_logp * m, ref_logp * m, values * m, entropy * m
+        return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m, values=values * m,
+                             entropy=entropy * m)
 
     # ------------------------------------------------------------------ phase: advantages
 
-    def advantages(self, sb: ScoredBatch, inp: PackedInputs, old_logp, ref_logp, values,
-                   entropy) -> ExperienceBatch:
+    def advantages(self, sb: ScoredBatch, prep: PreparedBatch) -> ExperienceBatch:
         a = self.cfg.algorithm
+        inp, old_logp, ref_logp, values, entropy = (prep.inputs, prep.old_logp, prep.ref_logp, prep.values,
+                                                    prep.entropy)
         m = inp.response_mask
         token_rewards = ppo.scores_to_token_rewards(sb.scores, m)                   # [B, T]
         if not a.use_kl_loss and a.kl_coeff > 0:
@@ -323,8 +352,8 @@ class PPOTrainer:
         else:
             kl_ref = ppo.kl_estimate(old_logp, ref_logp, estimator=a.kl_estimator) * m
         adv, returns = self.kernels.gae(token_rewards, values, m, gamma=a.gamma, lam=a.lmbda)
-        if a.whiten_advantages:
-            adv = ppo.masked_whiten(adv, m)
+        if a.whiten_advantages:  # over the global batch's tokens (every DP rank's)
+            adv = ppo.masked_whiten(adv, m, reduce_sum=self.dp_sum)
         behav_logp = sb.rollout.behav_logp * m
         # Rows generated by the current weights: behaviour == proximal policy, IS weight exactly 1.
         on_policy = sb.rollout.versions == self.step                                   # [B]
@@ -362,23 +391,18 @@ class PPOTrainer:
         share of the mini-batch aggregate (see pfppo_mega.models.engine)."""
         a = self.cfg.algorithm
         mode = a.loss_agg_mode
-        pg_norm = mengine.global_normalizers(eb.pg_mask)
-        tis = self.pool is not None and a.pool.is_mode == "tis"
+        # The chosen variant's loss aggregates over pg_mask (ppo_clip) or the response mask (tis).
+        pg_norm = mengine.global_normalizers(eb.pg_mask if self.policy_loss_name == "ppo_clip"
+                                             else eb.inputs.response_mask)
 
         def loss_fn(logp, entropy, micro: mengine.MicroBatch):
             r = micro.rows
-            m, pg_mask = micro.inputs.response_mask, eb.pg_mask[r]
-            out = self.kernels.policy_loss(
-                logp, eb.old_logp[r], eb.advantages[r], pg_mask, clip_ratio_low=a.clip_ratio_low,
-                clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c, loss_agg_mode=mode,
-                is_weights=None if eb.is_weights is None else eb.is_weights[r])
-            pg = out.loss
-            if tis:  # truncated IS on pi_theta / pi_behav directly (no proximal clip)
-                behav = torch.where(eb.on_policy[r][:, None], eb.old_logp[r], eb.behav_logp[r])
-                pg = ppo.agg_loss(pfpool.tis_policy_loss(logp, behav, eb.advantages[r], m, is_clip=a.pool.is_clip),
-                                  m, mode=mode)
-                pg_mask = m
-            share = pg * mengine.share_scale(pg_mask, pg_norm, mode=mode)
+            m = micro.inputs.response_mask
+            pl = self.policy_loss(PolicyLossInputs(
+                logp=logp, old_logp=eb.old_logp[r], behav_logp=eb.behav_logp[r], advantages=eb.advantages[r],
+                mask=m, pg_mask=eb.pg_mask[r], is_weights=None if eb.is_weights is None else eb.is_weights[r],
+                on_policy=eb.on_policy[r]), self.policy_loss_params)
+            share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=mode)
             resp_share = mengine.share_scale(m, micro.norm, mode=mode)
             kl_loss = torch.zeros(())
             if a.use_kl_loss and a.kl_coeff > 0:
@@ -387,16 +411,14 @@ class PPOTrainer:
             ent = ppo.agg_loss(entropy, m, mode=mode)
             if a.entropy_coeff > 0:
                 share = share - a.entropy_coeff * ent * resp_share
-            return share, {"policy/pg_loss": pg.detach(), "policy/clipfrac": out.pg_clipfrac,
-                           "policy/clipfrac_dual": out.pg_clipfrac_lower, "policy/approx_kl": out.approx_kl,
-                           "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
+            return share, {**pl.stats, "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
 
         self.actor.train()
         res = mengine.train_step(self.actor, self.actor_opt, eb.inputs, loss_fn,
                                  temperature=self.cfg.actor_rollout.temperature,
                                  micro_batch_size=self._mbs(eb.advantages.shape[0]),
                                  logprob_fn=self.kernels.logprob_entropy)
-        self._count_skip(res)
+        self._count_skip("actor", res)
         return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
 
     def _critic_step(self, eb: ExperienceBatch) -> dict[str, float]:
@@ -413,12 +435,25 @@ class PPOTrainer:
         self.critic.train()
         res = mengine.critic_train_step(self.critic, self.critic_opt, eb.inputs, loss_fn,
                                         micro_batch_size=self._mbs(eb.advantages.shape[0]))
-        self._count_skip(res)
+        self._count_skip("critic", res)
         return {**res.stats, "critic/grad_norm": res.grad_norm}
 
-    def _count_skip(self, res: "mengine.StepResult") -> None:
-        if not res.update_successful:  # guarded: a NaN/inf loss or a refused step is skipped, counted
-            self.guards["skipped_updates"] += 1
+    def _count_skip(self, model: str, res: "mengine.StepResult") -> None:
+        """A NaN/inf loss or a refused step is skipped and counted (the loss is global, so every
+        rank skips together); training.max_consecutive_skipped_updates in a row of one model halt
+        the run: it is not learning."""
+        if res.update_successful:
+            self.consecutive_skips[model] = 0
+            return
+        self.guards["skipped_updates"] += 1
+        self.consecutive_skips[model] += 1
+        limit = self.cfg.training.max_consecutive_skipped_updates
+        if limit and self.consecutive_skips[model] >= limit:
+            raise TrainingHalted(
+                f"step {self.step + 1}: {self.consecutive_skips[model]} consecutive {model} updates were skipped "
+                f"(last loss {res.loss}, non-finite or refused by the optimizer) >= "
+                f"training.max_consecutive_skipped_updates ({limit}); stopping: the run is not learning. "
+                f"Check lr, kl_coeff, rewards and the model weights (0 disables this check).")
 
     # ------------------------------------------------------------------ phase: sync
 
@@ -451,9 +486,14 @@ class PPOTrainer:
                                     max_new_tokens=self.cfg.algorithm.max_response_length,
                                     eos_token_id=self.tokenizer.eos_id, seed=self.cfg.training.seed)
             gen = self.engine.generate(prompts, params)
-            correct = sum(self.task.reward(p, self.tokenizer.decode(r[: int(l)].tolist()), bool(f))
-                          for p, r, l, f in zip(self.eval_problems, gen.responses, gen.lengths, gen.finished))
-            out[key] = correct / len(self.eval_problems)
+            # Same guard as training: a bad reward scores 0 and is counted (every rank evaluates the
+            # same prompts, so the counts are already global).
+            guarded = self.reward_guard([(p, self.tokenizer.decode(r[: int(l)].tolist()), bool(f))
+                                         for p, r, l, f in zip(self.eval_problems, gen.responses, gen.lengths,
+                                                               gen.finished)])
+            self.guards["bad_rewards"] += guarded.nonfinite
+            self.guards["reward_errors"] += guarded.errors
+            out[key] = float(guarded.scores.double().sum()) / len(self.eval_problems)
         return out
 
     @torch.no_grad()
@@ -479,14 +519,17 @@ class PPOTrainer:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         problems = self.task.train_prompts(self.cfg.training.rollout_batch_size // self.parallel.dp, self.rng)
+        corrupt_before = self.guards["corrupt_snapshots"]
         with timer("rollout"):
             rb, pool_stats = self.rollout(problems)
         with timer("score"):
-            sb = self.filter(self.score(rb))
+            scored = self.score(rb)      # every generated row: rewards, responses and pool statistics
+            sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
+        self._add_guard_counts(scored, corrupt=self.guards["corrupt_snapshots"] - corrupt_before)
         with timer("prepare"):
-            inp, old_logp, ref_logp, values, entropy = self.prepare(sb)
+            prep = self.prepare(sb)
         with timer("advantages"):
-            eb = self.advantages(sb, inp, old_logp, ref_logp, values, entropy)
+            eb = self.advantages(sb, prep)
         with timer("update"):
             upd = self.update(eb)
         self.step += 1
@@ -494,28 +537,34 @@ class PPOTrainer:
             self.sync_phase()
         step_s = time.perf_counter() - t0
         probe = {"kl/probe_k1": self.kl_probe()} if self.cfg.logging.kl_probe_size else {}
-        self.guards["bad_rewards"] += sb.n_bad_rewards
-        metrics = self._step_metrics(sb, eb, upd, timer, step_s)
+        metrics = self._step_metrics(scored, eb, upd, timer, step_s)
         metrics.update(pool_stats)
         metrics.update(probe)
         if self.pool is not None:
-            metrics.update(self._pool_metrics(sb, eb))
-        return self._mean_over_dp(metrics)
+            metrics.update(self._pool_metrics(scored, sb, eb))
+        return self._aggregate_over_dp(metrics)
 
-    def _mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average each metric over data-parallel ranks (each saw its own part of the batch)."""
-        if self.parallel.dp == 1:
+    def _add_guard_counts(self, scored: ScoredBatch, *, corrupt: int) -> None:
+        """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
+        this rank's corrupt snapshots of the step (`corrupt`, already counted) by every rank's.
+        (Skipped updates need no sum: the loss is global, every rank skips together.)"""
+        counts = torch.tensor([scored.n_bad_rewards, scored.n_reward_errors, corrupt], dtype=torch.long)
+        bad, errors, all_corrupt = parallel.dp_sum(counts, self.dp_group).tolist()
+        self.guards["bad_rewards"] += bad
+        self.guards["reward_errors"] += errors
+        self.guards["corrupt_snapshots"] += all_corrupt - corrupt
+
+    def _aggregate_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One record from every data-parallel rank's (each saw its own part of the batch): maxima by
+        max, rates and counts by sum, means by mean (trainer.metrics.aggregate_rank_metrics)."""
+        if self.dp_group is None:
             return metrics
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        return aggregate_rank_metrics(parallel.dp_gather_objects(metrics, self.dp_group))
 
-        everyone: list = [None] * self.parallel.dp
-        dist.all_gather_object(everyone, metrics, group=ps.get_data_parallel_group(with_context_parallel=False))
-        keys = set().union(*everyone)
-        return {k: sum(m[k] for m in everyone if k in m) / sum(k in m for m in everyone) for k in sorted(keys)}
-
-    def _pool_metrics(self, sb: ScoredBatch, eb: ExperienceBatch) -> dict[str, float]:
-        """Per-snapshot sample count, reward, KL to current, IS weights; feeds the pool's stats."""
+    def _pool_metrics(self, scored: ScoredBatch, sb: ScoredBatch, eb: ExperienceBatch) -> dict[str, float]:
+        """Per-snapshot sample count, reward, KL to current, IS weights; feeds the pool's stats.
+        Counts and rewards (which `sampling: reward` reads) come from every generated row (`scored`),
+        the IS and KL statistics from the rows the update trained on (`sb`, `eb`)."""
         a = self.cfg.algorithm
         m = eb.inputs.response_mask
         per = pfpool.per_snapshot_stats(sb.rollout.versions, sb.raw_scores, eb.is_weights, m, eb.behav_logp,
@@ -526,23 +575,29 @@ class PPOTrainer:
         out.update({"is/mean": agg.mean, "is/max": agg.max, "is/frac_truncated": agg.frac_truncated,
                     "is/ess": agg.ess})
         current = self.step - 1  # the version the rollout treated as current
+        versions = scored.rollout.versions
         # Keyed by recency rank (snap0 = newest behaviour policy used this step), not by version,
         # so the curves stay comparable over a run.
-        for rank, version in enumerate(sorted(per, reverse=True)):
-            st = per[version]
-            rows = sb.rollout.versions == version
-            self.pool.record_samples(version, sb.raw_scores[rows], kl_to_current=st.kl_to_current,
+        for rank, version in enumerate(sorted(set(versions.tolist()), reverse=True)):
+            rows = versions == version
+            st = per.get(version)  # None when filtration resampled none of its rows
+            self.pool.record_samples(version, scored.raw_scores[rows],
+                                     kl_to_current=None if st is None else st.kl_to_current,
                                      current_version=current)
             out[f"pool/snap{rank}/age"] = float(current - version)
-            for k, v in dataclasses.asdict(st).items():
+            stats = {} if st is None else dataclasses.asdict(st)
+            stats.update(count=int(rows.sum()), reward_mean=float(scored.raw_scores[rows].double().mean()))
+            for k, v in stats.items():
                 if v is not None:
                     out[f"pool/snap{rank}/{k}"] = float(v)
         return out
 
     def _step_metrics(self, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float],
                       timer: PhaseTimer, step_s: float) -> dict[str, float]:
+        """reward/* and response/* describe every generated row (`sb`, before policy filtration);
+        the KL, entropy, critic and update metrics the rows trained on (`eb`)."""
         rb, m = sb.rollout, eb.inputs.response_mask
-        lengths = m.sum(1)
+        lengths = rb.response_mask.sum(1)                                               # [B] generated
         first10 = m.clone()
         first10[:, 10:] = 0
         gen_tokens = float(lengths.sum())
@@ -551,7 +606,7 @@ class PPOTrainer:
         # samples come from older snapshots, so weight each sequence by pi_cur(y)/pi_behav(y)
         # (self-normalised). Plain PPO: weights ~1 and this equals kl/ref_k1.
         seq_w = torch.softmax(((eb.old_logp - eb.behav_logp) * m).sum(1).double(), dim=0)   # [B]
-        kl_cur = float((seq_w * ((eb.old_logp - eb.ref_logp) * m).sum(1)).sum() / (seq_w * lengths).sum())
+        kl_cur = float((seq_w * ((eb.old_logp - eb.ref_logp) * m).sum(1)).sum() / (seq_w * m.sum(1)).sum())
         metrics = {
             "reward/mean": sb.raw_scores.mean().item(), "reward/std": sb.raw_scores.std().item()
             if len(sb.raw_scores) > 1 else 0.0,
@@ -563,16 +618,29 @@ class PPOTrainer:
             "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
                                             for r, l in zip(rb.responses, lengths)) / len(lengths),
             "policy/entropy_first10": ppo.masked_mean(eb.entropy, first10).item(),
-            "rollout/logp_gap_max": ((eb.behav_logp - eb.old_logp).abs() * m).max().item(),
+            **self._logp_gap(eb),
             "critic/value_mean": ppo.masked_mean(eb.old_values, m).item(),
             "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
             "guard/bad_rewards": float(self.guards["bad_rewards"]),
+            "guard/reward_errors": float(self.guards["reward_errors"]),
             "guard/skipped_updates": float(self.guards["skipped_updates"]),
             "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
             **upd,
         }
         return metrics
+
+    @staticmethod
+    def _logp_gap(eb: ExperienceBatch) -> dict[str, float]:
+        """|engine log-prob - trainer log-prob| per token over the on-policy rows only (the same
+        weights on both sides, so it measures engine/trainer numerics; under PF-PPO the other rows
+        come from older snapshots and differ by design). No on-policy rows: no record."""
+        m = eb.inputs.response_mask * eb.on_policy[:, None]                            # [B, T]
+        if not bool(m.any()):
+            return {}
+        gap = (eb.behav_logp - eb.old_logp).abs()
+        return {"rollout/logp_gap_max": float(torch.where(m.bool(), gap, 0.0).max()),
+                "rollout/logp_gap_mean": ppo.masked_mean(gap, m).item()}
 
     def fit(self) -> RunResult:
         cfg = self.cfg
@@ -678,10 +746,4 @@ class PPOTrainer:
         return self._min_over_world(-flag) < 0
 
     def _min_over_world(self, value: int) -> int:
-        if self.parallel.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
+        return parallel.world_min(value)

@@ -128,3 +128,42 @@ def repetition_rate(tokens: list[int], n: int = 2) -> float:
 def quantiles(x: torch.Tensor, qs=(0.1, 0.5, 0.9)) -> dict[str, float]:
     x = x.float()
     return {f"q{int(q * 100)}": torch.quantile(x, q).item() for q in qs}
+
+
+# ----------------------------------------------------------------------------- data-parallel aggregation
+
+
+def _rule(key: str) -> str:
+    """How one metric combines over data-parallel ranks (each rank saw its own part of the batch).
+
+    max:  maxima and the slowest rank's times        (*_max, */max, time/*, perf/step_s)
+    sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count)
+    same: counters that are already global            (guard/*: every rank holds the total; max)
+    mean: everything else (means over equal-sized per-rank shares)
+    """
+    if key.endswith("_max") or key.endswith("/max") or key.startswith("time/") or key == "perf/step_s":
+        return "max"
+    if key == "perf/tokens_per_s" or key.endswith("/count"):
+        return "sum"
+    if key.startswith("guard/"):
+        return "same"
+    return "mean"
+
+
+def aggregate_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One record from every data-parallel rank's record (keys may differ: a rank that has no value
+    for a key, e.g. no on-policy rows, does not take part in it). Keys sorted."""
+    keys = sorted(set().union(*per_rank))
+    out = {}
+    for k in keys:
+        vals = [m[k] for m in per_rank if k in m]
+        rule = _rule(k)
+        if rule == "max":
+            out[k] = max(vals)
+        elif rule == "sum":
+            out[k] = math.fsum(vals)
+        elif rule == "same":  # equal on every rank; max, so a rank behind never hides a count
+            out[k] = max(vals)
+        else:
+            out[k] = math.fsum(vals) / len(vals)
+    return out

@@ -2,6 +2,10 @@
 resume a TP2 run from its sharded checkpoint. Global rank 0 prints one `RESULT <name> <json>` line
 per layout for tests/test_trainer_parallel.py to compare with the single-process run.
 
+At DP2 it also checks DP-size invariance of the batch statistics: one rollout batch per rank goes
+through the trainer's score -> prepare -> advantages phases (reductions over the DP group), and
+rank 0 runs the same phases at DP1 on the two ranks' rows concatenated (`RESULT dp2_invariance`).
+
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
 """
 
@@ -11,12 +15,58 @@ import sys
 import torch
 import torch.distributed as dist
 
+from pfppo_mega import parallel, ppo
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.parallel import destroy_parallel
+from pfppo_mega.trainer.batch import PreparedBatch, ScoredBatch, concat_rollouts, pack
 from pfppo_mega.trainer.loop import PPOTrainer
 
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
 LAYOUTS = (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1))
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def dp_invariance(tr: PPOTrainer) -> dict | None:
+    """The trainer's score/prepare/advantages on this rank's rows (DP reductions) vs the same phases
+    at DP1 on every rank's rows concatenated (rank 0 only). Max abs differences, plus how far the
+    per-rank (unreduced) statistics would be off, so the check is known to be sensitive."""
+    seen_rows = tr.running_reward.count  # rewards merged so far (every rank: the global count)
+    tr.running_reward.load_state_dict({"count": 0.0, "mean": 0.0, "m2": 0.0})  # the probe's batch alone
+    rb, _ = tr.rollout(tr.task.train_prompts(tr.cfg.training.rollout_batch_size // tr.parallel.dp, tr.rng))
+    sb = tr.score(rb)
+    prep = tr.prepare(sb)
+    eb = tr.advantages(sb, prep)
+    mine = {"rb": rb, "raw": sb.raw_scores, "scores": sb.scores, "prep": prep, "adv": eb.advantages,
+            "running": tr.running_reward.state_dict(), "seen_rows": seen_rows}
+    everyone = parallel.dp_gather_objects(mine, tr.dp_group)
+    if tr.parallel.dp_rank != 0:
+        return None
+    n = sum(len(e["raw"]) for e in everyone)
+    rb_all = concat_rollouts([e["rb"] for e in everyone], list(range(n)), pad_id=tr.tokenizer.pad_id)
+    width = rb_all.responses.shape[1]
+    inputs = pack(rb_all.prompt_ids, rb_all.responses, rb_all.response_mask, pad_id=tr.tokenizer.pad_id)
+    prep_all = PreparedBatch(inputs=inputs, **{k: torch.cat([_pad(getattr(e["prep"], k), width) for e in everyone])
+                                               for k in ("old_logp", "ref_logp", "values", "entropy")})
+    raw_all = torch.cat([e["raw"] for e in everyone])
+    c = tr.cfg.reward
+    serial = ppo.RunningMoments()
+    scores_all = ppo.scale_rewards(raw_all, method=c.scaling, running=serial)  # DP1: no reduction
+    saved = tr.dp_sum
+    tr.dp_sum = None  # the advantages phase at DP1 on the concatenation (no collective inside)
+    eb_all = tr.advantages(ScoredBatch(rb_all, raw_all, scores_all, 0), prep_all)
+    tr.dp_sum = saved
+    adv_dp = torch.cat([_pad(e["adv"], width) for e in everyone])
+    # What per-rank statistics would give: each rank's rows re-whitened on their own.
+    local = torch.cat([_pad(ppo.masked_whiten(e["adv"], e["prep"].inputs.response_mask), width) for e in everyone])
+    return {"scores_diff": float((torch.cat([e["scores"] for e in everyone]) - scores_all).abs().max()),
+            "adv_diff": float((adv_dp - eb_all.advantages).abs().max()),
+            "adv_local_diff": float((local - eb_all.advantages).abs().max()),
+            "rows": n, "scaling": c.scaling, "seen_rows": [e["seen_rows"] for e in everyone],
+            "running_count": [e["running"]["count"] for e in everyone], "serial_count": serial.count,
+            "running_mean_diff": max(abs(e["running"]["mean"] - serial.mean) for e in everyone)}
 
 
 def main(path: str) -> None:
@@ -35,6 +85,10 @@ def main(path: str) -> None:
         tr.save(tr.out_dir / "checkpoints")
         if tr.is_logger:
             print("RESULT", name, json.dumps({"steps": steps, "dp": tr.parallel.dp}), flush=True)
+        if name == "dp2":
+            inv = dp_invariance(tr)
+            if tr.is_logger:
+                print("RESULT dp2_invariance", json.dumps(inv), flush=True)
         if name == "tp2":  # resume from the per-model-parallel-rank checkpoints, take one more step
             d["checkpoint"]["resume"] = True
             again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
