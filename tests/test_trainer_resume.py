@@ -182,3 +182,37 @@ def test_checkpoint_that_does_not_fit_the_run_is_refused(sft_small, tmp_path):
     (tmp_path / "checkpoints" / "step_000006" / "stray.bin").write_bytes(b"x")
     with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint under .* can be used .*stray.bin.* is not listed"):
         PPOTrainer(six, log=quiet)
+
+
+def _tamper_tensors(path: Path, group: str, edit) -> None:
+    """Rewrite <group>.safetensors through `edit` and re-sign it in the manifest."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / f"{group}.safetensors"
+    sd = load_file(str(f))
+    edit(sd)
+    save_file(sd, str(f))
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["files"][f.name] = {"sha256": ckpt._sha256(f), "bytes": f.stat().st_size}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _first(sd: dict) -> str:
+    return sorted(k for k in sd if sd[k].dim() == 2)[0]
+
+
+@pytest.mark.parametrize("group,edit,match", [
+    ("actor", lambda sd: sd.update({_first(sd): torch.zeros(3, 3)}), r"actor.safetensors does not fit the "
+                                                                      r"configured model: checkpoint tensor .* shape \(3, 3\)"),
+    ("critic", lambda sd: sd.update({_first(sd): torch.full_like(sd[_first(sd)], float("nan"))}),
+     r"critic.safetensors: tensors .* hold NaN/inf"),
+    ("state", lambda sd: sd.update({k: torch.zeros(2, 2) for k in sd if k.endswith("/exp_avg")}),
+     r"state actor_opt: state\[0\]\[exp_avg\] has shape \(2, 2\), parameter 0 has"),
+])
+def test_tensors_that_do_not_fit_the_model_are_refused(sft_small, tmp_path, group, edit, match):
+    cfg = _cfg(tmp_path, sft_small, logging=_LOG, training={"total_training_steps": 2},
+               checkpoint={"save_interval": 0})
+    PPOTrainer(cfg, log=quiet).fit()
+    _tamper_tensors(tmp_path / "checkpoints" / "step_000002", group, edit)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        PPOTrainer(cfg, log=quiet)
