@@ -312,8 +312,8 @@ def test_unsupported_architecture_is_rejected(hf_ckpt):
     path, _, _ = hf_ckpt
     hf_cfg = hf_io.read_hf_config(path)
     bad = dict(hf_cfg, attention_bias=True,
-               rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0})
-    with pytest.raises(ValueError, match=r"attention_bias = True(.|\n)*rope type = 'llama3'"):
+               rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 8.0})
+    with pytest.raises(hf_io.CheckpointError, match=r"attention_bias = True(.|\n)*rope_type = 'dynamic'"):
         hf_io.model_config_from_hf(bad, ModelConfig())
 
 

@@ -52,6 +52,9 @@ def _expected_checks() -> list[tuple[int, str, str]]:
                 for check in ("logits_vs_transformers", "gather_hf_weights_exact", "export_sharded_exact",
                               "ppo_update_ran", "replicas_identical"):
                     out.append((world, layout, f"{check}[{kind}]"))
+            for kind in common.FAMILIES:
+                for check in ("logits_vs_transformers", "gather_hf_weights_exact", "export_sharded_exact"):
+                    out.append((world, layout, f"{check}[{kind}]"))
             out.append((world, layout, "logp_entropy_vs_fp64[llama]"))
             if tp > 1:
                 out.append((world, layout, "vocab_parallel_fwd_bwd_vs_fp64"))

@@ -145,8 +145,8 @@ def test_shard_layouts_follow_megatron_conventions(tp):
 
 
 def test_split_rules_agree_with_megatron_parameter_attributes(world, ckpts):
-    cfg, qkv_bias = common.model_config(ckpts["qwen2"])
-    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    cfg, arch = common.model_config(ckpts["qwen2"])
+    actor = gpt.build_actor(cfg, arch=arch)
     expected_dim = {Split.ROWS: 0, Split.GLU_ROWS: 0, Split.COLUMNS: 1}
     for name, p in actor.named_parameters():
         split = reshard.split_of(name)
@@ -221,8 +221,8 @@ def test_checkpoint_shapes_are_checked_before_any_weight_is_written(world, ckpts
 
 
 def test_qkv_bias_mismatch_is_refused(world, ckpts):
-    cfg, qkv_bias = common.model_config(ckpts["qwen2"])
-    assert qkv_bias
+    cfg, arch = common.model_config(ckpts["qwen2"])
+    assert arch.qkv_bias
     with pytest.raises(ValueError, match=r"has q/k/v biases but the model was built with qkv_bias=False"):
         hf_io.load_actor_from_hf(gpt.build_actor(cfg), ckpts["qwen2"])
 
@@ -232,8 +232,8 @@ def test_qkv_bias_mismatch_is_refused(world, ckpts):
 
 def test_qwen2_logits_export_and_critic_weights(world, ckpts, tmp_path):
     path = ckpts["qwen2"]
-    cfg, qkv_bias = common.model_config(path)
-    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    cfg, arch = common.model_config(path)
+    actor = gpt.build_actor(cfg, arch=arch)
     hf_io.load_actor_from_hf(actor, path)
     ids = common.ppo_batch().inputs.input_ids
     refs = load_file(str(path.parent / common.REFERENCES))
@@ -247,7 +247,7 @@ def test_qwen2_logits_export_and_critic_weights(world, ckpts, tmp_path):
     original = load_file(str(path / "model.safetensors"))
     written = load_file(str(out / "model.safetensors"))
     assert sorted(written) == sorted(original) and all(torch.equal(written[n], original[n]) for n in original)
-    critic = gpt.build_critic(cfg, qkv_bias=qkv_bias)
+    critic = gpt.build_critic(cfg, arch=arch)
     hf_io.load_critic_trunk_from_hf(critic, path)
     pairs = dict(hf_io.gather_critic_weights(critic, cfg))
     assert pairs[hf_io.CRITIC_HEAD].shape == (1, common.HIDDEN) and "lm_head.weight" not in pairs
@@ -269,8 +269,8 @@ def _trainer_policy_logp(model, inp, temperature, kernels):
 
 
 def _actor(path: Path):
-    cfg, qkv_bias = common.model_config(path)
-    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    cfg, arch = common.model_config(path)
+    actor = gpt.build_actor(cfg, arch=arch)
     hf_io.load_actor_from_hf(actor, path)
     return cfg, actor
 

@@ -291,3 +291,53 @@ def test_micro_batch_comes_from_the_config_unless_the_flag_says_otherwise():
     # null: the whole mini-batch of a DP rank (256 / dp 4 = 64 sequences) in one micro-batch
     whole = _plan(H200_CONFIG, "h200", ("training.micro_batch_size=null",))
     assert (whole.micro_batch, whole.num_microbatches) == (64, 1) and not whole.fits()
+
+
+# ----------------------------------------------------------------------------- Llama-3.3-70B (issue 13)
+
+LLAMA33_H200 = REPO / "configs" / "70b_llama33_pfppo.yaml"
+LLAMA33_H100 = REPO / "configs" / "70b_llama33_pfppo_h100.yaml"
+# config.json of Llama-3.3-70B-Instruct (the keys that matter here)
+LLAMA33_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+
+@pytest.mark.parametrize("path,gpu,knobs", [(LLAMA33_H200, "h200", {}), (LLAMA33_H100, "h100", {"recompute": "full"})],
+                         ids=["h200", "h100"])
+def test_llama33_configs_validate_and_plan(path, gpu, knobs, capsys):
+    assert validate_main([str(path)]) == 0, capsys.readouterr().err
+    cfg = load_config(path)
+    assert ModelShape.from_model_config(cfg.model) == LLAMA3_70B  # RoPE scaling adds no parameters
+    assert cfg.model.max_position_embeddings == 131072
+    plan = _plan(path, gpu, **knobs)
+    assert plan.fits(), plan.problems
+    if gpu == "h100":  # selective recompute does not fit on H100 at 5120 tokens (the file says so)
+        assert not _plan(path, gpu).fits()
+
+
+def test_llama33_checkpoint_config_matches_and_dry_run_builds_it(tmp_path):
+    """The Llama-3.3 config.json (llama3 RoPE) fills and matches the config's model section; the
+    planner reads the family from it, and the world-64 dry run builds megatron with it."""
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.families import architecture_from_hf
+    from pfppo_mega.models import hf_io
+
+    ckpt = tmp_path / "llama33"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(LLAMA33_CONFIG_JSON))
+    cfg = load_config(LLAMA33_H200)
+    assert hf_io.model_config_from_hf(LLAMA33_CONFIG_JSON, cfg.model) == cfg.model
+    assert hf_io.model_config_from_hf(LLAMA33_CONFIG_JSON, ModelConfig(params_dtype="bfloat16")) == cfg.model
+    assert architecture_from_hf(LLAMA33_CONFIG_JSON).rope.rope_type == "llama3"
+    out = subprocess.run([sys.executable, "-m", "pfppo_mega.planning", str(LLAMA33_H200), f"actor_rollout.model_path={ckpt}",
+                          "--gpu", "h200", "--dry-run-rank", "0,63"],
+                         env=_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"family: llama from {ckpt}/config.json" in out.stdout and "rope_type='llama3'" in out.stdout
+    assert out.stdout.count(" OK") == 2 and "MISMATCH" not in out.stdout

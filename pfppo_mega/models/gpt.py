@@ -2,8 +2,14 @@
 
 Architecture, for every checkpoint this project loads: pre-norm decoder, RMSNorm, SwiGLU MLP
 (linear_fc1 = [gate; up], silu(gate) * up, linear_fc2), RoPE (rotate-half, base = rope_theta),
-grouped-query attention (num_query_groups key/value heads), LM head tied or untied, no biases
-except optional q/k/v biases (``qkv_bias=True``: Qwen2; megatron's ``add_qkv_bias``).
+grouped-query attention (num_query_groups key/value heads), LM head tied or untied, no biases.
+What differs by family is a ``pfppo_mega.families.Architecture`` (read from config.json with
+``hf_io.architecture_from_hf``): q/k/v biases (Qwen2; megatron's ``add_qkv_bias``), per-head
+q/k RMSNorm before RoPE (Qwen3; megatron's ``qk_layernorm``), head_dim (megatron's
+``kv_channels``) and RoPE scaling (linear / llama3: megatron's rotary embedding gets the scaled
+inverse frequencies of ``families.rope_inv_freq``; its own ``rope_scaling`` flag fixes
+low / high_freq_factor and original_max_position_embeddings at Llama-3.1's 1 / 4 / 8192).
+The model records it as ``model.architecture``; the loader refuses a checkpoint of another.
 
 Tensor / pipeline parallelism: the models are built for the layout of megatron's initialised
 parallel state (``pfppo_mega.parallel.init_parallel``); ``check_layout`` refuses shapes the layout
@@ -59,6 +65,7 @@ with _quiet_megatron():
     from megatron.core.transformer.module import Float16Module
 
 from pfppo_mega.config.tree import ModelConfig
+from pfppo_mega.families import Architecture, legacy_architecture, rope_inv_freq
 from pfppo_mega.models.reshard import padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,15 +108,29 @@ def _layout(tp: Optional[int], pp: Optional[int]) -> tuple[int, int]:
     return tp, pp
 
 
+def _architecture(arch: Optional[Architecture], qkv_bias: bool) -> Architecture:
+    if not isinstance(qkv_bias, bool) or not isinstance(arch, (Architecture, type(None))):
+        raise TypeError(f"qkv_bias must be a bool and arch a families.Architecture or None, got "
+                        f"qkv_bias={qkv_bias!r}, arch={arch!r}")
+    if arch is None:
+        return legacy_architecture(qkv_bias)
+    if qkv_bias and not arch.qkv_bias:
+        raise ValueError(f"qkv_bias=True contradicts arch={arch}; pass the Architecture alone")
+    return arch
+
+
 def transformer_config(
-    model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None, qkv_bias: bool = False
+    model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None, qkv_bias: bool = False,
+    arch: Optional[Architecture] = None,
 ) -> TransformerConfig:
-    """megatron TransformerConfig of the Llama architecture described by ``model``.
+    """megatron TransformerConfig of the decoder described by ``model`` and ``arch`` (None: Llama,
+    or Qwen2 when the older flag ``qkv_bias`` is set).
 
     tp / pp default to the sizes of megatron's initialised parallel state (1 when none is);
-    check_layout runs first. qkv_bias adds biases to the q/k/v projections (Qwen2).
-    Dropout is 0 (RL fine-tuning; also makes the actor deterministic for log-prob ratios).
+    check_layout runs first. Dropout is 0 (RL fine-tuning; also makes the actor deterministic
+    for log-prob ratios).
     """
+    arch = _architecture(arch, qkv_bias)
     tp, pp = _layout(tp, pp)
     check_layout(model, tp=tp, pp=pp)
     dtype = _DTYPES[model.params_dtype]
@@ -119,13 +140,14 @@ def transformer_config(
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=arch.head_dim_of(model.hidden_size, model.num_attention_heads),
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_backend=AttnBackend.local,
@@ -150,13 +172,17 @@ def transformer_config(
 # ----------------------------------------------------------------------------- models
 
 
-def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool) -> GPTModel:
+def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool,
+         arch: Architecture = Architecture()) -> GPTModel:
     """The GPTModel of this rank's pipeline stage. ``unpadded_vocab_size`` records the true V
-    (the model's own vocab_size is padded to a multiple of tp)."""
+    (the model's own vocab_size is padded to a multiple of tp), ``architecture`` the family."""
+    if config.qk_layernorm != arch.qk_norm or config.add_qkv_bias != arch.qkv_bias:
+        raise ValueError(f"transformer config (qk_layernorm={config.qk_layernorm}, add_qkv_bias="
+                         f"{config.add_qkv_bias}) was not made for {arch}")
     with _quiet_megatron():
         module = cls(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
             vocab_size=padded_vocab_size(model.vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -166,18 +192,24 @@ def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool)
             position_embedding_type="rope",
             rotary_base=model.rope_theta,
         )
+    if arch.rope.rope_type != "default":
+        rotary = module.rotary_pos_emb  # every stage has one; inv_freq is a plain attribute, not state
+        rotary.inv_freq = rope_inv_freq(config.kv_channels, model.rope_theta, arch.rope, device=rotary.inv_freq.device)
     module.unpadded_vocab_size = model.vocab_size
+    module.architecture = arch
     return module
 
 
-def build_actor(model: ModelConfig, *, qkv_bias: bool = False) -> GPTModel:
+def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_bias: bool = False) -> GPTModel:
     """The policy: GPTModel with the LM head (tied to the embedding if tie_word_embeddings).
+    ``arch``: the family (hf_io.architecture_from_hf); None = Llama (Qwen2 with ``qkv_bias``).
 
     forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, Vp/tp]
     on the last pipeline stage (Vp = vocab padded to a multiple of tp), hidden states elsewhere.
     """
-    config = transformer_config(model, qkv_bias=qkv_bias)
-    return _gpt(GPTModel, model, config, tie=bool(model.tie_word_embeddings))
+    arch = _architecture(arch, qkv_bias)
+    config = transformer_config(model, arch=arch)
+    return _gpt(GPTModel, model, config, tie=bool(model.tie_word_embeddings), arch=arch)
 
 
 class ValueHead(torch.nn.Module):
@@ -213,10 +245,12 @@ class CriticModel(GPTModel):
         return out.squeeze(-1)  # [B, S, 1] -> [B, S]
 
 
-def build_critic(model: ModelConfig, *, qkv_bias: bool = False) -> CriticModel:
+def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None,
+                 qkv_bias: bool = False) -> CriticModel:
     """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
-    config = transformer_config(model, qkv_bias=qkv_bias)
-    critic = _gpt(CriticModel, model, config, tie=False)
+    arch = _architecture(arch, qkv_bias)
+    config = transformer_config(model, arch=arch)
+    critic = _gpt(CriticModel, model, config, tie=False, arch=arch)
     if critic.post_process:
         critic.output_layer = ValueHead(model.hidden_size, config.params_dtype)
     return critic

@@ -1,12 +1,15 @@
-"""Hugging Face Llama / Qwen2 checkpoints <-> megatron-core GPTModel (local layer spec), any TP x PP.
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoints <-> megatron-core GPTModel (local layer
+spec), any TP x PP. The family (pfppo_mega.families.Architecture) comes from config.json.
 
-Name map (layer i; H hidden, nh query heads, ng key/value groups, d = H / nh, F ffn):
+Name map (layer i; H hidden, nh query heads, ng key/value groups, d = head_dim (H / nh unless
+config.json sets it), F ffn):
 
     model.embed_tokens.weight                  [V, H]   embedding.word_embeddings.weight
     model.layers.i.input_layernorm.weight      [H]      decoder.layers.i.input_layernorm.weight
     model.layers.i.self_attn.{q,k,v}_proj      see QKV  decoder.layers.i.self_attention.linear_qkv.weight
     model.layers.i.self_attn.{q,k,v}_proj.bias see QKV  decoder.layers.i.self_attention.linear_qkv.bias (Qwen2)
-    model.layers.i.self_attn.o_proj.weight     [H, H]   decoder.layers.i.self_attention.linear_proj.weight
+    model.layers.i.self_attn.{q,k}_norm.weight [d]      decoder.layers.i.self_attention.{q,k}_layernorm.weight (Qwen3)
+    model.layers.i.self_attn.o_proj.weight     [H, nh*d] decoder.layers.i.self_attention.linear_proj.weight
     model.layers.i.post_attention_layernorm    [H]      decoder.layers.i.pre_mlp_layernorm.weight
     model.layers.i.mlp.{gate,up}_proj.weight   [F, H]   decoder.layers.i.mlp.linear_fc1.weight = [gate; up]  [2F, H]
     model.layers.i.mlp.down_proj.weight        [H, F]   decoder.layers.i.mlp.linear_fc2.weight
@@ -51,7 +54,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pfppo_mega.config.tree import ModelConfig
-from pfppo_mega.families import CheckpointError, CheckpointFileMissing, boolean, positive_float, positive_int
+from pfppo_mega.families import (
+    Architecture, CheckpointError, CheckpointFileMissing, architecture_from_hf, boolean, positive_float,
+    positive_int, rope_theta_of,
+)
 from pfppo_mega.models import reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
 from pfppo_mega.models.reshard import Split, Stage
@@ -96,15 +102,6 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return cfg
 
 
-def _rope_theta(hf: dict) -> tuple[Optional[float], Optional[str]]:
-    """(rope_theta, rope_type) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return theta, rope_type
-
-
 # ModelConfig field -> (config.json key, default when the key is absent; _REQUIRED = none)
 _REQUIRED = object()
 _HF_KEYS: dict[str, tuple[str, Any]] = {
@@ -120,46 +117,9 @@ _HF_KEYS: dict[str, tuple[str, Any]] = {
 }
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-def _model_type(hf: dict) -> Optional[str]:
-    model_type = hf.get("model_type")
-    if model_type is None:
-        archs = hf.get("architectures") or []
-        model_type = next((t for t, a in _ARCHITECTURES.items() if a in archs), None)
-    return model_type
-
-
 def qkv_bias_from_hf(hf_cfg: dict) -> bool:
-    """True when the checkpoint's q/k/v projections carry biases (Qwen2): build the models with
-    ``qkv_bias=True``."""
-    return _model_type(hf_cfg) == "qwen2"
-
-
-def _architecture_problems(hf: dict) -> list[str]:
-    problems = []
-    model_type = _model_type(hf)
-    if hf.get("model_type") is not None and hf["model_type"] not in _ARCHITECTURES:
-        problems.append(f"model_type = {hf['model_type']!r}: only {', '.join(map(repr, _ARCHITECTURES))} "
-                        f"are supported")
-    elif model_type is None:
-        problems.append(f"architectures = {hf.get('architectures')!r}: expected one of "
-                        f"{', '.join(_ARCHITECTURES.values())}")
-    # Llama's attention_bias also adds an o_proj bias, which megatron's add_qkv_bias does not have.
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                      ("use_sliding_window", False)):
-        if key in hf and hf[key] != want:
-            problems.append(f"{key} = {hf[key]!r}: must be {want!r}")
-    _, rope_type = _rope_theta(hf)
-    if rope_type != "default":
-        problems.append(f"rope type = {rope_type!r}: only unscaled ('default') RoPE is supported")
-    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and heads and hidden and head_dim * heads != hidden:
-        problems.append(f"head_dim = {head_dim}: must equal hidden_size / num_attention_heads"
-                        f" = {hidden / heads}")
-    return problems
+    """True when the checkpoint's q/k/v projections carry biases (Qwen2)."""
+    return architecture_from_hf(hf_cfg).qkv_bias
 
 
 def _checkpoint_values(hf: dict) -> dict[str, Any]:
@@ -180,8 +140,7 @@ def _checkpoint_values(hf: dict) -> dict[str, Any]:
     for field, (key, _) in _HF_KEYS.items():
         check = {"norm_epsilon": positive_float, "tie_word_embeddings": boolean}.get(field, positive_int)
         values[field] = check(typed, key)
-    theta, _ = _rope_theta(hf)
-    values["rope_theta"] = positive_float({"rope_theta": theta}, "rope_theta")
+    values["rope_theta"] = positive_float({"rope_theta": rope_theta_of(hf)}, "rope_theta")
     return values
 
 
@@ -189,14 +148,14 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
     """``base`` with every unset (None) shape field filled from config.json.
 
     A field set in ``base`` must equal the checkpoint's value: ValueError lists every field that
-    differs with both values. Unsupported architectures (not llama / qwen2, o_proj or mlp biases,
-    sliding windows, scaled RoPE, head_dim != hidden_size / heads) are rejected with the reason.
-    Whether the q/k/v projections carry biases is not a ModelConfig field: see qkv_bias_from_hf.
+    differs with both values. Unsupported architectures (pfppo_mega.families: other families,
+    biases the family has none of, sliding windows narrower than the context, RoPE types other than
+    default / linear / llama3, MoE) are rejected with the key, its value and what is supported.
+    What is not a ModelConfig field (family, biases, q/k norms, head_dim, RoPE scaling) is
+    ``architecture_from_hf(hf_cfg)``: build the models with it.
     """
     ckpt = _checkpoint_values(hf_cfg)  # typed first: the architecture checks compute with these
-    problems = _architecture_problems(hf_cfg)
-    if problems:
-        raise CheckpointError("unsupported checkpoint architecture:\n" + "\n".join(f"  - {p}" for p in problems))
+    architecture_from_hf(hf_cfg)
     mismatched = [
         f"  - {field}: config {getattr(base, field)!r}, checkpoint {value!r}"
         for field, value in ckpt.items()
@@ -310,23 +269,22 @@ class _Dims:
     ffn: int
     vocab: int
     tied: bool
+    head_dim: int
     qkv_bias: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    qk_norm: bool = False
 
     @property
     def qkv_rows(self) -> int:
         return (self.heads + 2 * self.groups) * self.head_dim
 
     @classmethod
-    def of(cls, model: ModelConfig, *, qkv_bias: bool = False) -> "_Dims":
+    def of(cls, model: ModelConfig, arch: Architecture = Architecture()) -> "_Dims":
         missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(model, k) is None]
         if missing:
             raise ValueError(f"model config is incomplete (unset: {', '.join(missing)})")
         return cls(model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                   model.ffn_hidden_size, model.vocab_size, bool(model.tie_word_embeddings), qkv_bias)
+                   model.ffn_hidden_size, model.vocab_size, bool(model.tie_word_embeddings),
+                   arch.head_dim_of(model.hidden_size, model.num_attention_heads), arch.qkv_bias, arch.qk_norm)
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
@@ -363,6 +321,7 @@ def _expected_hf_shapes(dims: _Dims) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (dims.groups * d, h),
             p + "self_attn.o_proj.weight": (h, dims.heads * d),
             p + "post_attention_layernorm.weight": (h,),
+            **({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)} if dims.qk_norm else {}),
             p + "mlp.gate_proj.weight": (f, h),
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
@@ -428,6 +387,9 @@ def _full_shapes(dims: _Dims, vocab_rows: int, stage: Stage, *,
         if dims.qkv_bias:
             shapes[m + "self_attention.linear_qkv.bias"] = (dims.qkv_rows,)
         shapes[m + "self_attention.linear_proj.weight"] = (h, dims.heads * d)
+        if dims.qk_norm:
+            shapes[m + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[m + "self_attention.k_layernorm.weight"] = (d,)
         shapes[m + "pre_mlp_layernorm.weight"] = (h,)
         shapes[m + "mlp.linear_fc1.weight"] = (2 * f, h)
         shapes[m + "mlp.linear_fc2.weight"] = (h, f)
@@ -464,6 +426,8 @@ def _megatron_tensor(name: str, get: Callable[[str], Tensor], dims: _Dims, vocab
         "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
         "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
         "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     }
     if suffix not in plain:
         raise KeyError(f"no HF tensor maps to megatron parameter {name!r}")
@@ -479,10 +443,11 @@ def _lm_head(dims: _Dims, vocab_rows: int, *, tied_here: bool) -> Optional[tuple
     return None if tied_here else (vocab_rows, dims.hidden)
 
 
-def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *, qkv_bias: bool = False) -> dict[str, Tensor]:
-    """HF Llama / Qwen2 tensors -> GPTModel (tp = pp = 1) state dict. Checks every HF tensor's
+def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *,
+                   arch: Architecture = Architecture()) -> dict[str, Tensor]:
+    """HF tensors of family ``arch`` -> GPTModel (tp = pp = 1) state dict. Checks every HF tensor's
     presence and shape; ignores rotary caches and, when tied, a redundant lm_head.weight."""
-    dims = _Dims.of(model, qkv_bias=qkv_bias)
+    dims = _Dims.of(model, arch)
     _check_shapes(_shapes(hf_sd), _expected_hf_shapes(dims), "HF state dict", tied=dims.tied)
     head = _lm_head(dims, dims.vocab, tied_here=dims.tied)
     names = _full_shapes(dims, dims.vocab, _single_stage(dims), output_layer=head)
@@ -509,6 +474,9 @@ def _iter_megatron_to_hf(full: Mapping[str, Any], dims: _Dims) -> Iterator[tuple
             yield p + "self_attn.q_proj.bias", qb
             yield p + "self_attn.k_proj.bias", kb
             yield p + "self_attn.v_proj.bias", vb
+        if dims.qk_norm:
+            yield p + "self_attn.q_norm.weight", get(m + "self_attention.q_layernorm.weight")
+            yield p + "self_attn.k_norm.weight", get(m + "self_attention.k_layernorm.weight")
         yield p + "self_attn.o_proj.weight", get(m + "self_attention.linear_proj.weight")
         yield p + "post_attention_layernorm.weight", get(m + "pre_mlp_layernorm.weight")
         gate, up = torch.chunk(get(m + "mlp.linear_fc1.weight"), 2, dim=0)
@@ -520,10 +488,11 @@ def _iter_megatron_to_hf(full: Mapping[str, Any], dims: _Dims) -> Iterator[tuple
         yield "lm_head.weight", get("output_layer.weight")[:dims.vocab]
 
 
-def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig, *, qkv_bias: bool = False) -> dict[str, Tensor]:
+def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig, *,
+                   arch: Architecture = Architecture()) -> dict[str, Tensor]:
     """GPTModel (tp = pp = 1) state dict -> HF tensors; tied weights appear once (embed_tokens).
     ``_extra_state`` entries are ignored. Checks the resulting shapes against ``model``."""
-    dims = _Dims.of(model, qkv_bias=qkv_bias)
+    dims = _Dims.of(model, arch)
     out = dict(_iter_megatron_to_hf(mcore_sd, dims))
     _check_shapes(_shapes(out), _expected_hf_shapes(dims), "converted megatron state dict")
     return out
@@ -566,15 +535,20 @@ def _module_dims(module: torch.nn.Module, model: ModelConfig) -> _Dims:
     if not isinstance(target, CriticModel) and tied != bool(model.tie_word_embeddings):
         raise ValueError(f"the model was built with tied embeddings = {tied} but the model config says "
                          f"tie_word_embeddings = {model.tie_word_embeddings}")
-    return _Dims.of(model, qkv_bias=bool(target.config.add_qkv_bias))
+    return _Dims.of(model, module_architecture(target))
 
 
 # ----------------------------------------------------------------------------- into a model
 
 
-def _model_config_of(path: str | os.PathLike) -> tuple[ModelConfig, bool]:
+def module_architecture(module: torch.nn.Module) -> Architecture:
+    """The Architecture a model was built with (pfppo_mega.models.gpt records it)."""
+    return unwrap(module).architecture
+
+
+def _model_config_of(path: str | os.PathLike) -> tuple[ModelConfig, Architecture]:
     hf_cfg = read_hf_config(path)
-    return model_config_from_hf(hf_cfg, ModelConfig()), qkv_bias_from_hf(hf_cfg)
+    return model_config_from_hf(hf_cfg, ModelConfig()), architecture_from_hf(hf_cfg)
 
 
 def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
@@ -582,13 +556,15 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     """Copy this rank's slice of checkpoint ``path`` into ``module``. Every check (architecture,
     checkpoint tensor shapes from the file headers, the model's parameter names and shapes)
     runs before any tensor data is read."""
-    cfg, qkv_bias = _model_config_of(path)
+    cfg, arch = _model_config_of(path)
     target = unwrap(module)
-    if bool(target.config.add_qkv_bias) != qkv_bias:
-        raise ValueError(f"checkpoint {str(path)!r} {'has' if qkv_bias else 'has no'} q/k/v biases but the "
-                         f"model was built with qkv_bias={bool(target.config.add_qkv_bias)}; build it with "
-                         f"qkv_bias=hf_io.qkv_bias_from_hf(config.json)")
-    dims = _Dims.of(cfg, qkv_bias=qkv_bias)
+    built = module_architecture(target)
+    if built != arch:
+        raise CheckpointError(f"checkpoint {str(path)!r} is {arch} but the model was built as {built}; "
+                              f"build it with arch=hf_io.architecture_from_hf(config.json)"
+                              + (" (has q/k/v biases but the model was built with qkv_bias=False)"
+                                 if arch.qkv_bias and not built.qkv_bias else ""))
+    dims = _Dims.of(cfg, arch)
     layout = _current_layout(dims.layers)
     reader = CheckpointReader(path)
     _check_shapes({n: reader.shape(n) for n in reader.names()}, _expected_hf_shapes(dims),
@@ -741,15 +717,13 @@ def megatron_named_params_to_hf(model_module: torch.nn.Module,
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
-def hf_config_dict(model: ModelConfig, dtype: torch.dtype, *, qkv_bias: bool = False) -> dict[str, Any]:
-    """config.json contents of a LlamaForCausalLM (Qwen2ForCausalLM when qkv_bias) shaped as ``model``."""
-    dims = _Dims.of(model, qkv_bias=qkv_bias)
+def hf_config_dict(model: ModelConfig, dtype: torch.dtype, arch: Architecture = Architecture()) -> dict[str, Any]:
+    """config.json contents of the ``arch.family`` CausalLM shaped as ``model`` (RoPE scaling,
+    head_dim and the family's bias / window keys included, so architecture_from_hf reads ``arch`` back)."""
+    dims = _Dims.of(model, arch)
     dtype_name = _DTYPE_NAMES[dtype]
-    model_type = "qwen2" if qkv_bias else "llama"
     config = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "hidden_act": "silu",
+        **arch.hf_fields(),
         "hidden_size": dims.hidden,
         "intermediate_size": dims.ffn,
         "num_hidden_layers": dims.layers,
@@ -760,15 +734,13 @@ def hf_config_dict(model: ModelConfig, dtype: torch.dtype, *, qkv_bias: bool = F
         "max_position_embeddings": model.max_position_embeddings,
         "rms_norm_eps": model.norm_epsilon,
         "rope_theta": model.rope_theta,  # read by transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # transformers 5
+        "rope_parameters": arch.rope.hf_parameters(model.rope_theta),  # transformers 5
         "tie_word_embeddings": dims.tied,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    if qkv_bias:
-        config["use_sliding_window"] = False
-    else:
-        config.update({"attention_bias": False, "mlp_bias": False})
+    if arch.rope.rope_type != "default":  # transformers 4.x reads the scaling from rope_scaling
+        config["rope_scaling"] = {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}
     return config
 
 
@@ -854,7 +826,7 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
     if len(dtypes) != 1:
         raise ValueError(f"exported tensors mix dtypes {sorted(map(str, dtypes))}; "
                          f"expected one parameter dtype")
-    config = hf_config_dict(model, dtypes.pop(), qkv_bias=dims.qkv_bias)
+    config = hf_config_dict(model, dtypes.pop(), module_architecture(model_module))
     for key, value in (extra_config or {}).items():
         if key in config:
             raise ValueError(f"extra_config key {key!r} would override a shape field of config.json")

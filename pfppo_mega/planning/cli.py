@@ -123,6 +123,20 @@ def _ranks(specs: list[str], world: int) -> list[int]:
     return out
 
 
+def checkpoint_architecture(cfg):
+    """(Architecture, source line) of ``actor_rollout.model_path``'s config.json when it is on
+    this machine; else (None, ...): plain Llama shaped by the config's model section (RoPE scaling
+    adds no parameters; a Qwen3 head_dim or q/k norms would need the checkpoint)."""
+    path = cfg.actor_rollout.model_path
+    if path is None or not (Path(path) / "config.json").is_file():
+        return None, f"family: llama (from the config's model section; {path!r} has no config.json here)"
+    from pfppo_mega.families import architecture_from_hf
+    from pfppo_mega.models.hf_io import read_hf_config
+
+    arch = architecture_from_hf(read_hf_config(path))
+    return arch, f"family: {arch.family} from {path}/config.json ({arch})"
+
+
 def main(argv: list[str]) -> int:
     ap = build_parser()
     try:
@@ -144,13 +158,15 @@ def main(argv: list[str]) -> int:
     try:
         hw = Hardware.preset(args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
-        plan = make_plan(RunShape.from_config(cfg), hw, knobs)
+        arch, arch_line = checkpoint_architecture(cfg)
+        plan = make_plan(RunShape.from_config(cfg, arch), hw, knobs)
         ranks = _ranks(args.dry_run_rank, hw.world_size)
     except ValueError as e:
         print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
         return 2
 
     print(format_plan(plan, args.config))
+    print(arch_line)
     report = plan.to_json()
     status = 0 if plan.fits() else 2
     if ranks:
@@ -159,7 +175,8 @@ def main(argv: list[str]) -> int:
         print("\ndry run (fake process group, meta-device megatron models):")
         report["dry_run"] = []
         for r in ranks:
-            res = dry_run_rank(cfg.model, tp=plan.layout.tp, pp=plan.layout.pp, world_size=hw.world_size, rank=r)
+            res = dry_run_rank(cfg.model, tp=plan.layout.tp, pp=plan.layout.pp, world_size=hw.world_size, rank=r,
+                               arch=arch)
             c = res.coords
             verdict = "OK" if res.ok else "MISMATCH"
             print(f"  rank {r:>3}/{res.world_size}: tp {c['tp_rank']} dp {c['dp_rank']} pp {c['pp_rank']}; "

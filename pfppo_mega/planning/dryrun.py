@@ -80,18 +80,21 @@ def _megatron_groups() -> tuple[dict[str, int], dict[str, list[int]]]:
     return coords, groups
 
 
-def _meta_models(model_cfg) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """Actor and critic of this rank's stage on the meta device: name -> shape of each."""
+def _meta_models(model_cfg, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """Actor and critic of this rank's stage on the meta device: name -> shape of each.
+    ``arch``: the checkpoint's pfppo_mega.families.Architecture (None: Llama)."""
+    from pfppo_mega.families import Architecture
     from pfppo_mega.models import gpt
 
-    config = gpt.transformer_config(model_cfg)
+    arch = arch or Architecture()
+    config = gpt.transformer_config(model_cfg, arch=arch)
     config.use_cpu_initialization = True   # weights created with torch.empty(...) and no device=
     config.perform_initialization = False  # no init kernels (they cannot run on meta tensors)
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        actor = gpt._gpt(gpt.GPTModel, model_cfg, config, tie=bool(model_cfg.tie_word_embeddings))
-        critic = gpt._gpt(gpt.CriticModel, model_cfg, config, tie=False)
+        actor = gpt._gpt(gpt.GPTModel, model_cfg, config, tie=bool(model_cfg.tie_word_embeddings), arch=arch)
+        critic = gpt._gpt(gpt.CriticModel, model_cfg, config, tie=False, arch=arch)
         if critic.post_process:
             critic.output_layer = gpt.ValueHead(model_cfg.hidden_size, config.params_dtype)
     shapes = []
@@ -111,7 +114,7 @@ def _compare(label: str, got: dict[str, tuple], want: dict[str, tuple]) -> list[
     return out
 
 
-def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int) -> DryRunResult:
+def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int, arch=None) -> DryRunResult:
     """Build rank ``rank``'s megatron groups and meta-device models; compare with the planner."""
     from pfppo_mega.compat import megatron_cpu
 
@@ -120,7 +123,7 @@ def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int) -> 
         from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
-    shape = ModelShape.from_model_config(model_cfg)
+    shape = ModelShape.from_model_config(model_cfg, arch)
     layout = Layout.for_world(world_size, tp, pp)
     with _fake_world(rank, world_size):
         megatron_cpu.enable()  # megatron passes torch.cuda.current_device() for small buffers
@@ -128,7 +131,7 @@ def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int) -> 
                                      create_gloo_process_groups=False)
         try:
             coords, groups = _megatron_groups()
-            actor, critic = _meta_models(model_cfg)
+            actor, critic = _meta_models(model_cfg, arch)
         finally:
             ps.destroy_model_parallel()
 

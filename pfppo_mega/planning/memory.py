@@ -161,11 +161,12 @@ class RunShape:
     reference: bool              # a reference policy is kept (kl_coeff > 0)
 
     @classmethod
-    def from_config(cls, cfg) -> "RunShape":
-        """From a ``pfppo_mega.config.Config``."""
+    def from_config(cls, cfg, arch=None) -> "RunShape":
+        """From a ``pfppo_mega.config.Config`` and the checkpoint's ``pfppo_mega.families.Architecture``
+        (head_dim, q/k norms; None: Llama shaped by the config alone)."""
         m = cfg.model
         return cls(
-            model=ModelShape.from_model_config(m),
+            model=ModelShape.from_model_config(m, arch),
             tp=cfg.parallel.tensor_model_parallel_size,
             pp=cfg.parallel.pipeline_model_parallel_size,
             seq_len=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,

@@ -15,6 +15,7 @@ Parameter shapes per rank follow megatron-core 0.16.1's GPTModel with the local 
     decoder.layers.{i}.input_layernorm.weight      [h]                i = 0 .. L/pp - 1 (local)
     decoder.layers.{i}.self_attention.linear_qkv   [(a + 2g) d / tp, h]   column parallel
     decoder.layers.{i}.self_attention.linear_proj  [h, a d / tp]          row parallel
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight  [d]    Qwen3's q/k RMSNorm (replicated)
     decoder.layers.{i}.pre_mlp_layernorm.weight    [h]
     decoder.layers.{i}.mlp.linear_fc1.weight       [2 f / tp, h]      [gate; up], column parallel
     decoder.layers.{i}.mlp.linear_fc2.weight       [h, f / tp]        row parallel
@@ -24,14 +25,15 @@ Parameter shapes per rank follow megatron-core 0.16.1's GPTModel with the local 
                                                    [1, h]             critic value head (replicated)
 
 h = hidden_size, f = ffn_hidden_size, a = attention heads, g = query groups (KV heads),
-d = h / a, V = vocab_size, L = num_layers. Only the standard library is imported here.
+d = head_dim (h / a unless the checkpoint sets it, as Qwen3 does), V = vocab_size, L = num_layers.
+RoPE scaling adds no parameters. Only the standard library is imported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Literal
+from typing import Literal, Optional
 
 Head = Literal["lm", "value"]
 
@@ -47,14 +49,17 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     tie_word_embeddings: bool
+    kv_channels: Optional[int] = None  # head_dim when the checkpoint sets one (None: h / a)
+    qk_norm: bool = False              # per-head q/k RMSNorm (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_model_config(cls, model) -> "ModelShape":
-        """From a ``pfppo_mega.config.tree.ModelConfig`` whose shape fields are all set."""
+    def from_model_config(cls, model, arch=None) -> "ModelShape":
+        """From a ``pfppo_mega.config.tree.ModelConfig`` whose shape fields are all set, and the
+        checkpoint's ``pfppo_mega.families.Architecture`` (None: plain Llama)."""
         missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                "num_query_groups", "vocab_size", "tie_word_embeddings")
                    if getattr(model, k) is None]
@@ -63,7 +68,8 @@ class ModelShape:
                              "every shape field in the config's model section")
         return cls(model.num_layers, model.hidden_size, model.ffn_hidden_size,
                    model.num_attention_heads, model.num_query_groups, model.vocab_size,
-                   bool(model.tie_word_embeddings))
+                   bool(model.tie_word_embeddings),
+                   None if arch is None else arch.head_dim, bool(arch is not None and arch.qk_norm))
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,9 @@ def param_shapes(shape: ModelShape, tp: int, pp: int, pp_rank: int, head: Head =
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "self_attention.linear_proj.weight"] = (h, a * d // tp)
         out[p + "self_attention.linear_qkv.weight"] = ((a + 2 * g) * d // tp, h)
+        if s.qk_norm:
+            out[p + "self_attention.q_layernorm.weight"] = (d,)
+            out[p + "self_attention.k_layernorm.weight"] = (d,)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
         out[p + "mlp.linear_fc1.weight"] = (2 * f // tp, h)
         out[p + "mlp.linear_fc2.weight"] = (h, f // tp)
@@ -194,6 +203,6 @@ def engine_param_count(shape: ModelShape, rollout_tp: int) -> int:
     s, rt = shape, rollout_tp
     h, d, a, f, V = s.hidden_size, s.head_dim, s.num_attention_heads, s.ffn_hidden_size, s.vocab_size
     kv = max(1, s.num_query_groups // rt)
-    per_layer = 2 * h + (a // rt + 2 * kv) * d * h + h * (a // rt) * d + 3 * (f // rt) * h
+    per_layer = 2 * h + (a // rt + 2 * kv) * d * h + h * (a // rt) * d + 3 * (f // rt) * h + 2 * d * s.qk_norm
     heads = -(-V // rt) * h * (1 if s.tie_word_embeddings else 2)  # vocab rows split, rounded up
     return s.num_layers * per_layer + heads + h

@@ -1,13 +1,14 @@
-"""Pure-torch Llama / Qwen2 decoder for generation, parameters under Hugging Face names.
+"""Pure-torch Llama / Qwen2 / Qwen3 / Mistral decoder for generation, parameters under Hugging Face names.
 
 Notation: B batch, S query length, K key length (cache slots in use), H query heads,
 G key/value heads (H % G == 0), D head_dim, E hidden_size, V vocab_size, L layers.
 
-Per layer (pre-norm):
-    h = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+Per layer (pre-norm; qn / kn the per-head q/k RMSNorms of Qwen3, identity otherwise):
+    h = x + o_proj(attn(rope(qn(q_proj(n1(x)))), rope(kn(k_proj(n1(x)))), v_proj(n1(x))))
     y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))
     rms_norm(x) = w * x / sqrt(mean(x^2) + eps)            (computed in fp32)
-    rope(x)     = x * cos(p * f) + rotate_half(x) * sin(p * f),  f_i = theta^(-2i/D)
+    rope(x)     = x * cos(p * f) + rotate_half(x) * sin(p * f),  f_i = theta^(-2i/D), scaled by
+                  the checkpoint's RoPE type (pfppo_mega.families.rope_inv_freq)
     rotate_half([x1, x2]) = [-x2, x1]                        (Hugging Face convention)
 logits = lm_head(norm(x_L)); lm_head shares embed_tokens.weight when tie_word_embeddings.
 
@@ -23,6 +24,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pfppo_mega.families import Architecture, RopeScaling, architecture_from_hf, rope_inv_freq, rope_theta_of
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class LlamaShape:
     tie_word_embeddings: bool
     attention_bias: bool = False
     """Biases on q/k/v projections (Qwen2). o_proj never has a bias."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+    rope: RopeScaling = RopeScaling()
+    family: str = ""
+    """model_type; "" = llama, or qwen2 when attention_bias."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -57,34 +65,15 @@ class LlamaShape:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> LlamaShape:
-        """Read a Hugging Face config.json dict of model_type "llama" or "qwen2".
+        """Read a Hugging Face config.json dict of a family pfppo_mega.families supports.
 
-        Features this decoder does not implement (rope scaling, sliding window, o_proj/MLP
-        biases, activations other than silu) raise ValueError rather than load silently wrong.
+        Features this decoder does not implement (see families.architecture_from_hf: other RoPE
+        types, sliding windows narrower than the context, biases the family has none of, MoE,
+        activations other than silu) raise ValueError rather than load silently wrong.
         """
-        model_type = config.get("model_type")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"config model_type={model_type!r} must be 'llama' or 'qwen2'")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config hidden_act={act!r} unsupported; only 'silu'")
-        if config.get("mlp_bias", False):
-            raise ValueError("config mlp_bias=True unsupported; MLP projections have no bias")
-        if config.get("use_sliding_window", False):
-            raise ValueError("config use_sliding_window=True unsupported; full attention only")
-        if model_type == "llama" and config.get("attention_bias", False):
-            raise ValueError(
-                "config attention_bias=True on llama adds an o_proj bias, which is unsupported"
-            )
-        rope = config.get("rope_parameters") or {}  # transformers >= 5
-        scaling = config.get("rope_scaling") or {}  # older config.json files
-        for rope_type in (rope.get("rope_type", "default"),
-                          scaling.get("rope_type", scaling.get("type", "default"))):
-            if rope_type != "default":
-                raise ValueError(f"config rope_type={rope_type!r} unsupported; only 'default'")
-        rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        config = dict(config)
+        arch = architecture_from_hf(config)
         num_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -92,21 +81,27 @@ class LlamaShape:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rope_theta=float(rope_theta),
+            head_dim=arch.head_dim_of(config["hidden_size"], num_heads),
+            rope_theta=float(rope_theta_of(config)),
             rms_norm_eps=float(config["rms_norm_eps"]),
             max_position_embeddings=config["max_position_embeddings"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2",
+            attention_bias=arch.qkv_bias,
+            qk_norm=arch.qk_norm,
+            rope=arch.rope,
+            family=arch.family,
         )
 
+    def architecture(self) -> Architecture:
+        family = self.family or ("qwen2" if self.attention_bias else "llama")
+        head_dim = None if self.head_dim * self.num_heads == self.hidden_size else self.head_dim
+        return Architecture(family=family, qkv_bias=self.attention_bias, qk_norm=self.qk_norm,
+                            head_dim=head_dim, rope=self.rope)
+
     def to_hf_config(self) -> dict[str, Any]:
-        """A config.json dict that transformers loads as the same architecture
-        (qwen2 when attention_bias, else llama)."""
-        model_type = "qwen2" if self.attention_bias else "llama"
-        config: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM" if self.attention_bias else "LlamaForCausalLM"],
-            "model_type": model_type,
+        """A config.json dict that transformers loads as the same architecture."""
+        return {
+            **self.architecture().hf_fields(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -114,19 +109,12 @@ class LlamaShape:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope.hf_parameters(self.rope_theta),
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if model_type == "llama":
-            config["attention_bias"] = False
-            config["mlp_bias"] = False
-        else:
-            config["use_sliding_window"] = False
-        return config
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face name -> shape of every weight the decoder owns, in model order."""
@@ -145,6 +133,9 @@ class LlamaShape:
             if self.attention_bias:
                 shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.o_proj.weight"] = (E, q_out)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (D,)
+                shapes[p + "self_attn.k_norm.weight"] = (D,)
             shapes[p + "mlp.gate_proj.weight"] = (F_, E)
             shapes[p + "mlp.up_proj.weight"] = (F_, E)
             shapes[p + "mlp.down_proj.weight"] = (E, F_)
@@ -184,10 +175,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype, rope: RopeScaling = RopeScaling()) -> tuple[torch.Tensor, torch.Tensor]:
     """position_ids [B, S] -> cos, sin [B, 1, S, D] (angles computed in fp32)."""
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)  # [D/2]
+    inv_freq = rope_inv_freq(head_dim, theta, rope, device=position_ids.device)  # [D/2]
     angles = position_ids.float()[..., None] * inv_freq  # [B, S, D/2]
     emb = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -208,6 +198,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, shape.num_kv_heads * D, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(E, shape.num_kv_heads * D, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(shape.num_heads * D, E, bias=False, dtype=dtype)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(D, shape.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(D, shape.rms_norm_eps, dtype)
+        self.qk_norm = shape.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None,
@@ -219,8 +213,11 @@ class Attention(nn.Module):
         Without a cache the queries attend to the S new keys only (start must be 0).
         """
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)  # [B, S, H, D]
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)  # [B, S, G, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, G, S, D]
@@ -293,7 +290,7 @@ class LlamaDecoder(nn.Module):
         """input_ids, position_ids [B, S]; mask [B, 1, S, K] bool -> logits [B, S, V]
         (or [B, 1, V] for the last position when last_only). See Attention for cache/start."""
         x = self.model.embed_tokens(input_ids)  # [B, S, E]
-        cos, sin = rope_cos_sin(position_ids, self.shape.head_dim, self.shape.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.shape.head_dim, self.shape.rope_theta, x.dtype, self.shape.rope)
         for i, layer in enumerate(self.model.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, mask, kv, start)

@@ -61,8 +61,8 @@ def max_over_ranks(x: float) -> float:
 def _actor(path: Path):
     from pfppo_mega.models import gpt, hf_io
 
-    cfg, qkv_bias = common.model_config(path)
-    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    cfg, arch = common.model_config(path)
+    actor = gpt.build_actor(cfg, arch=arch)
     hf_io.load_actor_from_hf(actor, path)
     return cfg, actor.eval()
 
@@ -80,9 +80,22 @@ def check_logits(layout: str, kind: str, path: Path, mbs: int, batch: common.PPO
     report(layout, f"logits_vs_transformers[{kind}]", err < LOGITS_TOL and ours.shape == ref.shape, err, LOGITS_TOL)
 
 
+def check_family_logits(layout: str, kind: str, path: Path, mbs: int, refs: dict) -> None:
+    """Logits of common.family_ids() (positions past llama3's original context) vs transformers."""
+    from pfppo_mega.models import engine
+
+    _, actor = _actor(path)
+    ids = common.family_ids()
+    ours = engine.forward_logits(actor, ids, micro_batch_size=mbs).double()
+    ref = refs[f"logits/{kind}"]
+    err = max_over_ranks((ours - ref).abs().max().item())
+    report(layout, f"logits_vs_transformers[{kind}]", err < LOGITS_TOL and ours.shape == ref.shape, err, LOGITS_TOL)
+
+
 def check_logp_entropy(layout: str, kind: str, path: Path, mbs: int, batch: common.PPOBatch, refs: dict) -> None:
-    """forward_logp_entropy (vocab-parallel at tp > 1) vs the full-vocabulary fp64 softmax of
-    transformers' logits."""
+    """forward_logp_entropy with each kernels backend (vocab-parallel at tp > 1) vs the
+    full-vocabulary fp64 softmax of transformers' logits, at common.TEMPERATURE."""
+    from pfppo_mega.kernels import available_backends
     from pfppo_mega.models import engine
 
     _, actor = _actor(path)
@@ -213,6 +226,9 @@ def main() -> None:
             check_logits(layout, kind, path, mbs, batch, refs)
             check_round_trip(layout, kind, path, exports)
             check_ppo_update(layout, kind, path, mbs, batch, results)
+        for kind in common.FAMILIES:  # logits and exact export; the update is family-agnostic
+            check_family_logits(layout, kind, data / kind, mbs, refs)
+            check_round_trip(layout, kind, data / kind, exports)
         check_logp_entropy(layout, "llama", paths["llama"], mbs, batch, refs)
         refit_checks.run(layout, paths, report, all_ranks_ok)  # broadcast refit, sharded pool, registry
         if tp > 1:

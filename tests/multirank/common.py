@@ -18,6 +18,12 @@ from pfppo_mega.trainer.batch import PackedInputs, pack
 # 4 layers (pp = 2). VOCAB is odd, so tp = 2 pads the vocabulary to 52.
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, MAX_POS = 51, 64, 4, 4, 2, 128, 64
 CHECKPOINTS = ("llama", "qwen2")  # llama: untied; qwen2: tied + q/k/v biases
+# The other families (pfppo_mega.families), checked for logits and exact export at every layout:
+# llama3: RoPE scaling llama3 with original_max_position_embeddings ROPE_ORIG < FAMILY_SEQ, so the
+# scaled and the ramped frequency bands both act; qwen3: q/k RMSNorm and head_dim 24 != 64 / 4,
+# tied; mistral: explicit head_dim 32 and a sliding window as wide as the context (full attention).
+FAMILIES = ("llama3", "qwen3", "mistral")
+ROPE_ORIG, FAMILY_SEQ = 32, 48
 TEMPERATURE = 0.8
 BATCH = 8
 LR, WEIGHT_DECAY, GRAD_CLIP, ADAM_EPS = 1e-3, 0.01, 1.0, 1e-6
@@ -46,7 +52,8 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 def hf_model(kind: str) -> torch.nn.Module:
     """The transformers model behind checkpoint ``kind`` (fp32, eval)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     shape = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  num_key_value_heads=KV_HEADS, intermediate_size=FFN, max_position_embeddings=MAX_POS,
@@ -55,9 +62,18 @@ def hf_model(kind: str) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=5000.0, tie_word_embeddings=False))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, rope_theta=10000.0, tie_word_embeddings=True))
+    elif kind == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": ROPE_ORIG}
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=rope, tie_word_embeddings=False))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, rope_theta=20000.0, tie_word_embeddings=True))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, head_dim=32, sliding_window=MAX_POS, rope_theta=10000.0,
+                                                 tie_word_embeddings=False))
     else:
         raise ValueError(kind)
-    _randomise(model, seed={"llama": 7, "qwen2": 8}[kind])
+    _randomise(model, seed={"llama": 7, "qwen2": 8, "llama3": 9, "qwen3": 10, "mistral": 11}[kind])
     return model.float().eval()
 
 
@@ -65,35 +81,44 @@ REFERENCES = "references.safetensors"
 
 
 def make_checkpoints(root: Path) -> dict[str, Path]:
-    """root/<kind> for each checkpoint, and root/references.safetensors with transformers' fp64
-    outputs on ppo_batch() (so the rank processes need not import transformers):
-    logits/<kind> [B, S, V], logp/<kind> and entropy/<kind> [B, T] at TEMPERATURE."""
+    """root/<kind> for each checkpoint and family, and root/references.safetensors with
+    transformers' fp64 outputs (so the rank processes need not import transformers): on
+    ppo_batch(), logits/<kind> [B, S, V], logp/<kind> and entropy/<kind> [B, T] at TEMPERATURE;
+    for the FAMILIES, logits/<kind> [2, FAMILY_SEQ, V] of family_ids()."""
     import torch.nn.functional as F
     from safetensors.torch import save_file
 
     out, refs = {}, {}
     inp = ppo_batch().inputs
-    for kind in CHECKPOINTS:
+    for kind in CHECKPOINTS + FAMILIES:
         path = root / kind
         model = hf_model(kind)
         model.save_pretrained(path)
         out[kind] = path
-        with torch.no_grad():
-            logits = model.double()(inp.input_ids).logits  # [B, S, V]
+        with torch.no_grad():  # the families: logits of family_ids() [2, FAMILY_SEQ, V] only
+            logits = model.double()(family_ids() if kind in FAMILIES else inp.input_ids).logits  # [B, S, V]
+        refs[f"logits/{kind}"] = logits
+        if kind in FAMILIES:
+            continue
         sel = logits.gather(1, inp.resp_pos[..., None].expand(-1, -1, logits.shape[-1])) / TEMPERATURE
         logq = F.log_softmax(sel, dim=-1)  # [B, T, V]
-        refs[f"logits/{kind}"] = logits
         refs[f"logp/{kind}"] = logq.gather(2, inp.labels[..., None])[..., 0]
         refs[f"entropy/{kind}"] = -(logq.exp() * logq).sum(-1)
     save_file({k: v.contiguous() for k, v in refs.items()}, str(root / REFERENCES))
     return out
 
 
-def model_config(path: Path) -> tuple[ModelConfig, bool]:
+def family_ids() -> torch.Tensor:
+    """[2, FAMILY_SEQ] token ids: positions past ROPE_ORIG (llama3's original context)."""
+    return torch.randint(0, VOCAB, (2, FAMILY_SEQ), generator=torch.Generator().manual_seed(31))
+
+
+def model_config(path: Path):
+    """(ModelConfig, Architecture) of checkpoint ``path``."""
     from pfppo_mega.models import hf_io
 
     hf_cfg = hf_io.read_hf_config(path)
-    return hf_io.model_config_from_hf(hf_cfg, ModelConfig()), hf_io.qkv_bias_from_hf(hf_cfg)
+    return hf_io.model_config_from_hf(hf_cfg, ModelConfig()), hf_io.architecture_from_hf(hf_cfg)
 
 
 @dataclass
@@ -169,11 +194,11 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     rank's rows (B / dp contiguous rows), and gather the updated weights under HF names."""
     from pfppo_mega.models import engine, gpt, hf_io
 
-    cfg, qkv_bias = model_config(path)
+    cfg, arch = model_config(path)
     local = batch.rows(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    actor = gpt.build_actor(cfg, qkv_bias=qkv_bias)
+    actor = gpt.build_actor(cfg, arch=arch)
     hf_io.load_actor_from_hf(actor, path)
-    critic = gpt.build_critic(cfg, qkv_bias=qkv_bias)
+    critic = gpt.build_critic(cfg, arch=arch)
     hf_io.load_critic_trunk_from_hf(critic, path)
     set_value_head(critic)
     actor, critic = gpt.wrap_ddp(actor), gpt.wrap_ddp(critic)
