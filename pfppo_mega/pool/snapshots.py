@@ -23,8 +23,9 @@ checksum) ~0.25 s with crc32, ~0.32 s with blake2b. 1M parameters: add ~2 ms, ve
 """
 
 import hashlib
+import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 import psutil
@@ -343,3 +344,76 @@ class SnapshotPool:
         if include_current and current_version not in self.versions:
             out.append(Candidate(current_version, None, 0.0, None))
         return out
+
+    # ---- checkpoint state -----------------------------------------------------------------
+    def state_meta(self) -> dict:
+        """The pool as JSON-able data; with state_tensors() enough to rebuild it exactly."""
+        return {"pool_size": self.pool_size, "checksum": self.checksum_method, "n_corrupt": self.n_corrupt,
+                "snapshots": [{"version": s.version, "checksum": s.checksum, "names": [n for n, _ in s.tensors],
+                               "stats": asdict(s.stats)} for s in self._snapshots]}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every snapshot's tensors keyed "<slot>/<name>" (slot 0 = oldest); shared, not copied."""
+        return {f"{i}/{n}": t for i, s in enumerate(self._snapshots) for n, t in s.tensors}
+
+    @classmethod
+    def from_state(cls, meta: dict, tensors: dict[str, torch.Tensor], *, pin_memory: bool | None = None,
+                   check_memory: bool = True, log: Callable[[str], None] = print) -> "SnapshotPool":
+        """Rebuild a pool from state_meta() and state_tensors(). Each snapshot's checksum is
+        recomputed and must equal the saved one; ValueError names what does not fit."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"pool state: {what}")
+
+        def is_int(x) -> bool:
+            return type(x) is int
+
+        need(isinstance(meta, dict) and set(meta) == {"pool_size", "checksum", "n_corrupt", "snapshots"},
+             f"keys {sorted(meta) if isinstance(meta, dict) else type(meta).__name__} must be "
+             f"['checksum', 'n_corrupt', 'pool_size', 'snapshots']")
+        need(is_int(meta["pool_size"]) and meta["pool_size"] >= 1, f"pool_size = {meta['pool_size']!r} must be an int >= 1")
+        need(is_int(meta["n_corrupt"]) and meta["n_corrupt"] >= 0, f"n_corrupt = {meta['n_corrupt']!r} must be an int >= 0")
+        snaps = meta["snapshots"]
+        need(isinstance(snaps, list) and 1 <= len(snaps) <= meta["pool_size"],
+             f"snapshots must be a list of 1..pool_size({meta['pool_size']}) entries, got "
+             f"{len(snaps) if isinstance(snaps, list) else type(snaps).__name__}")
+        pool = cls(meta["pool_size"], pin_memory=pin_memory, checksum=meta["checksum"],
+                   check_memory=check_memory, log=log)
+        pool.n_corrupt = meta["n_corrupt"]
+        fields = {"n_samples", "reward_sum", "kl_to_current", "kl_measured_at", "uses"}
+        expected_keys = set()
+        for i, e in enumerate(snaps):
+            need(isinstance(e, dict) and set(e) == {"version", "checksum", "names", "stats"},
+                 f"snapshot {i}: keys must be ['checksum', 'names', 'stats', 'version']")
+            v, names, st = e["version"], e["names"], e["stats"]
+            need(is_int(v) and v >= 0, f"snapshot {i}: version = {v!r} must be an int >= 0")
+            need(v not in pool.versions, f"snapshot {i}: version {v} appears twice")
+            need(isinstance(names, list) and names and all(isinstance(n, str) for n in names),
+                 f"snapshot {i}: names must be a non-empty list of str")
+            need(isinstance(st, dict) and set(st) == fields, f"snapshot {i}: stats keys must be {sorted(fields)}")
+            need(is_int(st["n_samples"]) and st["n_samples"] >= 0 and is_int(st["uses"]) and st["uses"] >= 0
+                 and isinstance(st["reward_sum"], (int, float)) and math.isfinite(st["reward_sum"])
+                 and (st["kl_to_current"] is None or isinstance(st["kl_to_current"], (int, float)))
+                 and (st["kl_measured_at"] is None or is_int(st["kl_measured_at"])),
+                 f"snapshot {i}: stats {st} must hold n_samples, uses: int >= 0; reward_sum: finite number; "
+                 f"kl_to_current: number or null; kl_measured_at: int or null")
+            keys = [f"{i}/{n}" for n in names]
+            missing = [k for k in keys if k not in tensors]
+            need(not missing, f"snapshot {i} (version {v}): tensors {missing[:3]} missing")
+            expected_keys.update(keys)
+            named = [(n, tensors[k]) for n, k in zip(names, keys)]
+            pool._check_layout(named)
+            if pool.pin_memory:
+                named = [(n, _host_copy(t, True)) for n, t in named]
+            if check_memory and not pool._snapshots:
+                check_host_memory(pool.pool_size, named_tensors_nbytes(named))
+            snap = Snapshot(version=v, tensors=named, checksum=e["checksum"], nbytes=named_tensors_nbytes(named),
+                            stats=SnapshotStats(**{**st, "reward_sum": float(st["reward_sum"]),
+                                                   "kl_to_current": None if st["kl_to_current"] is None
+                                                   else float(st["kl_to_current"])}))
+            need(isinstance(e["checksum"], str) and pool.verify(snap),
+                 f"snapshot {i} (version {v}): checksum {str(e['checksum'])[:60]!r} does not match its tensors")
+            pool._snapshots.append(snap)
+        extra = sorted(set(tensors) - expected_keys)
+        need(not extra, f"tensors {extra[:3]} belong to no snapshot")
+        return pool

@@ -1,34 +1,62 @@
-"""Atomic, verified training checkpoints.
+"""Atomic, verified training checkpoints that hold data only (nothing is ever unpickled).
 
-Layout: ``<dir>/step_000040/`` holding ``*.safetensors`` (model weights), ``state.pt`` (optimizer,
-RNG, counters) and ``manifest.json`` (sha256 and size of every file). A checkpoint is written
-into ``step_000040.tmp-<pid>``, every file fsynced, then renamed into place, and only then is
-``latest`` (a one-line pointer file, itself replaced atomically) moved to it. A crash or kill
-at any point leaves the previous checkpoint and pointer intact. Loading verifies every file
-against the manifest; a corrupt newest checkpoint is reported and the previous one is used.
+Layout of ``<dir>/step_000040/``:
+  ``<group>.safetensors``  model weights, one file per group ("actor", "critic", "pool", ...);
+  ``state.json``           everything else as JSON: counters, config, optimizer hyper-parameters,
+                           with every tensor replaced by a reference into ``state.safetensors``;
+  ``state.safetensors``    the tensors of the state (optimizer moments, RNG states as uint8, ...);
+  ``manifest.json``        ``{"format": 2, "step": 40, "files": {name: {"sha256", "bytes"}}}``.
+
+Loading reads JSON and safetensors only. A checkpoint is refused (CheckpointError, which names
+the file, the value and the rule) when its manifest does not follow the schema above, when the
+manifest's step is not the directory's, when any entry of the directory is not listed in the
+manifest (or is not a regular file), when a listed file is missing, has another size or sha256,
+or is neither ``.json`` nor ``.safetensors``. Older checkpoints (format 1, a pickled ``state.pt``)
+are refused, never loaded.
+
+Writing: into ``step_000040.tmp-<pid>``, every file fsynced, renamed into place, and only then is
+``latest`` (a one-line pointer file, itself replaced atomically) moved to it. Re-saving a step
+that already exists moves the old directory aside (``.step_000040.old-<pid>``) and deletes it only
+once the new one is in place and ``latest`` names it; a kill in between is repaired on load (the
+aside directory is moved back). A crash or kill at any point leaves the checkpoint ``latest``
+names loadable. After a save, temporary and
+aside directories and ``.latest.tmp-*`` files left by killed writers are removed, and so are step
+directories newer than the saved step (a superseded timeline ``latest`` can no longer name).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FORMAT = 2
+STATE_JSON = "state.json"
+STATE_TENSORS = "state.safetensors"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_GROUP = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_FILE = re.compile(r"^[A-Za-z0-9_-]{1,64}\.(json|safetensors)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_MAX_JSON_BYTES = 64 << 20  # a manifest or state.json larger than this is not ours
+# JSON markers for what JSON has no type for (a key starting with "__" is reserved for them).
+_TENSOR, _TUPLE, _INTDICT = "__tensor__", "__tuple__", "__intdict__"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or does not fit the run (the message says why)."""
 
 
 @dataclass
@@ -60,117 +88,372 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a fsynced temp file and a rename (readers see old or new)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
+# ---------------------------------------------------------------------------- state <-> data
+
+
+def encode_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A JSON-able copy of `obj` (dicts, lists, tuples, str, int, float, bool, None, tensors);
+    each tensor goes into `tensors` under its path and is replaced by {"__tensor__": path}."""
+    if isinstance(obj, torch.Tensor):
+        if path in tensors:
+            raise CheckpointError(f"state {path}: two tensors map to this path (a key holding '/'?)")
+        tensors[path] = obj.detach().cpu().contiguous().clone()
+        return {_TENSOR: path}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [encode_state(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            bad = [k for k in obj if k.startswith("__")]
+            if bad:
+                raise CheckpointError(f"state key {path}/{bad[0]}: keys starting with '__' are reserved")
+            return {k: encode_state(v, tensors, f"{path}/{k}") for k, v in obj.items()}
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
+            return {_INTDICT: [[k, encode_state(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+        raise CheckpointError(f"state {path or '/'}: dict keys must be all str or all int, got "
+                              f"{sorted({type(k).__name__ for k in obj})}")
+    raise CheckpointError(f"state {path or '/'}: a {type(obj).__name__} cannot be stored as data "
+                          f"(allowed: tensor, dict, list, tuple, str, int, float, bool, None)")
+
+
+def decode_state(obj: Any, tensors: dict[str, torch.Tensor], used: set[str], where: str) -> Any:
+    """Inverse of encode_state; every marker is checked (`where` names the file in messages)."""
+    if isinstance(obj, list):
+        return [decode_state(v, tensors, used, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    marked = [k for k in obj if k.startswith("__")]
+    if not marked:
+        return {k: decode_state(v, tensors, used, where) for k, v in obj.items()}
+    if len(obj) != 1 or marked[0] not in (_TENSOR, _TUPLE, _INTDICT):
+        raise CheckpointError(f"{where}: object with keys {sorted(obj)[:5]}: a key starting with '__' must be "
+                              f"the only key and one of {[_TENSOR, _TUPLE, _INTDICT]}")
+    (key, value), = obj.items()
+    if key == _TENSOR:
+        if not isinstance(value, str) or value not in tensors:
+            raise CheckpointError(f"{where}: tensor reference {value!r} is not in {STATE_TENSORS}")
+        used.add(value)
+        return tensors[value]
+    if key == _TUPLE:
+        if not isinstance(value, list):
+            raise CheckpointError(f"{where}: {_TUPLE} must hold a list, got {type(value).__name__}")
+        return tuple(decode_state(v, tensors, used, where) for v in value)
+    if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                                            for p in value)):
+        raise CheckpointError(f"{where}: {_INTDICT} must hold a list of [int, value] pairs")
+    return {k: decode_state(v, tensors, used, where) for k, v in value}
+
+
+# ---------------------------------------------------------------------------- save
+
+
 def save_checkpoint(
     root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
     *, keep_last: int,
 ) -> Path:
+    """Write `tensors` (group -> name -> tensor) and `state` (data + tensors) as step `step`."""
+    bad = [g for g in tensors if not _GROUP.match(g) or g == "state"]
+    if bad:
+        raise CheckpointError(f"tensor group {bad[0]!r}: must match {_GROUP.pattern} and not be 'state'")
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    state_tensors: dict[str, torch.Tensor] = {}
+    state_json = json.dumps(encode_state(state, state_tensors), allow_nan=True)
     files = []
-    for group, sd in tensors.items():
+    for group, sd in {**tensors, "state": state_tensors}.items():
         name = f"{group}.safetensors"
         # safetensors refuses shared or non-contiguous storage: give it private contiguous copies.
-        save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp / name))
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}, str(tmp / name))
         files.append(name)
-    torch.save(state, tmp / "state.pt")
-    files.append("state.pt")
+    (tmp / STATE_JSON).write_text(state_json)
+    files.append(STATE_JSON)
     for name in files:
         _fsync_file(tmp / name)
-    manifest = {"step": step, "files": {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size}
-                                        for n in files}}
+    manifest = {"format": FORMAT, "step": step,
+                "files": {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _fsync_file(tmp / MANIFEST)
     _fsync_dir(tmp)
-    if final.exists():  # a re-save of the same step (e.g. after resume): replace it whole
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():  # a re-save of this step: keep the old one until the new one is in place
+        aside = root / f".{final.name}.old-{os.getpid()}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _atomic_write_text(root / LATEST, final.name + "\n")
-    _prune(root, keep_last)
+    atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    _prune(root, keep_last, saved_step=step)
     return final
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def _step_dirs(root: Path) -> list[Path]:
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)] if root.exists() else []
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p.is_dir() or p.is_symlink())]
+    return sorted(found, key=_step_of)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for stale in root.glob("step_*.tmp-*"):  # left by a killed writer
+def _prune(root: Path, keep_last: int, *, saved_step: int) -> None:
+    """Remove what killed writers left, step dirs newer than the one `latest` now names, and all
+    but the newest keep_last step dirs."""
+    for stale in [*root.glob("step_*.tmp-*"), *root.glob(".step_*.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):
+        stale.unlink(missing_ok=True)
     dirs = _step_dirs(root)
-    for old in dirs[:-keep_last]:
+    for newer in (d for d in dirs if _step_of(d) > saved_step):
+        shutil.rmtree(newer, ignore_errors=True)
+    dirs = [d for d in dirs if _step_of(d) <= saved_step]
+    for old in dirs[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify(path: Path) -> None:
-    """Raise CheckpointError unless every file matches the manifest."""
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST} (incomplete write?)")
+# ---------------------------------------------------------------------------- verify / load
+
+
+def _regular_file(path: Path, missing: str) -> os.stat_result:
+    """lstat of `path`; CheckpointError(missing) when absent, or when not a regular file."""
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
-    for name, meta in manifest["files"].items():
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(missing) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: must be a regular file (not a link, directory or device)")
+    return st
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """JSON of a regular file (never follows a symlink); any failure -> CheckpointError."""
+    st = _regular_file(path, f"{path}: no {what} (incomplete write?)")
+    if st.st_size > _MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: {what} has {st.st_size} bytes > {_MAX_JSON_BYTES}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable {what} ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint dir `path`, its schema checked (not the files)."""
+    mpath = path / MANIFEST
+    m = _read_json(mpath, MANIFEST)
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{mpath}: must be a JSON object {{format, step, files}}, got {type(m).__name__}")
+    if m.get("format") != FORMAT:
+        if "format" not in m and isinstance(m.get("files"), dict) and "state.pt" in m["files"]:
+            raise CheckpointError(f"{mpath}: format 1 (a pickled state.pt) is never loaded, since unpickling "
+                                  f"can run code; resume from a checkpoint written by this version")
+        raise CheckpointError(f"{mpath}: format = {m.get('format')!r}, must be {FORMAT}")
+    if set(m) != {"format", "step", "files"}:
+        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['files', 'format', 'step']")
+    step, files = m["step"], m["files"]
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{mpath}: step = {step!r} must be an integer >= 0")
+    dir_match = _STEP_DIR.match(path.name)
+    if dir_match and int(dir_match.group(1)) != step:
+        raise CheckpointError(f"{mpath}: step = {step} but the directory is {path.name}: they must agree")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{mpath}: files must be a non-empty object {{name: {{sha256, bytes}}}}, "
+                              f"got {type(files).__name__}")
+    for name, meta in files.items():
+        if not _FILE.match(name) or name == MANIFEST:
+            raise CheckpointError(f"{mpath}: file name {name!r} is not allowed: only plain names ending in "
+                                  f".safetensors or .json (other than {MANIFEST}) are loaded")
+        if not (isinstance(meta, dict) and set(meta) == {"sha256", "bytes"} and isinstance(meta["sha256"], str)
+                and _SHA256.match(meta["sha256"]) and type(meta["bytes"]) is int and meta["bytes"] >= 0):
+            raise CheckpointError(f"{mpath}: entry of {name!r} = {str(meta)[:120]} must be "
+                                  f"{{\"sha256\": <64 hex digits>, \"bytes\": <int >= 0>}}")
+    for need in (STATE_JSON, STATE_TENSORS):
+        if need not in files:
+            raise CheckpointError(f"{mpath}: {need} is not listed (every checkpoint has one)")
+    return m
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Raise CheckpointError unless the manifest is well-formed, the directory holds exactly the
+    files it lists (plus itself), all regular files, each with its size and sha256. Returns it."""
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(f"{path}: must be a directory, not a link or a file")
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    for entry in os.scandir(path):
+        if entry.name != MANIFEST and entry.name not in files:
+            raise CheckpointError(f"{path}: {entry.name!r} is not listed in {MANIFEST}; a checkpoint holds "
+                                  f"only the files its manifest lists (refusing the whole checkpoint)")
+    for name, meta in files.items():
         f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
-        if f.stat().st_size != meta["bytes"]:
-            raise CheckpointError(f"{f}: size {f.stat().st_size} != manifest {meta['bytes']}")
+        st = _regular_file(f, f"{path}: file {name} listed in the manifest is missing")
+        if st.st_size != meta["bytes"]:
+            raise CheckpointError(f"{f}: size {st.st_size} != manifest {meta['bytes']}")
         if _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"{f}: sha256 mismatch (corrupted)")
+    return manifest
 
 
-def _candidates(root: Path) -> list[Path]:
-    """Step dirs up to the one `latest` names (a newer dir without the pointer moved is not trusted
-    first, but is still a candidate below it only if older), oldest first."""
-    candidates = _step_dirs(root)
+def _pointer_step(root: Path, log) -> int | None:
+    """The step `latest` names, or None (no pointer, or one that is not a step dir name)."""
     pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            limit = int(_STEP_DIR.match(named.name).group(1))
-            candidates = [c for c in candidates if int(_STEP_DIR.match(c.name).group(1)) <= limit]
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
+    try:
+        if pointer.is_symlink() or not pointer.is_file() or pointer.stat().st_size > 256:
+            raise CheckpointError("not a small regular file")
+        name = pointer.read_bytes().decode("ascii").strip()
+        m = _STEP_DIR.match(name)
+        if not m:
+            raise CheckpointError(f"content {name[:40]!r} is not a step_NNNNNN name")
+    except (CheckpointError, UnicodeDecodeError) as e:
+        log(f"[checkpoint] ignoring {pointer}: {e}")
+        return None
+    return int(m.group(1))
+
+
+def _candidates(root: Path, log=print) -> list[Path]:
+    """Step dirs up to the step `latest` names, oldest first. A newer dir was never pointed to (or
+    belongs to a superseded timeline) and is not trusted. If the named dir is missing because a
+    re-save was killed after moving it aside, it is moved back first."""
+    limit = _pointer_step(root, log)
+    if limit is not None:
+        named = root / f"step_{limit:06d}"
+        for aside in sorted(root.glob(f".{named.name}.old-*")) if not named.is_dir() else []:
+            try:  # a re-save was killed between moving the old dir aside and moving the new one in
+                os.rename(aside, named)
+            except OSError:
+                continue
+            log(f"[checkpoint] restored {named.name} from {aside.name} (an interrupted re-save)")
+            break
+    candidates = _step_dirs(root)
+    if limit is not None:
+        candidates = [c for c in candidates if _step_of(c) <= limit]
     return candidates
 
 
+def step_dirs(root: Path) -> list[Path]:
+    """Every step directory under root, oldest first (valid or not)."""
+    return _step_dirs(root)
+
+
 def latest_valid_step(root: Path, *, log=print) -> int | None:
-    """The newest step whose checkpoint verifies (corrupt ones are reported), or None."""
-    for path in reversed(_candidates(root)):
+    """The newest step whose checkpoint verifies (refused ones are reported), or None."""
+    for path in reversed(_candidates(root, log)):
         try:
             verify(path)
         except CheckpointError as e:
             log(f"[checkpoint] skipping {path.name}: {e}")
             continue
-        return int(_STEP_DIR.match(path.name).group(1))
+        return _step_of(path)
     return None
 
 
+def _load_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def load_step(root: Path, step: int) -> Checkpoint:
-    """Load (and verify) the checkpoint of `step`."""
+    """Load (and verify) the checkpoint of `step`: JSON and safetensors only."""
     path = root / f"step_{step:06d}"
-    verify(path)
-    tensors = {f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors"))}
-    state = torch.load(path / "state.pt", weights_only=False)
+    manifest = verify(path)
+    names = sorted(manifest["files"])
+    tensors = {n[: -len(".safetensors")]: _load_safetensors(path / n)
+               for n in names if n.endswith(".safetensors") and n != STATE_TENSORS}
+    extra_json = [n for n in names if n.endswith(".json") and n != STATE_JSON]
+    if extra_json:
+        raise CheckpointError(f"{path}: unexpected JSON file(s) {extra_json}: only {STATE_JSON} is read")
+    flat = _load_safetensors(path / STATE_TENSORS)
+    used: set[str] = set()
+    state = decode_state(_read_json(path / STATE_JSON, STATE_JSON), flat, used, str(path / STATE_JSON))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / STATE_JSON}: must hold a JSON object, got {type(state).__name__}")
+    unused = sorted(set(flat) - used)
+    if unused:
+        raise CheckpointError(f"{path / STATE_TENSORS}: tensors {unused[:5]} are referenced by nothing in "
+                              f"{STATE_JSON}")
     return Checkpoint(step=step, path=path, tensors=tensors, state=state)
 
 
 def load_latest(root: Path, *, log=print) -> Checkpoint | None:
-    """The newest checkpoint that verifies, or None when there is none. Corrupt ones are reported."""
+    """The newest checkpoint that verifies, or None when there is none. Refused ones are reported."""
     step = latest_valid_step(root, log=log)
     return None if step is None else load_step(root, step)
+
+
+# ---------------------------------------------------------------------------- fit to the run
+
+
+def check_optimizer_state(opt: Any, sd: Any, where: str) -> None:
+    """Raise CheckpointError unless `sd` is a state dict `opt` can take: the same groups over the
+    same parameter indices, and every per-parameter tensor of the parameter's shape, floating
+    point and finite (torch's load_state_dict checks none of these shapes)."""
+    subs = getattr(opt, "chained_optimizers", None)
+    if isinstance(sd, list):
+        if subs is None or len(subs) != len(sd):
+            raise CheckpointError(f"{where}: a list of {len(sd)} optimizer states, the run has "
+                                  f"{len(subs) if subs else 1} optimizer(s)")
+        for i, (o, s) in enumerate(zip(subs, sd)):
+            check_optimizer_state(o, s, f"{where}[{i}]")
+        return
+    if subs is not None and len(subs) == 1:
+        opt = subs[0]
+    ref = opt.state_dict()
+    if set(ref) != {"state", "param_groups"}:  # a wrapper's layout (e.g. mixed precision): keys only
+        if not isinstance(sd, dict) or set(sd) != set(ref):
+            raise CheckpointError(f"{where}: keys {sorted(sd) if isinstance(sd, dict) else type(sd).__name__} "
+                                  f"must be {sorted(ref)}")
+        return
+    if not (isinstance(sd, dict) and set(sd) == set(ref) and isinstance(sd.get("state"), dict)
+            and isinstance(sd.get("param_groups"), list)):
+        raise CheckpointError(f"{where}: keys {sorted(sd) if isinstance(sd, dict) else type(sd).__name__} "
+                              f"must be {sorted(ref)} with state a dict and param_groups a list")
+    if len(sd["param_groups"]) != len(ref["param_groups"]):
+        raise CheckpointError(f"{where}: {len(sd['param_groups'])} param groups, the run's optimizer has "
+                              f"{len(ref['param_groups'])}")
+    shapes: dict[int, tuple[int, ...]] = {}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, (g, r) in enumerate(zip(sd["param_groups"], ref["param_groups"])):
+        if not isinstance(g, dict) or g.get("params") != r["params"]:
+            raise CheckpointError(f"{where}: param group {i} covers parameters "
+                                  f"{g.get('params') if isinstance(g, dict) else g!r}, the run's covers {r['params']}")
+        for k, v in g.items():
+            if k != "params" and isinstance(v, float) and not math.isfinite(v):
+                raise CheckpointError(f"{where}: param group {i} {k} = {v} must be finite")
+    for idx in (i for r in ref["param_groups"] for i in r["params"]):
+        shapes[idx] = tuple(params[len(shapes)].shape)
+    for idx, per in sd["state"].items():
+        if idx not in shapes or not isinstance(per, dict):
+            raise CheckpointError(f"{where}: state for parameter {idx!r}, the run's optimizer has "
+                                  f"parameters 0..{len(shapes) - 1}")
+        for k, v in per.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if not v.is_floating_point() or not bool(v.isfinite().all()):
+                raise CheckpointError(f"{where}: state[{idx}][{k}] must be finite floating point ({v.dtype})")
+            if v.dim() and tuple(v.shape) != shapes[idx]:
+                raise CheckpointError(f"{where}: state[{idx}][{k}] has shape {tuple(v.shape)}, parameter {idx} "
+                                      f"has {shapes[idx]}")

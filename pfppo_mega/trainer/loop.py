@@ -206,8 +206,6 @@ class PPOTrainer:
             kernel_policy_loss=self.kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
             clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode,
             is_clip=a.pool.is_clip)
-        self._resume()
-        self.sync_weights(self.step)
 
         # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
         self.pool: pfpool.SnapshotPool | None = None
@@ -217,6 +215,8 @@ class PPOTrainer:
             self.log(f"[pfppo] PF-PPO pool: {cfg.algorithm.pool.pool_size} x "
                      f"{self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshots in host memory, "
                      f"sampling={cfg.algorithm.pool.sampling}, every {cfg.algorithm.pool.snapshot_interval} steps")
+        self._resume()  # after the pool is built: a checkpoint's pool replaces it
+        self.sync_weights(self.step)
 
     # ------------------------------------------------------------------ phase: rollout
 
@@ -651,7 +651,7 @@ class PPOTrainer:
             (self.out_dir / "config.yaml").write_text(dump_yaml(cfg))
         logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard and self.is_logger,
                                progress=cfg.logging.progress and self.is_logger, total_steps=total,
-                               enabled=self.is_logger)
+                               enabled=self.is_logger, start_step=self.step)
         ckpt_root = self.out_dir / "checkpoints"
         eval_before = self.evaluate()
         self.log(f"[pfppo] held-out accuracy at step {self.step} ({len(self.eval_problems)} prompts): "
@@ -668,10 +668,10 @@ class PPOTrainer:
             if self.step % cfg.logging.log_interval == 0 or "eval/accuracy" in metrics:
                 logger.log(self.step, metrics)
             si = cfg.checkpoint.save_interval
-            if (si and self.step % si == 0) or self.step == total:
-                self.save(ckpt_root)
-            if self._stop_requested():  # Slurm asked for a checkpoint before preemption / time limit
-                self.save(ckpt_root)
+            stop = self._stop_requested()  # Slurm asked for a checkpoint before preemption / time limit
+            if (si and self.step % si == 0) or self.step == total or stop:
+                self.save(ckpt_root)  # once per step, whichever reasons coincide
+            if stop:
                 self.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {self.step}, exiting")
                 break
         logger.close()
@@ -700,42 +700,130 @@ class PPOTrainer:
         return root if p.tp * p.pp == 1 else root / f"mp-tp{p.tp_rank}-pp{p.pp_rank}"
 
     def save(self, root: Path) -> Path | None:
+        """Checkpoint this step (once: a second call at the same step writes nothing)."""
+        if self._saved_step == self.step:
+            return None
+        self._saved_step = self.step
         if self.parallel.dp_rank != 0:
             return None
         state = {"step": self.step, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
                  "assign_rng": self.assign_gen.get_state(),
                  "running_reward": self.running_reward.state_dict(), "guards": dict(self.guards),
+                 "consecutive_skips": dict(self.consecutive_skips),
                  "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                 "config": config_to_dict(self.cfg)}
+                 "config": config_to_dict(self.cfg),
+                 "pool": None if self.pool is None else self.pool.state_meta()}
         tensors = {"actor": tensor_state(self.actor), "critic": tensor_state(self.critic)}
+        if self.pool is not None:
+            tensors["pool"] = self.pool.state_tensors()
         return ckpt.save_checkpoint(self._ckpt_dir(root), self.step, tensors, state,
                                     keep_last=self.cfg.checkpoint.keep_last)
 
     def _resume(self) -> None:
-        """Every rank resumes from the newest step that verifies on all model-parallel ranks."""
+        """Every rank resumes from the newest step that verifies on all model-parallel ranks. A
+        checkpoint dir whose step dirs all fail verification, or a state that contradicts this
+        run, is refused on every rank (CheckpointError), never silently replaced by a fresh start."""
+        self._saved_step: int | None = None
         if not self.cfg.checkpoint.resume:
             return
         root = self._ckpt_dir(self.out_dir / "checkpoints")
-        step = ckpt.latest_valid_step(root, log=self.log)
+        refused: list[str] = []
+        step = ckpt.latest_valid_step(root, log=lambda msg: (refused.append(msg), self.log(msg)))
+        if step is None and ckpt.step_dirs(root):
+            step = -2  # there are checkpoints, none can be trusted
         step = self._min_over_world(-1 if step is None else step)
+        if step == -2:
+            raise ckpt.CheckpointError(
+                f"checkpoint.resume: no checkpoint under {root} can be used ({'; '.join(refused) or 'another rank'}); "
+                f"repair or move them, or set checkpoint.resume=false")
         if step < 0:
             return
-        found = ckpt.load_step(root, step)
-        load_tensor_state(self.actor, found.tensors["actor"])
-        load_tensor_state(self.critic, found.tensors["critic"])
-        s = found.state
-        self.actor_opt.load_state_dict(s["actor_opt"])
-        self.critic_opt.load_state_dict(s["critic_opt"])
-        if self.parallel.dp == 1:
-            self.rng.setstate(s["rng"])
-        else:  # only dp_rank 0's stream is saved: the others restart theirs deterministically
-            self.rng.seed(self.cfg.training.seed + 7777 * self.parallel.dp_rank + 1_000_003 * s["step"])
-        torch.set_rng_state(s["torch_rng"])
-        self.assign_gen.set_state(s["assign_rng"])
-        self.running_reward.load_state_dict(s["running_reward"])
+        error = None
+        try:
+            self._load_checkpoint(ckpt.load_step(root, step))
+        except ckpt.CheckpointError as e:
+            error = e
+        if self._min_over_world(-1 if error is not None else 0) < 0:
+            raise error or ckpt.CheckpointError(f"checkpoint step {step}: refused on another rank (see its log)")
+        self._saved_step = self.step
+        self.log(f"[pfppo] resumed from {root / f'step_{step:06d}'} (step {self.step})")
+
+    _STATE_KEYS = frozenset({"step", "rng", "torch_rng", "assign_rng", "running_reward", "guards",
+                             "consecutive_skips", "actor_opt", "critic_opt", "config", "pool"})
+
+    def _load_checkpoint(self, found: "ckpt.Checkpoint") -> None:
+        """Check a loaded checkpoint against this run, then install it. CheckpointError names the
+        file, the value and the rule it breaks."""
+        where, s, t = found.path, found.state, self.cfg.training
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ckpt.CheckpointError(f"{where}: {what}")
+
+        need(set(s) == self._STATE_KEYS, f"state keys {sorted(s)} must be {sorted(self._STATE_KEYS)}")
+        need(type(s["step"]) is int and s["step"] == found.step,
+             f"state step = {s['step']!r} must equal the checkpoint's step {found.step}")
+        need(found.step <= t.total_training_steps,
+             f"step {found.step} > training.total_training_steps ({t.total_training_steps}): this checkpoint is "
+             f"from a longer run; raise total_training_steps, or use another logging.output_dir or "
+             f"checkpoint.resume=false")
+        has_pool = s["pool"] is not None
+        need(has_pool == (self.pool is not None),
+             f"the checkpoint {'holds' if has_pool else 'has no'} PF-PPO pool but this run has "
+             f"algorithm.use_pf_ppo={self.pool is not None}: resume with the setting it was written with")
+        groups = {"actor", "critic"} | ({"pool"} if has_pool else set())
+        need(set(found.tensors) == groups, f"tensor files {sorted(found.tensors)} must be {sorted(groups)}")
+        for group, model in (("actor", self.actor), ("critic", self.critic)):
+            bad = [k for k, v in found.tensors[group].items() if v.is_floating_point() and not bool(v.isfinite().all())]
+            need(not bad, f"{group}.safetensors: tensors {bad[:3]} hold NaN/inf")
+            try:
+                load_tensor_state(model, found.tensors[group])
+            except ValueError as e:
+                need(False, f"{group}.safetensors does not fit the configured model: {e}")
+        for name, opt in (("actor_opt", self.actor_opt), ("critic_opt", self.critic_opt)):
+            ckpt.check_optimizer_state(opt, s[name], f"{where}: state {name}")
+            opt.load_state_dict(s[name])
+        need(isinstance(s["guards"], dict) and set(s["guards"]) <= set(self.guards)
+             and all(type(v) is int and v >= 0 for v in s["guards"].values()),
+             f"guards = {str(s['guards'])[:200]}: keys must be among {sorted(self.guards)}, values ints >= 0")
+        need(isinstance(s["consecutive_skips"], dict) and set(s["consecutive_skips"]) == set(self.consecutive_skips)
+             and all(type(v) is int and v >= 0 for v in s["consecutive_skips"].values()),
+             f"consecutive_skips = {str(s['consecutive_skips'])[:200]}: keys must be {sorted(self.consecutive_skips)}, "
+             f"values ints >= 0")
+        try:
+            if self.parallel.dp == 1:
+                self.rng.setstate(s["rng"])
+            else:  # only dp_rank 0's stream is saved: the others restart theirs deterministically
+                self.rng.seed(t.seed + 7777 * self.parallel.dp_rank + 1_000_003 * s["step"])
+            for name in ("torch_rng", "assign_rng"):
+                need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
+                     f"state {name} must be a 1-D uint8 tensor")
+            torch.set_rng_state(s["torch_rng"])
+            self.assign_gen.set_state(s["assign_rng"])
+            self.running_reward.load_state_dict(s["running_reward"])
+        except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+            need(False, f"RNG or running-reward state refused ({type(e).__name__}: {str(e)[:200]})")
+        if has_pool:
+            self._load_pool(s["pool"], found.tensors["pool"], found.step, need)
         self.guards.update(s["guards"])
+        self.consecutive_skips.update(s["consecutive_skips"])
         self.step = s["step"]
-        self.log(f"[pfppo] resumed from {found.path} (step {self.step})")
+
+    def _load_pool(self, meta, tensors: dict[str, torch.Tensor], step: int, need) -> None:
+        """Rebuild the PF-PPO pool exactly (versions, stats, snapshots, checksums)."""
+        size = self.cfg.algorithm.pool.pool_size
+        need(isinstance(meta, dict) and meta.get("pool_size") == size,
+             f"pool pool_size = {meta.get('pool_size') if isinstance(meta, dict) else meta!r} must equal "
+             f"algorithm.pool.pool_size ({size})")
+        try:
+            pool = pfpool.SnapshotPool.from_state(meta, tensors, log=self.log)
+        except ValueError as e:
+            need(False, f"pool.safetensors / state pool: {e}")
+        need(all(v <= step for v in pool.versions), f"pool versions {pool.versions} must be <= step {step}")
+        current = [(n, t.dtype, tuple(t.shape)) for n, t in self._current_weights()]
+        held = [(n, t.dtype, tuple(t.shape)) for n, t in pool.snapshots[0].tensors]
+        need(held == current, "pool snapshots do not have the model's layout (names, dtypes, shapes)")
+        self.pool = pool
 
     def _stop_requested(self) -> bool:
         """Rank 0 tests $PFPPO_STOP_FILE (created by scripts/slurm/lib.sh on SIGUSR1) and every

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from pfppo_mega.trainer.checkpoint import atomic_write_bytes
+
 # Curves plotted at the end of a run: (metric key, panel title).
 PLOTTED = (
     ("reward/mean", "reward (mean)"),
@@ -26,8 +28,13 @@ PLOTTED = (
 
 class MetricsLogger:
     def __init__(self, out_dir: Path, *, tensorboard: bool, progress: bool, total_steps: int,
-                 enabled: bool = True):
-        """enabled=False (every rank but global rank 0): accept records, write nothing."""
+                 enabled: bool = True, start_step: int = 0):
+        """enabled=False (every rank but global rank 0): accept records, write nothing.
+
+        start_step: the step the run starts (or resumes) at. Records of later steps already in
+        metrics.jsonl (written after the checkpoint the run resumed from, or by an earlier run in
+        this directory) are dropped first, so that no step appears twice; a fresh run (0) starts
+        an empty file. TensorBoard events after start_step are purged likewise."""
         self.enabled = enabled
         self.out_dir = out_dir
         self.jsonl_path = out_dir / "metrics.jsonl"
@@ -35,12 +42,14 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.t0 = time.monotonic()
         self.first_step: int | None = None
+        if enabled:
+            truncate_jsonl(self.jsonl_path, keep_through_step=start_step if start_step > 0 else -1)
         self._jsonl = open(self.jsonl_path, "a", buffering=1) if enabled else None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -80,6 +89,29 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_jsonl(path: Path, *, keep_through_step: int) -> int:
+    """Rewrite the JSONL file at `path` atomically, keeping the records whose "step" is
+    <= keep_through_step (a torn last line from a killed writer is dropped too). Returns the
+    number of records dropped; a missing file is left missing."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                rec = json.loads(raw)
+                keep = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= keep_through_step
+            except ValueError:
+                keep = False
+            if keep:
+                kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+            elif raw.strip():
+                dropped += 1
+    if dropped:
+        atomic_write_bytes(path, b"".join(kept))
+    return dropped
 
 
 def read_jsonl(path: Path) -> list[dict]:
