@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace pfppo {
@@ -66,14 +67,16 @@ Mask mask_kind(const at::Tensor& t, const char* op, const char* name, const char
 }
 
 LogProbArgs check_logprob(const char* op, const at::Tensor& logits, const at::Tensor& labels,
-                          int64_t vocab_start, bool check_label_range) {
+                          int64_t vocab_start, double temperature, int64_t vocab_size,
+                          bool full_vocab) {
   check_defined(op, logits, "logits", "[N, V]");
   check_defined(op, labels, "labels", "[N]");
   TORCH_CHECK_VALUE(logits.dim() == 2, op, ": logits must have shape [N, V] (2-D); got ",
                     shape_str(logits));
   const Scalar dtype = scalar_kind(logits, op, "logits", "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK_VALUE(V >= 1, op, ": logits [N, V] needs V >= 1; got shape ", shape_str(logits));
+  TORCH_CHECK_VALUE(V >= 1, op, ": logits [N, V] needs V >= 1 (a vocabulary); got shape ",
+                    shape_str(logits));
   TORCH_CHECK_VALUE(logits.stride(1) == 1 || V == 1, op,
                     ": logits [N, V] must be contiguous along V (stride 1); got strides ",
                     strides_str(logits), " for shape ", shape_str(logits));
@@ -89,13 +92,29 @@ LogProbArgs check_logprob(const char* op, const at::Tensor& logits, const at::Te
   TORCH_CHECK_VALUE(labels.is_contiguous(), op, ": labels [N] must be contiguous; got strides ",
                     strides_str(labels));
   TORCH_CHECK_VALUE(vocab_start >= 0, op, ": vocab_start must be >= 0; got ", vocab_start);
+  // NaN fails both comparisons; inf would make every logit 0 (a silent uniform softmax).
+  TORCH_CHECK_VALUE(temperature > 0.0 && temperature <= 3.4e38, op, ": temperature=",
+                    temperature, " must be a finite number > 0 (the softmax is over logits / T)");
+  // Columns whose global index is >= vocab_size are vocabulary padding (-1: none).
+  TORCH_CHECK_VALUE(vocab_size == -1 || vocab_size >= 1, op, ": vocab_size=", vocab_size,
+                    " must be >= 1, or -1 when the logits have no padding columns");
+  if (full_vocab) {
+    TORCH_CHECK_VALUE(vocab_size == -1 || vocab_size <= V, op, ": vocab_size=", vocab_size,
+                      " must be in [1, V] = [1, ", V, "] for logits [N, V] = ", shape_str(logits),
+                      " (columns >= vocab_size are padding)");
+  }
+  const int64_t valid =
+      vocab_size == -1 ? V : std::min(V, std::max<int64_t>(0, vocab_size - vocab_start));
   const int64_t* lab = labels.data_ptr<int64_t>();
   if (labels.device().is_cpu()) {
-    // A full vocabulary needs every label in [0, V); a shard only non-negative global ones.
+    // A full vocabulary needs every label in [0, vocab_size); a shard global indices in
+    // [0, vocab_size) (only >= 0 when vocab_size is not given).
+    const int64_t hi = full_vocab ? valid : vocab_size;
+    const char* range = vocab_size == -1 ? "[0, V) = [0, " : "[0, vocab_size) = [0, ";
     for (int64_t i = 0; i < N; ++i) {
-      if (check_label_range) {
-        TORCH_CHECK_VALUE(lab[i] >= 0 && lab[i] < V, op, ": labels[", i, "] = ", lab[i],
-                          " is outside [0, V) = [0, ", V, ") for logits [N, V] = ",
+      if (hi >= 0) {
+        TORCH_CHECK_VALUE(lab[i] >= 0 && lab[i] < hi, op, ": labels[", i, "] = ", lab[i],
+                          " is outside ", range, hi, ") for logits [N, V] = ",
                           shape_str(logits));
       } else {
         TORCH_CHECK_VALUE(lab[i] >= 0, op, ": labels[", i, "] = ", lab[i],
@@ -103,8 +122,8 @@ LogProbArgs check_logprob(const char* op, const at::Tensor& logits, const at::Te
       }
     }
   }
-  return LogProbArgs{logits.data_ptr(), dtype, N, V, N > 0 ? logits.stride(0) : V, lab,
-                     vocab_start};
+  return LogProbArgs{logits.data_ptr(), dtype, N,   V,     N > 0 ? logits.stride(0) : V,
+                     lab,               vocab_start, valid, float(temperature)};
 }
 
 LogProbBwdArgs check_logprob_bwd(const char* op, const LogProbArgs& a, const at::Tensor& logits,

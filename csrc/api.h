@@ -17,11 +17,14 @@ namespace pfppo {
 Scalar scalar_kind(const at::Tensor& t, const char* op, const char* name, const char* shape);
 Mask mask_kind(const at::Tensor& t, const char* op, const char* name, const char* shape);
 
-// logits [N, V] (unit stride along V) and labels [N] int64. Host labels are read: with
-// check_label_range each must lie in [0, V), else each must be >= 0 (global indices of a
-// vocab shard). CUDA labels are not read on the host (the kernels write NaN for a bad label).
+// logits [N, V] (unit stride along V) and labels [N] int64; temperature finite and > 0;
+// vocab_size: global columns >= vocab_size are padding (-1: none). full_vocab: logits hold the
+// whole (possibly padded) vocabulary, vocab_size <= V. Host labels are read: each must lie in
+// [0, vocab_size) (shard without vocab_size: >= 0). CUDA labels are not read on the host (the
+// kernels write NaN for a bad label).
 LogProbArgs check_logprob(const char* op, const at::Tensor& logits, const at::Tensor& labels,
-                          int64_t vocab_start, bool check_label_range);
+                          int64_t vocab_start, double temperature, int64_t vocab_size,
+                          bool full_vocab);
 
 // grad_logp, grad_entropy, row_max, log_sumexp, entropy: [N] float32 on the logits' device.
 LogProbBwdArgs check_logprob_bwd(const char* op, const LogProbArgs& a, const at::Tensor& logits,

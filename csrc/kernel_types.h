@@ -18,8 +18,11 @@ enum class Mask : int { kBool = 0, kF32 = 1, kBF16 = 2 };
 enum class AggMode : int { kTokenMean = 0, kSeqMeanTokenSum = 1, kSeqMeanTokenMean = 2 };
 
 // Rows of logits [N, V] (row i starts at logits + i * row_stride elements) and one label per
-// row. vocab_start: global index of column 0 (0 unless this is a vocab shard); a label whose
-// local index label - vocab_start falls outside [0, V) contributes no target logit.
+// row. vocab_start: global index of column 0 (0 unless this is a vocab shard). Only columns
+// [0, valid) are vocabulary: columns [valid, V) are padding (megatron pads the vocabulary to a
+// multiple of tp * make_vocab_size_divisible_by) and count as -inf logits (gradient 0). The
+// softmax is taken over x / temperature (division per element, as torch's logits / T). A label
+// whose local index label - vocab_start falls outside [0, valid) contributes no target logit.
 struct LogProbArgs {
   const void* logits;
   Scalar dtype;
@@ -28,9 +31,11 @@ struct LogProbArgs {
   int64_t row_stride;
   const int64_t* labels;  // [N]
   int64_t vocab_start;
+  int64_t valid;          // 0 <= valid <= vocab
+  float temperature;      // > 0; 1 = the logits as they are
 };
 
-// Full (unsharded) forward: all [N], fp32. lse = row_max + log_sumexp is kept as two parts so
+// Full (unsharded) forward: all [N], fp32, of y = x / temperature. lse = row_max + log_sumexp is kept as two parts so
 // that log p = (x - row_max) - log_sumexp loses no more precision than torch's log_softmax.
 struct LogProbOut {
   float* logp;        // logits[label] - lse
@@ -39,11 +44,12 @@ struct LogProbOut {
   float* log_sumexp;  // log sum_v exp(logits_v - m)      (saved for backward)
 };
 
-// Vocab-parallel forward: per-row partials of one shard, all [N], fp32.
-//   max            m = max_v x_v
-//   sumexp         s = sum_v exp(x_v - m)
-//   sumexp_shifted u = sum_v exp(x_v - m) * (x_v - m)
-//   target         x_label if label is in this shard, else 0
+// Vocab-parallel forward: per-row partials of one shard, all [N], fp32, over the columns
+// [0, valid) of y = x / temperature (a shard of only padding: m = -inf, s = u = 0).
+//   max            m = max_v y_v
+//   sumexp         s = sum_v exp(y_v - m)
+//   sumexp_shifted u = sum_v exp(y_v - m) * (y_v - m)
+//   target         y_label if label is in this shard, else 0
 struct LogProbPartialsOut {
   float* max;
   float* sumexp;
@@ -51,8 +57,9 @@ struct LogProbPartialsOut {
   float* target;
 };
 
-// Backward: grad_x_v = g * ([v == label] - p_v) - h * p_v * (log p_v + H),
-// log p_v = (x_v - row_max) - log_sumexp. For a shard: the global (combined) values.
+// Backward: grad_x_v = (g * ([v == label] - p_v) - h * p_v * (log p_v + H)) / temperature,
+// log p_v = (y_v - row_max) - log_sumexp; 0 on padding columns. For a shard: the global
+// (combined) values.
 struct LogProbBwdArgs {
   const float* row_max;       // [N]
   const float* log_sumexp;    // [N]

@@ -13,8 +13,9 @@ namespace pfppo {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(
-    const at::Tensor& logits, const at::Tensor& labels) {
-  LogProbArgs a = check_logprob("pfppo::logprob_entropy", logits, labels, 0, true);
+    const at::Tensor& logits, const at::Tensor& labels, double temperature, int64_t vocab_size) {
+  LogProbArgs a =
+      check_logprob("pfppo::logprob_entropy", logits, labels, 0, temperature, vocab_size, true);
   auto out = empty_rows(logits, 4);  // logp, entropy, row_max, log_sumexp
   cpu::logprob_entropy_fwd(a, {out[0].data_ptr<float>(), out[1].data_ptr<float>(),
                                out[2].data_ptr<float>(), out[3].data_ptr<float>()});
@@ -22,9 +23,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_partials_cpu(
-    const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start) {
-  LogProbArgs a =
-      check_logprob("pfppo::logprob_entropy_partials", logits, labels, vocab_start, false);
+    const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, double temperature,
+    int64_t vocab_size) {
+  LogProbArgs a = check_logprob("pfppo::logprob_entropy_partials", logits, labels, vocab_start,
+                                temperature, vocab_size, false);
   auto out = empty_rows(logits, 4);  // max, sumexp, sumexp_shifted, target
   cpu::logprob_entropy_partials(a, {out[0].data_ptr<float>(), out[1].data_ptr<float>(),
                                     out[2].data_ptr<float>(), out[3].data_ptr<float>()});
@@ -35,9 +37,10 @@ at::Tensor logprob_entropy_backward_cpu(const at::Tensor& grad_logp,
                                         const at::Tensor& grad_entropy,
                                         const at::Tensor& logits, const at::Tensor& labels,
                                         const at::Tensor& row_max, const at::Tensor& log_sumexp,
-                                        const at::Tensor& entropy, int64_t vocab_start) {
+                                        const at::Tensor& entropy, int64_t vocab_start,
+                                        double temperature, int64_t vocab_size) {
   const char* op = "pfppo::logprob_entropy_backward";
-  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, false);
+  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
   LogProbBwdArgs b =
       check_logprob_bwd(op, a, logits, grad_logp, grad_entropy, row_max, log_sumexp, entropy);
   at::Tensor grad = at::empty({a.rows, a.vocab}, logits.options());
@@ -76,15 +79,16 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::
 
 TORCH_LIBRARY(pfppo, m) {
   m.def(
-      "logprob_entropy(Tensor logits, Tensor labels) -> "
-      "(Tensor logp, Tensor entropy, Tensor row_max, Tensor log_sumexp)");
+      "logprob_entropy(Tensor logits, Tensor labels, float temperature=1.0, "
+      "int vocab_size=-1) -> (Tensor logp, Tensor entropy, Tensor row_max, Tensor log_sumexp)");
   m.def(
-      "logprob_entropy_partials(Tensor logits, Tensor labels, int vocab_start) -> "
+      "logprob_entropy_partials(Tensor logits, Tensor labels, int vocab_start, "
+      "float temperature=1.0, int vocab_size=-1) -> "
       "(Tensor max, Tensor sumexp, Tensor sumexp_shifted, Tensor target)");
   m.def(
       "logprob_entropy_backward(Tensor grad_logp, Tensor grad_entropy, Tensor logits, "
-      "Tensor labels, Tensor row_max, Tensor log_sumexp, Tensor entropy, int vocab_start) "
-      "-> Tensor");
+      "Tensor labels, Tensor row_max, Tensor log_sumexp, Tensor entropy, int vocab_start, "
+      "float temperature=1.0, int vocab_size=-1) -> Tensor");
   m.def(
       "policy_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, "
       "Tensor? is_weights, float clip_ratio_low, float clip_ratio_high, float? dual_clip_c, "

@@ -4,7 +4,7 @@ Layout (megatron's default order "tp-cp-ep-dp-pp"): WORLD_SIZE = tp * dp * pp; c
 form a tensor-parallel group, data parallelism strides over them and pipeline stages are the
 outermost factor. Call ``init_parallel`` once per process before building models and
 ``destroy_parallel`` at the end. Math code never reads these globals: it receives the groups it
-needs (pfppo_mega.models.vocab_parallel, reshard). megatron's modules read parallel_state
+needs (pfppo_mega.kernels.vocab_parallel, reshard). megatron's modules read parallel_state
 internally, and so do the entry points built on them (pfppo_mega.models.engine, hf_io), which
 look up the groups of the layout the model was built for and pass them down.
 The same code runs on CPU / gloo and GPU / NCCL (backend "auto" picks by CUDA availability).

@@ -125,6 +125,51 @@ def test_vocab_parallel_partials_combine_to_full(dtype):
     assert_within_torch_error("shard grads", k_grad, grad_of(x), grad_of(x.double()))
 
 
+def _torch_tempered(x, labels, temperature, vocab_size):
+    y = x[:, :vocab_size] / temperature
+    return ppo.logprobs_from_logits(y, labels), ppo.entropy_from_logits(y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab,padded", [(1000, 1000), (1000, 1024), (2049, 4096), (1, 8)], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3], ids=lambda t: f"T{t}")
+def test_logprob_entropy_temperature_and_padding(vocab, padded, temperature, dtype):
+    """Full op with the temperature folded in and padding columns (holding huge logits) that must
+    not count: forward and gradient vs torch on x[:, :vocab] / T, same-dtype and fp64; the padding
+    gradient is exactly 0. Also the partials of two shards (one mostly padding) combined."""
+    x = logits(5, padded, seed=vocab + padded, dtype=dtype)
+    x[:, vocab:] = 1e4
+    labels = labels_for(x[:, :vocab], seed=11)
+    g = torch.Generator().manual_seed(12)
+    grad_logp, grad_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
+
+    def run(fn, inp):
+        inp = inp.detach().clone().requires_grad_()
+        logp, ent = fn(inp)
+        (logp.double() * grad_logp.double() + ent.double() * grad_ent.double()).sum().backward()
+        return logp.detach(), ent.detach(), inp.grad
+
+    kernel = run(lambda a: ops.logprob_entropy(a, labels, temperature=temperature, vocab_size=vocab), x)
+    same = run(lambda a: _torch_tempered(a, labels, temperature, vocab), x)
+    exact = run(lambda a: _torch_tempered(a, labels, temperature, vocab), x.double())
+    tag = f"V={vocab}/{padded} T={temperature} {dtype}"
+    for name, k, t, r in zip(("logp", "entropy"), kernel, same, exact):
+        assert_within_torch_error(f"{tag} {name}", k, t, r)
+    assert_within_torch_error(f"{tag} grad", kernel[2][:, :vocab], same[2][:, :vocab], exact[2][:, :vocab])
+    assert torch.count_nonzero(kernel[2][:, vocab:]) == 0
+
+    split = max(1, vocab // 2)
+    opts = dict(temperature=temperature, vocab_size=vocab)
+    shards = [(x[:, :split], 0), (x[:, split:], split)]
+    combined = ops.combine_partials([ops.logprob_entropy_partials(s, labels, st, **opts) for s, st in shards])
+    assert_within_torch_error(f"{tag} combined logp", combined.logp, same[0], exact[0])
+    assert_within_torch_error(f"{tag} combined entropy", combined.entropy, same[1], exact[1])
+    shard_grad = torch.cat([ops.logprob_entropy_shard_backward(s, labels, st, combined, grad_logp, grad_ent, **opts)
+                            for s, st in shards], dim=1)
+    assert_within_torch_error(f"{tag} shard grad", shard_grad[:, :vocab], same[2][:, :vocab], exact[2][:, :vocab])
+    assert torch.count_nonzero(shard_grad[:, vocab:]) == 0
+
+
 def test_vocab_partials_shard_of_only_neg_inf():
     """A shard whose logits are all -inf (sumexp 0) contributes nothing to the combination."""
     x = logits(3, 50, seed=10, dtype=torch.float32)
@@ -400,6 +445,19 @@ BAD_INPUTS = {
     "partials negative label": (_partials(labels=torch.tensor([0, 1, -1, 2])), ValueError,
                                 "labels[2] = -1 must be a vocabulary index >= 0"),
     "partials vocab_start": (_partials(vocab_start=-1), ValueError, "vocab_start must be >= 0"),
+    "temperature zero": (lambda: torch.ops.pfppo.logprob_entropy(_X, _Y, 0.0, -1), ValueError,
+                         "temperature=0 must be a finite number > 0"),
+    "temperature inf": (lambda: torch.ops.pfppo.logprob_entropy(_X, _Y, float("inf"), -1), ValueError,
+                        "temperature=inf must be a finite number > 0"),
+    "vocab_size above V": (lambda: torch.ops.pfppo.logprob_entropy(_X, _Y, 1.0, 11), ValueError,
+                           "vocab_size=11 must be in [1, V] = [1, 10]"),
+    "vocab_size zero": (lambda: torch.ops.pfppo.logprob_entropy_partials(_X, _Y, 0, 1.0, 0), ValueError,
+                        "vocab_size=0 must be >= 1, or -1"),
+    "label in padding": (lambda: torch.ops.pfppo.logprob_entropy(_X, torch.tensor([0, 1, 8, 2]), 1.0, 8),
+                         ValueError, "labels[2] = 8 is outside [0, vocab_size) = [0, 8)"),
+    "shard label beyond vocab_size": (lambda: torch.ops.pfppo.logprob_entropy_partials(
+        _X, torch.tensor([0, 1, 30, 2]), 10, 1.0, 30), ValueError, "labels[2] = 30 is outside [0, vocab_size)"),
+    "logits V=0": (_lpe(logits=torch.zeros(4, 0)), ValueError, "logits [N, V] needs V >= 1"),
     "loss logp 1-D": (_loss(logp=_BT[0]), ValueError, "logp must have shape [B, T]"),
     "loss old_logp shape": (_loss(old_logp=_BT[:2]), ValueError,
                             "old_logp must have shape [B, T] = [3, 5] like logp; got [2, 5]"),
@@ -447,7 +505,10 @@ def _opcheck_cases():
     return {
         "logprob_entropy": (torch.ops.pfppo.logprob_entropy.default, (x, y)),
         "logprob_entropy_partials": (
-            torch.ops.pfppo.logprob_entropy_partials.default, (x.detach(), y, 0)
+            torch.ops.pfppo.logprob_entropy_partials.default, (x.detach(), torch.clamp(y, max=34), 0, 0.8, 35)
+        ),
+        "logprob_entropy_tempered": (
+            torch.ops.pfppo.logprob_entropy.default, (x, torch.clamp(y, max=34), 0.8, 35)
         ),
         "policy_loss": (
             torch.ops.pfppo.policy_loss.default,
@@ -462,7 +523,7 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize(
-    "name", ["logprob_entropy", "logprob_entropy_partials", "policy_loss", "gae"]
+    "name", ["logprob_entropy", "logprob_entropy_tempered", "logprob_entropy_partials", "policy_loss", "gae"]
 )
 def test_opcheck(name):
     op, args = _opcheck_cases()[name]

@@ -27,40 +27,108 @@ BACKENDS = available_backends()
 LOSS_FIELDS = ("loss", "pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "is_weight_mean")
 
 
-def _logprob_run(backend, x, labels, upstream):
+# ---------------------------------------------------------------------------------------------
+# Independent references: plain torch ops written here from the formulas (not pfppo_mega.ppo,
+# which the torch backend is), run at the input dtype (the error scale) and in float64 (the
+# truth). A backend that computes something else fails the rule even when it is pfppo's own code.
+
+
+def _ref_logprob(x, labels, temperature, vocab_size):
+    y = x[..., :vocab_size] / temperature
+    logq = torch.log_softmax(y, dim=-1)
+    p = logq.exp()
+    return logq.gather(-1, labels[..., None])[..., 0], -torch.where(p > 0, p * logq, 0.0).sum(-1)
+
+
+def _ref_policy_loss(logp, old_logp, adv, mask, is_weights, *, clip_ratio_low, clip_ratio_high,
+                     dual_clip_c, loss_agg_mode):
+    m = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(pg1, pg2)
+    dual = (adv < 0) & (pg > -adv * dual_clip_c)
+    pg = torch.where(dual, -adv * dual_clip_c, pg) * is_weights
+    tokens = m.sum()
+    row_tokens = m.sum(dim=1)
+    rows = (row_tokens > 0).to(logp.dtype).sum()
+    if loss_agg_mode == "token-mean":
+        loss = (pg * m).sum() / tokens
+    elif loss_agg_mode == "seq-mean-token-sum":
+        loss = (pg * m).sum() / rows
+    else:
+        loss = ((pg * m).sum(dim=1) / row_tokens.clamp(min=1)).sum() / rows
+
+    def mean(v):
+        return (v.to(logp.dtype) * m).sum() / tokens
+
+    return dict(loss=loss, pg_clipfrac=mean(pg2 > pg1), pg_clipfrac_lower=mean(dual),
+                approx_kl=mean(ratio - 1 - log_ratio), is_weight_mean=mean(is_weights))
+
+
+def _ref_gae(rewards, values, mask, *, gamma, lam, whiten):
+    m = mask.to(values.dtype)
+    adv = torch.zeros_like(values)
+    for b in range(values.shape[0]):
+        next_v = next_a = torch.zeros((), dtype=values.dtype)
+        for t in reversed(range(values.shape[1])):
+            if m[b, t] == 0:
+                next_v = next_a = torch.zeros((), dtype=values.dtype)
+                continue
+            delta = rewards[b, t] + gamma * next_v - values[b, t]
+            adv[b, t] = next_a = delta + gamma * lam * next_a
+            next_v = values[b, t]
+    returns = (adv + values) * m
+    if whiten:
+        n = m.sum()
+        mean = (adv * m).sum() / n
+        var = (((adv - mean) * m) ** 2).sum() / (n - 1)
+        adv = (adv - mean) * torch.rsqrt(var + 1e-8) * m
+    return adv, returns
+
+
+def _logprob_run(fn, x, labels, upstream):
     x = x.detach().clone().requires_grad_()
-    logp, ent = backend.logprob_entropy(x, labels)
+    logp, ent = fn(x, labels)
     (logp.double() * upstream[0] + ent.double() * upstream[1]).sum().backward()
     return logp.detach(), ent.detach(), x.grad
 
 
-def _loss_run(backend, inputs, mask, dtype, options):
+def _loss_run(fn, inputs, mask, dtype, options):
     logp = inputs["logp"].to(dtype).clone().requires_grad_()
-    out = backend.policy_loss(
-        logp, inputs["old_logp"].to(dtype), inputs["advantages"].to(dtype), mask,
-        is_weights=inputs["is_weights"].to(dtype), **options,
-    )
-    out.loss.backward()
+    out = fn(logp, inputs["old_logp"].to(dtype), inputs["advantages"].to(dtype), mask,
+             inputs["is_weights"].to(dtype), options)
+    out["loss"].backward()
     return out, logp.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-def test_backend_conformance(backend, dtype):
-    """Each backend, at each dtype, is within the accuracy rule of the fp64 reference (the
-    torch backend at the same dtype sets the error scale), forward and gradients."""
-    reference = TorchBackend()
+def _backend_loss(backend):
+    def run(logp, old_logp, adv, mask, is_weights, options):
+        out = backend.policy_loss(logp, old_logp, adv, mask, is_weights=is_weights, **options)
+        return {f: getattr(out, f) for f in LOSS_FIELDS}
+    return run
 
-    # Token log-prob and entropy of [B, T, V] logits, as the trainer has them.
-    x = logits(2 * 6, 517, seed=30, dtype=dtype)
-    labels = labels_for(x, seed=30).view(2, 6)
-    x = x.view(2, 6, 517)
+
+def _independent_loss(logp, old_logp, adv, mask, is_weights, options):
+    return _ref_policy_loss(logp, old_logp, adv, mask, is_weights, **options)
+
+
+def check_conformance(backend, dtype) -> None:
+    """`backend`, at `dtype`, obeys the accuracy rule against the independent references above,
+    forward and gradients; AssertionError (naming the quantity) otherwise."""
+    # Token log-prob and entropy of [B, T, V] logits with vocabulary padding and a temperature,
+    # as the trainer has them.
+    vocab, padded, temperature = 517, 520, 0.7
+    x = logits(2 * 6, padded, seed=30, dtype=dtype)
+    labels = labels_for(x[:, :vocab], seed=30).view(2, 6)
+    x = x.view(2, 6, padded)
     g = torch.Generator().manual_seed(30)
     upstream = (torch.randn(2, 6, generator=g, dtype=torch.float64),
                 torch.randn(2, 6, generator=g, dtype=torch.float64))
-    got = _logprob_run(backend, x, labels, upstream)
-    same = _logprob_run(reference, x, labels, upstream)
-    exact = _logprob_run(reference, x.double(), labels, upstream)
+    got = _logprob_run(lambda a, y: backend.logprob_entropy(a, y, temperature=temperature, vocab_size=vocab),
+                       x, labels, upstream)
+    indep = lambda a, y: _ref_logprob(a, y, temperature, vocab)  # noqa: E731
+    same, exact = _logprob_run(indep, x, labels, upstream), _logprob_run(indep, x.double(), labels, upstream)
     for name, k, t, r in zip(("logp", "entropy", "grad"), got, same, exact):
         assert_within_torch_error(f"{backend.name} {name}", k, t, r)
 
@@ -69,14 +137,12 @@ def test_backend_conformance(backend, dtype):
     mask = ragged_mask(5, 64, seed=31)
     for mode in ppo.LOSS_AGG_MODES:
         options = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip_c=3.0, loss_agg_mode=mode)
-        k_out, k_grad = _loss_run(backend, inputs, mask, dtype, options)
-        t_out, t_grad = _loss_run(reference, inputs, mask, dtype, options)
-        r_out, r_grad = _loss_run(reference, inputs, mask, torch.float64, options)
+        k_out, k_grad = _loss_run(_backend_loss(backend), inputs, mask, dtype, options)
+        t_out, t_grad = _loss_run(_independent_loss, inputs, mask, dtype, options)
+        r_out, r_grad = _loss_run(_independent_loss, inputs, mask, torch.float64, options)
         for field in LOSS_FIELDS:
-            assert_within_torch_error(
-                f"{backend.name} {mode} {field}", getattr(k_out, field), getattr(t_out, field),
-                getattr(r_out, field),
-            )
+            assert_within_torch_error(f"{backend.name} {mode} {field}", k_out[field], t_out[field],
+                                      r_out[field])
         assert_within_torch_error(f"{backend.name} {mode} grad", k_grad, t_grad, r_grad)
 
     # GAE with and without whitening.
@@ -84,11 +150,50 @@ def test_backend_conformance(backend, dtype):
     mask = ragged_mask(4, 96, seed=32, dtype=torch.float32)
     for whiten in (False, True):
         k = backend.gae(gi["rewards"], gi["values"], mask, gamma=0.99, lam=0.95, whiten=whiten)
-        t = reference.gae(gi["rewards"], gi["values"], mask, gamma=0.99, lam=0.95, whiten=whiten)
-        r = reference.gae(gi["rewards"].double(), gi["values"].double(), mask, gamma=0.99,
-                          lam=0.95, whiten=whiten)
+        t = _ref_gae(gi["rewards"], gi["values"], mask, gamma=0.99, lam=0.95, whiten=whiten)
+        r = _ref_gae(gi["rewards"].double(), gi["values"].double(), mask, gamma=0.99, lam=0.95,
+                     whiten=whiten)
         for name, kk, tt, rr in zip(("advantages", "returns"), k, t, r):
             assert_within_torch_error(f"{backend.name} gae whiten={whiten} {name}", kk, tt, rr)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_backend_conformance(backend, dtype):
+    """Each backend, at each dtype, is within the accuracy rule of the fp64 reference (an
+    independent torch implementation at the same dtype sets the error scale), forward and
+    gradients."""
+    check_conformance(backend, dtype)
+
+
+class _WrongLam(TorchBackend):
+    def gae(self, rewards, values, mask, *, gamma, lam, whiten=False):
+        return super().gae(rewards, values, mask, gamma=gamma, lam=lam * 0.999, whiten=whiten)
+
+
+class _IgnoresTemperature(TorchBackend):
+    def logprob_entropy(self, logits, labels, *, temperature=1.0, vocab_size=None):
+        return super().logprob_entropy(logits, labels, vocab_size=vocab_size)
+
+
+class _CountsPadding(TorchBackend):
+    def logprob_entropy(self, logits, labels, *, temperature=1.0, vocab_size=None):
+        return super().logprob_entropy(logits, labels, temperature=temperature)
+
+
+class _NoDualClip(TorchBackend):
+    def policy_loss(self, logp, old_logp, advantages, mask, **options):
+        return super().policy_loss(logp, old_logp, advantages, mask, **{**options, "dual_clip_c": None})
+
+
+@pytest.mark.parametrize("wrong,fails_on", [(_WrongLam, "gae"), (_IgnoresTemperature, "logp"),
+                                            (_CountsPadding, "logp"), (_NoDualClip, "token-mean")],
+                         ids=["gae-lam", "logprob-temperature", "logprob-padding", "loss-dual-clip"])
+def test_conformance_fails_for_a_wrong_backend(wrong, fails_on):
+    """The conformance check can fail: a backend that is slightly wrong (lam off by 0.1%, the
+    temperature or the vocabulary padding ignored, no dual clip) is caught, at fp32."""
+    with pytest.raises(AssertionError, match=fails_on):
+        check_conformance(wrong(), torch.float32)
 
 
 def test_every_backend_is_exercised():

@@ -150,6 +150,43 @@ def test_cuda_gae(rows, cols, row_chunks, whiten, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab,padded", [(1000, 1024), (2049, 4096), (4096, 4096)], ids=str)
+def test_cuda_temperature_and_padding(vocab, padded, dtype):
+    """The full op and the shard ops with temperature 0.7 and padding columns (huge logits that
+    must not count; gradient exactly 0), vs torch on x[:, :vocab] / T; and empty batches."""
+    x = logits(6, padded, seed=vocab, dtype=dtype).cuda()
+    x[:, vocab:] = 1e4
+    labels = labels_for(x[:, :vocab].cpu(), seed=57).cuda()
+    g = torch.Generator().manual_seed(58)
+    upstream = (torch.randn(6, generator=g, dtype=torch.float64).cuda(),
+                torch.randn(6, generator=g, dtype=torch.float64).cuda())
+
+    def tempered(a, y):
+        a = a[:, :vocab] / 0.7
+        return _torch_lpe(a, y)
+
+    k = _lpe_run(lambda a, y: ops.logprob_entropy(a, y, temperature=0.7, vocab_size=vocab), x, labels, upstream)
+    t = _lpe_run(tempered, x, labels, upstream)
+    r = _lpe_run(tempered, x.double(), labels, upstream)
+    for name, kk, tt, rr in zip(("logp", "entropy"), k, t, r):
+        assert_within_torch_error(f"cuda tempered {name}", kk, tt, rr)
+    assert_within_torch_error("cuda tempered grad", k[2][:, :vocab], t[2][:, :vocab], r[2][:, :vocab])
+    assert torch.count_nonzero(k[2][:, vocab:]) == 0
+    opts = dict(temperature=0.7, vocab_size=vocab)
+    half = padded // 2
+    combined = ops.combine_partials([ops.logprob_entropy_partials(x[:, :half].contiguous(), labels, 0, **opts),
+                                     ops.logprob_entropy_partials(x[:, half:].contiguous(), labels, half, **opts)])
+    assert_within_torch_error("cuda tempered combined logp", combined.logp, t[0], r[0])
+    empty = ops.logprob_entropy(x[:0], labels[:0], temperature=0.7, vocab_size=vocab)
+    assert empty[0].shape == (0,)
+    for b, t_ in ((0, 5), (3, 0)):
+        z = torch.zeros(b, t_, device="cuda")
+        adv, ret = ops.gae(z, z, z.bool(), gamma=1.0, lam=0.9, whiten=True)
+        assert adv.shape == ret.shape == (b, t_)
+
+
+@gpu
 def test_cuda_matches_cpu_kernels():
     """The same inputs give the CPU kernels' results (different summation orders only)."""
     x = logits(8, 5000, seed=56, dtype=torch.float32)

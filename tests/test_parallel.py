@@ -32,6 +32,7 @@ import refit_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from pfppo_mega import parallel  # noqa: E402
+from pfppo_mega.kernels import available_backends  # noqa: E402
 from pfppo_mega.compat import megatron_cpu  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 300
@@ -42,6 +43,9 @@ GRAD_NORM_RTOL = 1e-5   # |d grad_norm| <= GRAD_NORM_RTOL * max(1, grad_norm)
 # round-off of g, so weights agree to a fraction of the step size lr, not to fp32 epsilon.
 WEIGHT_ATOL = common.LR / 50
 _RESULT = re.compile(r"^RESULT (\S+) (\S+) (PASS|FAIL) max_diff=(\S+) tol=(\S+)(.*)$")
+
+
+BACKENDS = [b.name for b in available_backends()]  # the rank processes run the same list
 
 
 def _expected_checks() -> list[tuple[int, str, str]]:
@@ -55,9 +59,10 @@ def _expected_checks() -> list[tuple[int, str, str]]:
             for kind in common.FAMILIES:
                 for check in ("logits_vs_transformers", "gather_hf_weights_exact", "export_sharded_exact"):
                     out.append((world, layout, f"{check}[{kind}]"))
-            out.append((world, layout, "logp_entropy_vs_fp64[llama]"))
-            if tp > 1:
-                out.append((world, layout, "vocab_parallel_fwd_bwd_vs_fp64"))
+            for backend in BACKENDS:
+                out.append((world, layout, f"logp_entropy_vs_fp64[llama,{backend}]"))
+                if tp > 1:
+                    out.append((world, layout, f"vocab_parallel_fwd_bwd[{backend}]"))
             out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
     return out
 

@@ -26,10 +26,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from pfppo_mega import parallel, ppo  # noqa: E402
 from pfppo_mega.compat import megatron_cpu  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
-from pfppo_mega.kernels import get_backend  # noqa: E402
+from pfppo_mega.kernels import available_backends, get_backend, shard_math, vocab_parallel_logprob_entropy  # noqa: E402
 from pfppo_mega.models import engine, gpt, hf_io, reshard  # noqa: E402
 from pfppo_mega.models.reshard import Split, Stage  # noqa: E402
-from pfppo_mega.models.vocab_parallel import VocabParallelMath, vocab_parallel_logprob_entropy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +59,26 @@ def test_init_parallel_refuses_a_layout_before_starting_anything(monkeypatch):
 # ----------------------------------------------------------------------------- vocab-parallel math
 
 
-def _simulated_tp(x: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp: int, g_logp, g_ent):
-    """The Function's forward and backward with the collectives done by hand over tp shards."""
-    shards = [s.float() for s in x.chunk(tp, dim=1)]
+def _simulated_tp(backend, x: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp: int, g_logp, g_ent,
+                  temperature: float):
+    """The vocab-parallel Function's forward and backward with the collectives done by hand over
+    tp shards, on the backend's shard math."""
+    shards = list(x.chunk(tp, dim=1))
     width = shards[0].shape[1]
-    masked = [VocabParallelMath.mask_padding(s, r * width, vocab_size) for r, s in enumerate(shards)]
-    global_max = torch.stack([VocabParallelMath.local_max(s) for s in masked]).amax(0)         # all-reduce MAX
-    sums = sum(VocabParallelMath.local_sums(s, global_max, labels, r * width) for r, s in enumerate(masked))  # SUM
-    logp, ent, lse = VocabParallelMath.finish(global_max, sums)
-    grad = torch.cat([VocabParallelMath.grad(s, labels, r * width, lse, ent, g_logp, g_ent)
-                      for r, s in enumerate(masked)], dim=1)
-    return logp, ent, grad
+    opts = [dict(vocab_start=r * width, vocab_size=vocab_size, temperature=temperature) for r in range(tp)]
+    parts = [backend.logprob_entropy_partials(s, labels, **o) for s, o in zip(shards, opts)]
+    combined = shard_math.combine_partials(parts)                               # the two all-reduces
+    grad = torch.cat([backend.logprob_entropy_shard_backward(s, labels, combined=combined, grad_logp=g_logp,
+                                                             grad_entropy=g_ent, **o)
+                      for s, o in zip(shards, opts)], dim=1)
+    return combined.logp, combined.entropy, grad
 
 
+@pytest.mark.parametrize("backend", available_backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_vocab_parallel_math_matches_fp64_full_vocabulary(tp):
-    n, v = 10, 37
-    vp = reshard.padded_vocab_size(v, tp)
+def test_vocab_parallel_math_matches_fp64_full_vocabulary(backend, tp):
+    n, v, temperature = 10, 37, 0.7
+    vp = reshard.padded_vocab_size(v, tp) + 8 * tp  # padding as megatron's make_vocab_size_divisible_by adds
     gen = torch.Generator().manual_seed(tp)
     x = 4.0 * torch.randn(n, v, generator=gen)
     x[2] = -30.0
@@ -85,34 +87,35 @@ def test_vocab_parallel_math_matches_fp64_full_vocabulary(tp):
     labels[3] = v - 1
     g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     padded = torch.cat([x, torch.full((n, vp - v), 50.0)], dim=1)  # padding columns must not count
-    logp, ent, grad = _simulated_tp(padded, labels, v, tp, g_logp, g_ent)
+    logp, ent, grad = _simulated_tp(backend, padded, labels, v, tp, g_logp, g_ent, temperature)
 
     ref = x.double().requires_grad_(True)
-    logq = F.log_softmax(ref, dim=-1)
+    logq = F.log_softmax(ref / temperature, dim=-1)
     ref_logp, ref_ent = logq.gather(1, labels[:, None])[:, 0], -(logq.exp() * logq).sum(-1)
     (ref_logp * g_logp.double() + ref_ent * g_ent.double()).sum().backward()
     err = max((logp.double() - ref_logp).abs().max().item(), (ent.double() - ref_ent).abs().max().item(),
               (grad[:, :v].double() - ref.grad).abs().max().item())
-    print(f"\n[tp{tp}] vocab-parallel math vs fp64: max |diff| {err:.2e}")
+    print(f"\n[{backend.name} tp{tp}] vocab-parallel math vs fp64: max |diff| {err:.2e}")
     assert err < 1e-5
     assert torch.count_nonzero(grad[:, v:]) == 0
 
 
-def test_vocab_parallel_function_single_shard_autograd_and_no_inplace():
+@pytest.mark.parametrize("backend", available_backends(), ids=lambda b: b.name)
+def test_vocab_parallel_function_single_shard_autograd_and_no_inplace(backend):
     n, v = 7, 19
     gen = torch.Generator().manual_seed(3)
     x = (2.0 * torch.randn(n, v, generator=gen)).requires_grad_(True)
     before = x.detach().clone()
     labels = torch.randint(0, v, (n,), generator=gen)
-    logp, ent = vocab_parallel_logprob_entropy(x, labels, vocab_start=0, vocab_size=v, group=None)
+    logp, ent = vocab_parallel_logprob_entropy(x, labels, vocab_start=0, vocab_size=v, group=None, backend=backend)
     (logp.sum() + 0.5 * ent.sum()).backward()
     assert torch.equal(x.detach(), before)  # never written in place (megatron's cross entropy does)
     ref = before.double().requires_grad_(True)
     logq = F.log_softmax(ref, -1)
     (logq.gather(1, labels[:, None]).sum() - 0.5 * (logq.exp() * logq).sum()).backward()
     assert (x.grad.double() - ref.grad).abs().max() < 1e-6
-    with pytest.raises(ValueError, match=r"must be \[N, V/tp\] and labels \[N\]"):
-        vocab_parallel_logprob_entropy(x, labels[:3], vocab_start=0, vocab_size=v, group=None)
+    with pytest.raises(ValueError, match=r"labels must have shape \[N\] = \[7\]"):
+        vocab_parallel_logprob_entropy(x, labels[:3], vocab_start=0, vocab_size=v, group=None, backend=backend)
 
 
 # ----------------------------------------------------------------------------- reshard rules
@@ -283,10 +286,12 @@ def test_forward_logp_entropy_and_values_equal_trainer_exactly(world, ckpts, ker
     inp = common.ppo_batch().inputs
     with torch.no_grad():
         ref = _trainer_policy_logp(actor, inp, common.TEMPERATURE, kernels)
+    # The temperature is folded into the kernel (x / T per element, as the trainer's division):
+    # the same numbers, bit for bit.
     got = engine.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=common.BATCH,
-                                      logprob_fn=kernels.logprob_entropy)
+                                      kernels=kernels)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    # Without the kernel (pure-torch vocab-parallel path) and in micro-batches: fp32 rounding only.
+    # The default (pure torch) and in micro-batches: fp32 rounding only.
     vp = engine.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=3)
     assert (vp[0] - ref[0]).abs().max() < 1e-5 and (vp[1] - ref[1]).abs().max() < 1e-5
 
@@ -323,7 +328,7 @@ def test_train_step_equals_trainer_backward_and_step_exactly(world, ckpts):
                 ddp, opt, inp,
                 lambda logp, ent, mb: (loss_of(logp, ent, mb.inputs.response_mask)
                                        * engine.share_scale(mb.inputs.response_mask, mb.norm, mode="token-mean"), {}),
-                temperature=common.TEMPERATURE, micro_batch_size=common.BATCH, logprob_fn=kernels.logprob_entropy)
+                temperature=common.TEMPERATURE, micro_batch_size=common.BATCH, kernels=kernels)
             loss, grad_norm = res.loss, res.grad_norm
         else:
             gpt.zero_grads(ddp, opt)

@@ -258,6 +258,8 @@ void dispatch_mask(const GaeArgs& g, void* adv, void* ret) {
 }  // namespace
 
 void gae(const GaeArgs& g, void* advantages, void* returns) {
+  // No tokens: nothing to write, and run_rows would divide by rows (B = 0) to pick pieces.
+  if (g.rows == 0 || g.cols == 0) return;
   if (g.dtype == Scalar::kF32) {
     dispatch_mask<float>(g, advantages, returns);
   } else {

@@ -6,6 +6,9 @@
 //   s = sum_v exp(x_v - m),  u = sum_v exp(x_v - m) * (x_v - m)
 //   lse = m + log s,  logp = x_label - lse,  H = log s - u / s
 // Backward: grad_x = g [x is the label] - p (g + h (log p + H)),  log p = (x - m) - log s.
+// With a temperature T the softmax is over y = x / T (divided per element as torch does, in
+// the L1 chunk) and the gradient is the one above with y for x, divided by T. Columns
+// [valid, V) (vocabulary padding) are never read in the forward and get gradient 0.
 #include <algorithm>
 #include <cmath>
 
@@ -67,48 +70,74 @@ PFPPO_INLINE void chunk_update(const float* __restrict x, int64_t n, RowStats& s
   }
 }
 
-PFPPO_CLONES RowStats row_stats(const float* x, int64_t vocab) {
+// Stats of x[0, n) / t. fp32 rows at t = 1 are read in place; otherwise each chunk is
+// widened and divided into an L1 buffer first.
+PFPPO_CLONES RowStats row_stats(const float* x, int64_t n, float t) {
   RowStats st{kNegInf, 0.0, 0.0};
-  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
-    chunk_update(x + c0, std::min(kChunk, vocab - c0), st);
+  if (t == 1.0f) {
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) chunk_update(x + c0, std::min(kChunk, n - c0), st);
+    return st;
+  }
+  alignas(64) float buf[kChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t k = std::min(kChunk, n - c0);
+#pragma omp simd simdlen(32)
+    for (int64_t i = 0; i < k; ++i) buf[i] = x[c0 + i] / t;
+    chunk_update(buf, k, st);
   }
   return st;
 }
 
-// bf16 rows are widened chunk by chunk into an L1 buffer first.
-PFPPO_CLONES RowStats row_stats(const Bf16* x, int64_t vocab) {
+PFPPO_CLONES RowStats row_stats(const Bf16* x, int64_t n, float t) {
   alignas(64) float buf[kChunk];
   RowStats st{kNegInf, 0.0, 0.0};
-  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, vocab - c0);
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t k = std::min(kChunk, n - c0);
     const uint16_t* bits = reinterpret_cast<const uint16_t*>(x + c0);
+    if (t == 1.0f) {
 #pragma omp simd simdlen(32)
-    for (int64_t i = 0; i < n; ++i) buf[i] = bits_to_f32(uint32_t(bits[i]) << 16);
-    chunk_update(buf, n, st);
+      for (int64_t i = 0; i < k; ++i) buf[i] = bits_to_f32(uint32_t(bits[i]) << 16);
+    } else {
+#pragma omp simd simdlen(32)
+      for (int64_t i = 0; i < k; ++i) buf[i] = bits_to_f32(uint32_t(bits[i]) << 16) / t;
+    }
+    chunk_update(buf, k, st);
   }
   return st;
 }
 
-// grad_x_v = g [v == label] - p_v (g + h (log p_v + H)),  log p_v = (x_v - m) - log s.
-template <typename T>
+// grad_x_v = (g [v == label] - p_v (g + h (log p_v + H))) / t,  log p_v = (x_v / t - m) - log s.
+template <typename T, bool kScaled>
 PFPPO_INLINE void row_grad_impl(const T* x, T* out, int64_t n, float m, float log_s, float entropy,
-                                float g, float h) {
+                                float g, float h, float t) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float lp = (to_f32(x[i]) - m) - log_s;
+    const float y = kScaled ? to_f32(x[i]) / t : to_f32(x[i]);
+    float lp = (y - m) - log_s;
     float p = exp_bounded(lp);
     float val = -p * (g + h * (lp + entropy));
+    if (kScaled) val = val / t;
     out[i] = from_f32<T>(p > 0.0f ? val : 0.0f);  // -inf logits: 0, not NaN
   }
 }
 
+template <typename T>
+PFPPO_INLINE void row_grad_any(const T* x, T* out, int64_t n, float m, float log_s,
+                               float entropy, float g, float h, float t) {
+  if (t == 1.0f) {
+    row_grad_impl<T, false>(x, out, n, m, log_s, entropy, g, h, t);
+  } else {
+    row_grad_impl<T, true>(x, out, n, m, log_s, entropy, g, h, t);
+  }
+}
+
 PFPPO_CLONES void row_grad(const float* x, float* out, int64_t n, float m, float log_s,
-                          float entropy, float g, float h) {
-  row_grad_impl(x, out, n, m, log_s, entropy, g, h);
+                          float entropy, float g, float h, float t) {
+  row_grad_any(x, out, n, m, log_s, entropy, g, h, t);
 }
 PFPPO_CLONES void row_grad(const Bf16* x, Bf16* out, int64_t n, float m, float log_s,
-                          float entropy, float g, float h) {
-  row_grad_impl(x, out, n, m, log_s, entropy, g, h);
+                          float entropy, float g, float h, float t) {
+  row_grad_any(x, out, n, m, log_s, entropy, g, h, t);
 }
 
 template <typename T>
@@ -116,10 +145,16 @@ const T* row_ptr(const LogProbArgs& a, int64_t row) {
   return static_cast<const T*>(a.logits) + row * a.row_stride;
 }
 
-// Local column of the label, or -1 when it lies outside this shard.
+// Local column of the label, or -1 when it lies outside this shard's vocabulary columns.
 int64_t local_label(const LogProbArgs& a, int64_t row) {
   int64_t col = a.labels[row] - a.vocab_start;
-  return (col >= 0 && col < a.vocab) ? col : -1;
+  return (col >= 0 && col < a.valid) ? col : -1;
+}
+
+// x[col] / t, rounded as in the forward's chunk buffer.
+template <typename T>
+float scaled(const T* x, int64_t col, float t) {
+  return t == 1.0f ? to_f32(x[col]) : to_f32(x[col]) / t;
 }
 
 template <typename T>
@@ -127,11 +162,11 @@ void fwd_impl(const LogProbArgs& a, const LogProbOut& out) {
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < a.rows; ++row) {
     const T* x = row_ptr<T>(a, row);
-    RowStats st = row_stats(x, a.vocab);
+    RowStats st = row_stats(x, a.valid, a.temperature);
     double log_s = std::log(st.sumexp);
     double lse = double(st.max) + log_s;
     int64_t col = local_label(a, row);
-    double target = col >= 0 ? double(to_f32(x[col])) : std::nan("");
+    double target = col >= 0 ? double(scaled(x, col, a.temperature)) : std::nan("");
     out.logp[row] = float(target - lse);
     out.entropy[row] = float(log_s - st.sumexp_shifted / st.sumexp);
     out.row_max[row] = st.max;
@@ -144,27 +179,30 @@ void partials_impl(const LogProbArgs& a, const LogProbPartialsOut& out) {
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < a.rows; ++row) {
     const T* x = row_ptr<T>(a, row);
-    RowStats st = row_stats(x, a.vocab);
+    RowStats st = row_stats(x, a.valid, a.temperature);
     int64_t col = local_label(a, row);
     out.max[row] = st.max;
     out.sumexp[row] = float(st.sumexp);
     out.sumexp_shifted[row] = float(st.sumexp_shifted);
-    out.target[row] = col >= 0 ? to_f32(x[col]) : 0.0f;
+    out.target[row] = col >= 0 ? scaled(x, col, a.temperature) : 0.0f;
   }
 }
 
 template <typename T>
 void bwd_impl(const LogProbArgs& a, const LogProbBwdArgs& b) {
+  if (a.rows == 0 || a.vocab == 0) return;  // nothing to write (and no zero divisor below)
   // Rows are cut into column blocks so that few rows still use every thread.
   const int64_t blocks_per_row = (a.vocab + 16 * kChunk - 1) / (16 * kChunk);
   const int64_t block_cols = (a.vocab + blocks_per_row - 1) / blocks_per_row;
   const int64_t total = a.rows * blocks_per_row;
+  const float t = a.temperature;
   T* grad = static_cast<T*>(b.grad_logits);
 #pragma omp parallel for schedule(dynamic)
   for (int64_t job = 0; job < total; ++job) {
     const int64_t row = job / blocks_per_row;
     const int64_t c0 = (job % blocks_per_row) * block_cols;
-    const int64_t n = std::min(block_cols, a.vocab - c0);
+    const int64_t c1 = std::min(c0 + block_cols, a.vocab);
+    const int64_t v1 = std::min(c1, std::max(c0, a.valid));  // [c0, v1) vocabulary, [v1, c1) padding
     const T* x = row_ptr<T>(a, row);
     T* out = grad + row * a.vocab;
     const float m = b.row_max[row];
@@ -172,13 +210,15 @@ void bwd_impl(const LogProbArgs& a, const LogProbBwdArgs& b) {
     const float ent = b.entropy[row];
     const float g = b.grad_logp[row];
     const float h = b.grad_entropy[row];
-    row_grad(x + c0, out + c0, n, m, log_s, ent, g, h);
+    if (v1 > c0) row_grad(x + c0, out + c0, v1 - c0, m, log_s, ent, g, h, t);
+    for (int64_t i = v1; i < c1; ++i) out[i] = from_f32<T>(0.0f);
     const int64_t col = local_label(a, row);
-    if (col >= c0 && col < c0 + n) {
-      float lp = (to_f32(x[col]) - m) - log_s;
+    if (col >= c0 && col < v1) {
+      float lp = (scaled(x, col, t) - m) - log_s;
       float p = std::exp(lp);
       float ent_term = p > 0.0f ? h * p * (lp + ent) : 0.0f;
-      out[col] = from_f32<T>(g * (1.0f - p) - ent_term);
+      float val = g * (1.0f - p) - ent_term;
+      out[col] = from_f32<T>(t == 1.0f ? val : val / t);
     }
   }
 }

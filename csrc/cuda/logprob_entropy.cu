@@ -8,7 +8,10 @@
 //   logp = x_label - (m + log s),  H = log s - u / s
 // Backward (grid over rows x column blocks, elementwise):
 //   grad_x = g [x is the label] - p (g + h (log p + H)),  log p = (x - m) - log s
-// A label outside [0, V) gives logp = NaN (the host API checks labels only for CPU tensors).
+// With a temperature T every logit is divided by T as it is loaded (y = x / T, as torch's
+// logits / T) and the gradient is divided by T. Columns [valid, V) are vocabulary padding:
+// never read in the forward, gradient 0.
+// A label outside [0, valid) gives logp = NaN (the host API checks labels only for CPU tensors).
 #include <cmath>
 
 #include "device_math.cuh"
@@ -88,10 +91,10 @@ struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-// This thread's online state over its share of one row (kVec > 1: 16-byte loads; the caller
-// guarantees alignment and vocab % kVec == 0).
+// This thread's online state over its share of y = row[0, vocab) / t (kVec > 1: 16-byte
+// loads; the caller guarantees alignment and vocab % kVec == 0).
 template <typename T, int kVec>
-__device__ Online row_state(const T* __restrict__ row, int64_t vocab) {
+__device__ Online row_state(const T* __restrict__ row, int64_t vocab, float t) {
   Online st{-INFINITY, 0.0, 0.0};
   if constexpr (kVec > 1) {
     const Pack<T, kVec>* packs = reinterpret_cast<const Pack<T, kVec>*>(row);
@@ -101,17 +104,17 @@ __device__ Online row_state(const T* __restrict__ row, int64_t vocab) {
       const Pack<T, kVec> a = packs[i];
       const Pack<T, kVec> b = packs[i + kThreads];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) push(st, to_f32(a.v[j]));
+      for (int j = 0; j < kVec; ++j) push(st, to_f32(a.v[j]) / t);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) push(st, to_f32(b.v[j]));
+      for (int j = 0; j < kVec; ++j) push(st, to_f32(b.v[j]) / t);
     }
     if (i < n) {
       const Pack<T, kVec> a = packs[i];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) push(st, to_f32(a.v[j]));
+      for (int j = 0; j < kVec; ++j) push(st, to_f32(a.v[j]) / t);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) push(st, to_f32(row[i]));
+    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) push(st, to_f32(row[i]) / t);
   }
   return st;
 }
@@ -121,18 +124,18 @@ __global__ void __launch_bounds__(kThreads)
     row_kernel(LogProbArgs a, LogProbOut full, LogProbPartialsOut part) {
   const int64_t r = blockIdx.x;
   const T* row = static_cast<const T*>(a.logits) + r * a.row_stride;
-  const Online st = block_merge(row_state<T, kVec>(row, a.vocab));
+  const Online st = block_merge(row_state<T, kVec>(row, a.valid, a.temperature));
   if (threadIdx.x != 0) return;
   const int64_t col = a.labels[r] - a.vocab_start;
-  const bool in_shard = col >= 0 && col < a.vocab;
+  const bool in_shard = col >= 0 && col < a.valid;
   if constexpr (kPartials) {
     part.max[r] = st.m;
     part.sumexp[r] = float(st.s);
     part.sumexp_shifted[r] = float(st.u);
-    part.target[r] = in_shard ? to_f32(row[col]) : 0.0f;
+    part.target[r] = in_shard ? to_f32(row[col]) / a.temperature : 0.0f;
   } else {
     const double log_s = log(st.s);
-    const double target = in_shard ? double(to_f32(row[col])) : double(NAN);
+    const double target = in_shard ? double(to_f32(row[col]) / a.temperature) : double(NAN);
     full.logp[r] = float(target - (double(st.m) + log_s));
     full.entropy[r] = float(log_s - st.u / st.s);
     full.row_max[r] = st.m;
@@ -150,6 +153,7 @@ __global__ void __launch_bounds__(kThreads)
   const float m = b.row_max[r], log_s = b.log_sumexp[r], ent = b.entropy[r];
   const float g = b.grad_logp[r], h = b.grad_entropy[r];
   const int64_t label = a.labels[r] - a.vocab_start;
+  const float t = a.temperature;
   const int64_t n_packs = a.vocab / kVec;
   const int64_t first = cb * int64_t(kThreads) * kBwdIters;
 #pragma unroll
@@ -160,11 +164,12 @@ __global__ void __launch_bounds__(kThreads)
     Pack<T, kVec> y;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float lp = (to_f32(x.v[j]) - m) - log_s;
+      const int64_t c = i * kVec + j;
+      const float lp = (to_f32(x.v[j]) / t - m) - log_s;
       const float p = expf(lp);
       float v = p > 0.0f ? -p * (g + h * (lp + ent)) : 0.0f;  // -inf logits: 0, not NaN
-      if (i * kVec + j == label) v += g;
-      y.v[j] = from_f32<T>(v);
+      if (c == label) v += g;
+      y.v[j] = from_f32<T>(c < a.valid ? v / t : 0.0f);  // padding columns: 0
     }
     reinterpret_cast<Pack<T, kVec>*>(out)[i] = y;
   }
@@ -187,7 +192,7 @@ cudaError_t launch_rows(const LogProbArgs& a, const LogProbOut& full,
   return with_scalar(a.dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
-    if (can_vectorize<T>(a, nullptr)) {
+    if (can_vectorize<T>(a, nullptr) && a.valid % kVec == 0) {
       row_kernel<T, kVec, kPartials><<<a.rows, kThreads, 0, stream>>>(a, full, part);
     } else {
       row_kernel<T, 1, kPartials><<<a.rows, kThreads, 0, stream>>>(a, full, part);

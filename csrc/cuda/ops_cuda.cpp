@@ -23,9 +23,9 @@ at::Tensor workspace(const at::Tensor& like, size_t bytes) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cuda(
-    const at::Tensor& logits, const at::Tensor& labels) {
+    const at::Tensor& logits, const at::Tensor& labels, double temperature, int64_t vocab_size) {
   const char* op = "pfppo::logprob_entropy";
-  LogProbArgs a = check_logprob(op, logits, labels, 0, false);
+  LogProbArgs a = check_logprob(op, logits, labels, 0, temperature, vocab_size, true);
   c10::cuda::CUDAGuard guard(logits.device());
   auto out = empty_rows(logits, 4);  // logp, entropy, row_max, log_sumexp
   check_launch(cuda::logprob_entropy_fwd(
@@ -38,9 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cuda(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_partials_cuda(
-    const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start) {
+    const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, double temperature,
+    int64_t vocab_size) {
   const char* op = "pfppo::logprob_entropy_partials";
-  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, false);
+  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
   c10::cuda::CUDAGuard guard(logits.device());
   auto out = empty_rows(logits, 4);  // max, sumexp, sumexp_shifted, target
   check_launch(cuda::logprob_entropy_partials(
@@ -56,9 +57,10 @@ at::Tensor logprob_entropy_backward_cuda(const at::Tensor& grad_logp,
                                          const at::Tensor& grad_entropy,
                                          const at::Tensor& logits, const at::Tensor& labels,
                                          const at::Tensor& row_max, const at::Tensor& log_sumexp,
-                                         const at::Tensor& entropy, int64_t vocab_start) {
+                                         const at::Tensor& entropy, int64_t vocab_start,
+                                         double temperature, int64_t vocab_size) {
   const char* op = "pfppo::logprob_entropy_backward";
-  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, false);
+  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
   LogProbBwdArgs b =
       check_logprob_bwd(op, a, logits, grad_logp, grad_entropy, row_max, log_sumexp, entropy);
   c10::cuda::CUDAGuard guard(logits.device());

@@ -2,13 +2,16 @@
 `kernels: auto | torch | fused`.
 
     get_backend("auto")      FusedBackend when pfppo_mega._C is built, else TorchBackend
-    backend.logprob_entropy(logits, labels)             -> (logp, entropy)
+    backend.logprob_entropy(logits, labels, *, temperature=1.0, vocab_size=None)
+                                                        -> (logp, entropy)
     backend.policy_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, ...)
                                                         -> PolicyLossOutput
     backend.gae(rewards, values, mask, *, gamma, lam, whiten=False) -> (advantages, returns)
 
-Vocab-parallel log-probs: logprob_entropy_partials + combine_partials (in-process) or
-vocab_parallel_logprob_entropy (across a process group). Design notes: docs/kernels.md.
+Vocab-parallel log-probs: vocab_parallel_logprob_entropy(shard, labels, vocab_start=,
+vocab_size=, group=, temperature=, backend=) across a tensor-parallel group (the backend's
+partials + two all-reduces); combine_partials for shards in one process. Design notes:
+docs/kernels.md.
 """
 
 from pfppo_mega.kernels.backends import (
@@ -21,14 +24,12 @@ from pfppo_mega.kernels.backends import (
     get_backend,
 )
 from pfppo_mega.kernels.ops import (
-    LogProbCombined,
-    LogProbPartials,
-    combine_partials,
     has_cuda,
     is_built,
     logprob_entropy_partials,
     logprob_entropy_shard_backward,
 )
+from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials, combine_partials
 from pfppo_mega.kernels.vocab_parallel import vocab_parallel_logprob_entropy
 
 __all__ = [

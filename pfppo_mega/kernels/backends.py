@@ -11,10 +11,11 @@ from typing import Protocol
 import torch
 
 from pfppo_mega import ppo
-from pfppo_mega.kernels import ops
+from pfppo_mega.constants import KERNEL_MODES
+from pfppo_mega.kernels import ops, shard_math
+from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials
 from pfppo_mega.ppo.losses import PolicyLossOutput
 
-from pfppo_mega.constants import KERNEL_MODES
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16)
 
@@ -25,9 +26,27 @@ class KernelBackend(Protocol):
     name: str
 
     def logprob_entropy(
-        self, logits: torch.Tensor, labels: torch.Tensor
+        self, logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+        vocab_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [..., V], labels [...] -> (log p(label) [...], entropy [...]), fp32 for bf16."""
+        """logits [..., V], labels [...] -> (log p(label) [...], entropy [...]) of
+        softmax(logits[..., :vocab_size] / temperature), fp32 for bf16. Columns >= vocab_size
+        (None: V) are vocabulary padding: they get no probability and a zero gradient."""
+        ...
+
+    def logprob_entropy_partials(
+        self, logits_shard: torch.Tensor, labels: torch.Tensor, *, vocab_start: int,
+        vocab_size: int | None, temperature: float,
+    ) -> LogProbPartials:
+        """The four [N] partials of one vocab shard [N, Vs] (pfppo_mega.kernels.shard_math)."""
+        ...
+
+    def logprob_entropy_shard_backward(
+        self, logits_shard: torch.Tensor, labels: torch.Tensor, *, vocab_start: int,
+        vocab_size: int | None, temperature: float, combined: LogProbCombined,
+        grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
+    ) -> torch.Tensor:
+        """d loss / d logits_shard [N, Vs] (logits_shard.dtype, 0 on padding columns)."""
         ...
 
     def policy_loss(
@@ -60,18 +79,72 @@ class KernelBackend(Protocol):
         ...
 
 
+def _check_logprob_args(fn: str, logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                        vocab_size: int | None) -> None:
+    """The contract both backends enforce, with the expected shape spelled out."""
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"{fn}: logits must have shape [..., V] with V >= 1 (a vocabulary); "
+                         f"got {tuple(logits.shape)}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"{fn}: labels.shape={tuple(labels.shape)} must equal "
+                         f"logits.shape[:-1]={tuple(logits.shape[:-1])}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"{fn}: labels must be an integer tensor; got {labels.dtype}")
+    if not 0.0 < temperature < float("inf"):
+        raise ValueError(f"{fn}: temperature={temperature} must be a finite number > 0")
+    if vocab_size is not None and not 1 <= vocab_size <= logits.shape[-1]:
+        raise ValueError(f"{fn}: vocab_size={vocab_size} must be in [1, V] = [1, {logits.shape[-1]}] "
+                         f"(columns >= vocab_size are padding)")
+
+
+def _check_bt(fn: str, **tensors: torch.Tensor) -> None:
+    """Every tensor [B, T] like the first."""
+    (first, ref), *rest = tensors.items()
+    if ref.dim() != 2:
+        raise ValueError(f"{fn}: {first} must have shape [B, T] (2-D); got {tuple(ref.shape)}")
+    for name, t in rest:
+        if t is not None and t.shape != ref.shape:
+            raise ValueError(f"{fn}: {name} must have shape [B, T] = {list(ref.shape)} like {first}; "
+                             f"got {list(t.shape)}")
+
+
 class TorchBackend:
-    """The pure-torch references (pfppo_mega.ppo)."""
+    """The pure-torch references (pfppo_mega.ppo, pfppo_mega.kernels.shard_math)."""
 
     name = "torch"
 
-    def logprob_entropy(self, logits, labels):
+    def logprob_entropy(self, logits, labels, *, temperature=1.0, vocab_size=None):
+        _check_logprob_args("TorchBackend.logprob_entropy", logits, labels, temperature, vocab_size)
+        shard_math.check_labels("TorchBackend.logprob_entropy", labels,
+                                vocab_size if vocab_size is not None else logits.shape[-1],
+                                "vocab_size" if vocab_size is not None else "V")
+        if vocab_size is not None and vocab_size < logits.shape[-1]:
+            logits = logits[..., :vocab_size]  # padding dropped: no probability, zero gradient
+        if temperature != 1.0:
+            logits = logits / temperature
         return ppo.logprobs_from_logits(logits, labels), ppo.entropy_from_logits(logits)
 
+    def logprob_entropy_partials(self, logits_shard, labels, *, vocab_start, vocab_size, temperature):
+        if vocab_size is not None:
+            shard_math.check_labels("TorchBackend.logprob_entropy_partials", labels, vocab_size,
+                                    "vocab_size")
+        return shard_math.partials(logits_shard, labels, vocab_start=vocab_start,
+                                   vocab_size=vocab_size, temperature=temperature)
+
+    def logprob_entropy_shard_backward(self, logits_shard, labels, *, vocab_start, vocab_size,
+                                       temperature, combined, grad_logp, grad_entropy):
+        return shard_math.shard_grad(logits_shard, labels, vocab_start=vocab_start,
+                                     vocab_size=vocab_size, temperature=temperature,
+                                     combined=combined, grad_logp=grad_logp,
+                                     grad_entropy=grad_entropy)
+
     def policy_loss(self, logp, old_logp, advantages, mask, **options):
+        _check_bt("TorchBackend.policy_loss", logp=logp, old_logp=old_logp, advantages=advantages,
+                  mask=mask, is_weights=options.get("is_weights"))
         return ppo.policy_loss(logp, old_logp, advantages, mask, **options)
 
     def gae(self, rewards, values, mask, *, gamma, lam, whiten=False):
+        _check_bt("TorchBackend.gae", values=values, rewards=rewards, mask=mask)
         with torch.no_grad():
             advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=gamma, lam=lam)
             if whiten:
@@ -93,6 +166,18 @@ def _kernel_dtype(fn: str, *tensors: tuple[str, torch.Tensor]) -> torch.dtype:
     return dtype
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] as the kernels read it: unit stride along V, rows that do not overlap (a
+    stride-0 expanded tensor is copied); a view when it already is."""
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[-1]):
+        return x.contiguous()
+    return x
+
+
+def _labels(labels: torch.Tensor) -> torch.Tensor:
+    return labels.long().contiguous()
+
+
 def _as_mask(mask: torch.Tensor) -> torch.Tensor:
     """The mask as bool/float32/bfloat16 (other dtypes become mask != 0), contiguous."""
     if mask.dtype not in _MASK_DTYPES:
@@ -109,24 +194,34 @@ class FusedBackend:
     def __init__(self) -> None:
         ops.require_built()
 
-    def logprob_entropy(self, logits, labels):
-        if logits.shape[:-1] != labels.shape:
-            raise ValueError(
-                f"FusedBackend.logprob_entropy: labels.shape={tuple(labels.shape)} must equal "
-                f"logits.shape[:-1]={tuple(logits.shape[:-1])}"
-            )
+    def logprob_entropy(self, logits, labels, *, temperature=1.0, vocab_size=None):
+        _check_logprob_args("FusedBackend.logprob_entropy", logits, labels, temperature, vocab_size)
         _kernel_dtype("logprob_entropy", ("logits", logits))
         lead = labels.shape
-        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]; a view unless rows are strided
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        logp, entropy = ops.logprob_entropy(flat, labels.reshape(-1).long().contiguous())
+        flat = _rows(logits.reshape(-1, logits.shape[-1]))  # [N, V]; a view unless rows are strided
+        logp, entropy = ops.logprob_entropy(flat, _labels(labels.reshape(-1)),
+                                            temperature=temperature, vocab_size=vocab_size)
         return logp.view(lead), entropy.view(lead)
+
+    def logprob_entropy_partials(self, logits_shard, labels, *, vocab_start, vocab_size, temperature):
+        _kernel_dtype("logprob_entropy_partials", ("logits_shard", logits_shard))
+        return ops.logprob_entropy_partials(_rows(logits_shard), _labels(labels), vocab_start,
+                                            temperature=temperature, vocab_size=vocab_size)
+
+    def logprob_entropy_shard_backward(self, logits_shard, labels, *, vocab_start, vocab_size,
+                                       temperature, combined, grad_logp, grad_entropy):
+        return ops.logprob_entropy_shard_backward(
+            _rows(logits_shard), _labels(labels), vocab_start, combined,
+            grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
+            temperature=temperature, vocab_size=vocab_size,
+        )
 
     def policy_loss(
         self, logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_high,
         dual_clip_c=None, loss_agg_mode="token-mean", is_weights=None,
     ):
+        _check_bt("FusedBackend.policy_loss", logp=logp, old_logp=old_logp, advantages=advantages,
+                  mask=mask, is_weights=is_weights)
         named = [("logp", logp), ("old_logp", old_logp), ("advantages", advantages)]
         if is_weights is not None:
             named.append(("is_weights", is_weights))
@@ -147,6 +242,7 @@ class FusedBackend:
         )
 
     def gae(self, rewards, values, mask, *, gamma, lam, whiten=False):
+        _check_bt("FusedBackend.gae", values=values, rewards=rewards, mask=mask)
         _kernel_dtype("gae", ("values", values))
         rewards = rewards.to(values.dtype).contiguous()  # the reference computes in values.dtype
         return ops.gae(

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pfppo_mega.kernels.shard_math import (  # noqa: F401  (re-exported: the combine math)
+    LogProbCombined,
+    LogProbPartials,
+    combine_partials,
+    finish_partials,
+    rescale_partials,
+)
+
 try:
     from pfppo_mega import _C
 except ImportError as err:  # not built: the torch backend still works
@@ -63,14 +71,14 @@ def _check(cond: bool, msg: str) -> None:
     torch._check(cond, lambda: msg)
 
 
-def _fake_logprob_entropy(logits, labels):
+def _fake_logprob_entropy(logits, labels, temperature=1.0, vocab_size=-1):
     _check(logits.dim() == 2, "pfppo::logprob_entropy: logits must be [N, V]")
     _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy: labels must be [N]")
     n = logits.shape[0]
     return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
 
 
-def _fake_logprob_entropy_partials(logits, labels, vocab_start):
+def _fake_logprob_entropy_partials(logits, labels, vocab_start, temperature=1.0, vocab_size=-1):
     _check(logits.dim() == 2, "pfppo::logprob_entropy_partials: logits must be [N, V]")
     _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy_partials: labels must be [N]")
     n = logits.shape[0]
@@ -78,7 +86,8 @@ def _fake_logprob_entropy_partials(logits, labels, vocab_start):
 
 
 def _fake_logprob_entropy_backward(
-    grad_logp, grad_entropy, logits, labels, row_max, log_sumexp, entropy, vocab_start
+    grad_logp, grad_entropy, logits, labels, row_max, log_sumexp, entropy, vocab_start,
+    temperature=1.0, vocab_size=-1,
 ):
     _check(logits.dim() == 2, "pfppo::logprob_entropy_backward: logits must be [N, V]")
     return logits.new_empty(logits.shape)
@@ -104,19 +113,21 @@ def _fake_gae(rewards, values, mask, gamma, lam, whiten=False, shift_mean=True, 
 
 
 def _logprob_entropy_setup(ctx, inputs, output):
-    logits, labels = inputs
+    logits, labels, *options = inputs  # options: temperature, vocab_size (schema defaults)
     _logp, entropy, row_max, log_sumexp = output
     ctx.mark_non_differentiable(row_max, log_sumexp)  # auxiliary outputs, saved for backward
     ctx.save_for_backward(logits, labels, row_max, log_sumexp, entropy)
+    ctx.temperature = options[0] if len(options) > 0 else 1.0
+    ctx.vocab_size = options[1] if len(options) > 1 else -1
 
 
 def _logprob_entropy_backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sumexp):
     logits, labels, row_max, log_sumexp, entropy = ctx.saved_tensors
     grad = torch.ops.pfppo.logprob_entropy_backward(
         grad_logp.float().contiguous(), grad_entropy.float().contiguous(), logits, labels,
-        row_max, log_sumexp, entropy, 0,
+        row_max, log_sumexp, entropy, 0, ctx.temperature, ctx.vocab_size,
     )
-    return grad, None
+    return grad, None, None, None
 
 
 def _policy_loss_setup(ctx, inputs, output):
@@ -182,94 +193,44 @@ if _C is not None:
 # Wrappers.
 
 
+def _vocab_size_arg(vocab_size: int | None) -> int:
+    return -1 if vocab_size is None else vocab_size
+
+
 def logprob_entropy(
-    logits: torch.Tensor, labels: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits)[label] and the softmax entropy per row, in one pass over logits.
+    """log softmax(logits / T)[label] and the softmax entropy per row, in one pass over logits.
 
-        lse = logsumexp_v x_v,  logp = x_label - lse,  H = -sum_v p_v log p_v
+        y = x / T,  lse = logsumexp_v y_v,  logp = y_label - lse,  H = -sum_v p_v log p_v
 
-    logits [N, V] float32/bfloat16 (unit stride along V), labels [N] int64 in [0, V)
+    logits [N, V] float32/bfloat16 (unit stride along V), labels [N] int64 in [0, vocab_size);
+    columns >= vocab_size (None: V) are padding and count as -inf (gradient 0).
     -> logp [N], entropy [N], both float32. Differentiable w.r.t. logits (grad in logits.dtype).
     """
     require_device(logits, "logits")
-    logp, entropy, _max, _log_sumexp = torch.ops.pfppo.logprob_entropy(logits, labels)
+    logp, entropy, _max, _log_sumexp = torch.ops.pfppo.logprob_entropy(
+        logits, labels, temperature, _vocab_size_arg(vocab_size)
+    )
     return logp, entropy
 
 
-@dataclass
-class LogProbPartials:
-    """Per-row softmax partials of one vocab shard, all [N] float32:
-
-    max = m = max_v x_v,  sumexp = sum_v e^{x_v - m},  sumexp_shifted = sum_v e^{x_v - m} (x_v - m),
-    target = x_label when the label lies in this shard, else 0.
-    """
-
-    max: torch.Tensor
-    sumexp: torch.Tensor
-    sumexp_shifted: torch.Tensor
-    target: torch.Tensor
-
-
-@dataclass
-class LogProbCombined:
-    """Log-prob and entropy of the full vocabulary, and lse = max + log_sumexp kept in two
-    parts (the backward needs them), all [N] float32."""
-
-    logp: torch.Tensor
-    entropy: torch.Tensor
-    max: torch.Tensor
-    log_sumexp: torch.Tensor
-
-
 def logprob_entropy_partials(
-    logits_shard: torch.Tensor, labels: torch.Tensor, vocab_start: int
+    logits_shard: torch.Tensor, labels: torch.Tensor, vocab_start: int, *,
+    temperature: float = 1.0, vocab_size: int | None = None,
 ) -> LogProbPartials:
-    """Partials of logits_shard [N, V_shard] whose column 0 is vocab entry vocab_start.
+    """Partials (pfppo_mega.kernels.shard_math) of logits_shard [N, V_shard] / T whose column 0
+    is vocab entry vocab_start; global columns >= vocab_size are padding.
 
     labels [N] int64 are global vocab indices. Not differentiable: the vocab-parallel backward
     is logprob_entropy_shard_backward, given the combined lse and entropy.
     """
     require_device(logits_shard, "logits_shard")
-    out = torch.ops.pfppo.logprob_entropy_partials(logits_shard, labels, vocab_start)
-    return LogProbPartials(*out)
-
-
-def rescale_partials(
-    p: LogProbPartials, global_max: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s', u') of one shard moved to the reference global_max M >= p.max:
-
-        s' = s e^{m - M},   u' = e^{m - M} (u + (m - M) s)
-
-    so that summing s', u' (and target) over shards gives the full-vocab sums. [N] each.
-    """
-    has_mass = p.sumexp > 0  # a shard of only -inf logits contributes nothing
-    shift = torch.where(has_mass, p.max - global_max, torch.zeros_like(p.max))
-    scale = torch.where(has_mass, torch.exp(shift), torch.zeros_like(p.max))
-    return p.sumexp * scale, (p.sumexp_shifted + shift * p.sumexp) * scale
-
-
-def finish_partials(global_max, sumexp, sumexp_shifted, target) -> LogProbCombined:
-    """logp = target - (M + log S),  H = log S - U / S, from the reduced sums. [N] each."""
-    log_s = torch.log(sumexp)
-    return LogProbCombined(
-        logp=target - (global_max + log_s),
-        entropy=log_s - sumexp_shifted / sumexp,
-        max=global_max,
-        log_sumexp=log_s,
+    out = torch.ops.pfppo.logprob_entropy_partials(
+        logits_shard, labels, vocab_start, temperature, _vocab_size_arg(vocab_size)
     )
-
-
-def combine_partials(shards: list[LogProbPartials]) -> LogProbCombined:
-    """Combine the partials of every vocab shard (in-process; the process-group version is
-    pfppo_mega.kernels.vocab_parallel)."""
-    global_max = torch.stack([p.max for p in shards]).amax(dim=0)  # [N]
-    sums = [rescale_partials(p, global_max) for p in shards]
-    sumexp = torch.stack([s for s, _ in sums]).sum(dim=0)
-    shifted = torch.stack([u for _, u in sums]).sum(dim=0)
-    target = torch.stack([p.target for p in shards]).sum(dim=0)
-    return finish_partials(global_max, sumexp, shifted, target)
+    return LogProbPartials(*out)
 
 
 def logprob_entropy_shard_backward(
@@ -279,14 +240,17 @@ def logprob_entropy_shard_backward(
     combined: LogProbCombined,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """d(loss)/d logits_shard [N, V_shard] from the combined statistics and the output grads
-    (all [N] float32):  g [v == label] - p_v (g + h (log p_v + H)),
-    log p_v = (x_v - max) - log_sumexp."""
+    (all [N] float32):  (g [v == label] - p_v (g + h (log p_v + H))) / T,
+    log p_v = (y_v - max) - log_sumexp; 0 on padding columns."""
     require_device(logits_shard, "logits_shard")
     return torch.ops.pfppo.logprob_entropy_backward(
         grad_logp, grad_entropy, logits_shard, labels, combined.max, combined.log_sumexp,
-        combined.entropy, vocab_start,
+        combined.entropy, vocab_start, temperature, _vocab_size_arg(vocab_size),
     )
 
 

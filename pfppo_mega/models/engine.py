@@ -11,8 +11,11 @@ one model replica (its tensor- and pipeline-parallel ranks) passes the same batc
     critic_train_step(critic, optimizer, inputs, loss_fn, micro_batch_size=)       -> StepResult
 
 Forward results are computed on the last pipeline stage and broadcast to every stage, so every
-rank of the model-parallel group returns them. Log-probs at tp > 1 come from the vocab-parallel
-reduction (pfppo_mega.models.vocab_parallel): the vocabulary is never gathered.
+rank of the model-parallel group returns them. Log-probs come from the kernels backend passed in
+(``kernels=``, pure torch when None) through pfppo_mega.kernels.vocab_parallel: at tp > 1 each
+rank reduces its vocabulary shard to per-row partials and two all-reduces combine them (the
+vocabulary is never gathered); temperature and megatron's vocabulary padding are handled inside
+the backend's kernel.
 
 Loss normalisation (the rule that makes micro-batching and data parallelism invisible):
 ``loss_fn`` returns this micro-batch's *share* of the global loss, i.e. the step minimises
@@ -43,7 +46,7 @@ from torch import Tensor
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, unwrap, zero_grads
-from pfppo_mega.models.vocab_parallel import vocab_parallel_logprob_entropy
+from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
 from pfppo_mega.trainer.batch import PackedInputs
 
 with _quiet_megatron():
@@ -53,7 +56,6 @@ with _quiet_megatron():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-LogProbFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # logits [N, V], labels [N] -> logp, entropy [N]
 Stats = dict[str, Union[Tensor, float]]
 
 
@@ -209,22 +211,21 @@ def _tp() -> tuple[int, int, Optional[dist.ProcessGroup]]:
 
 
 def _logp_entropy(model: torch.nn.Module, logits: Tensor, inputs: PackedInputs, *, temperature: float,
-                  logprob_fn: Optional[LogProbFn]) -> tuple[Tensor, Tensor]:
-    """logits [b, S, Vp/tp] of this rank's vocab shard -> logp, entropy [b, T] of inputs.labels
-    under logits / temperature (b = inputs' rows; extra padded rows of logits are ignored)."""
+                  kernels: Optional[KernelBackend]) -> tuple[Tensor, Tensor]:
+    """logits [b', S, Vp/tp] of this rank's vocab shard -> logp, entropy [b, T] of inputs.labels
+    under logits / temperature over the unpadded vocabulary (b = inputs' rows; extra padded rows
+    of logits are ignored)."""
     b, t = inputs.labels.shape
     vs = logits.shape[-1]
     resp_pos = inputs.resp_pos.to(logits.device)
     labels = inputs.labels.to(logits.device).reshape(-1)                          # [b*T]
+    # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
+    # and the padding columns are applied inside the backend's kernel, not on this tensor.
     sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs))            # [b, T, Vp/tp]
-    sel = sel / temperature
     tp, tp_rank, group = _tp()
-    vocab_size = unwrap(model).unpadded_vocab_size
-    if tp == 1 and logprob_fn is not None and vs == vocab_size:
-        logp, ent = logprob_fn(sel.reshape(-1, vs).contiguous(), labels)
-    else:
-        logp, ent = vocab_parallel_logprob_entropy(sel.reshape(-1, vs), labels, vocab_start=tp_rank * vs,
-                                                   vocab_size=vocab_size, group=group)
+    logp, ent = vocab_parallel_logprob_entropy(
+        sel.view(-1, vs), labels, vocab_start=tp_rank * vs, vocab_size=unwrap(model).unpadded_vocab_size,
+        group=group if tp > 1 else None, temperature=temperature, backend=kernels)
     return logp.view(b, t), ent.view(b, t)
 
 
@@ -259,12 +260,12 @@ def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_s
 
 
 def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temperature: float,
-                         micro_batch_size: int, logprob_fn: Optional[LogProbFn] = None
+                         micro_batch_size: int, kernels: Optional[KernelBackend] = None
                          ) -> tuple[Tensor, Tensor]:
     """(logp, entropy) [B, T] float32 of inputs.labels at inputs.resp_pos under logits / temperature.
 
-    No gradients. ``logprob_fn`` (e.g. the trainer's kernels backend ``logprob_entropy``) computes
-    them from full logits at tp = 1; otherwise, and always at tp > 1, the vocab-parallel reduction.
+    No gradients. ``kernels`` (the trainer's backend, get_backend(cfg.kernels); None: pure torch)
+    computes them at every tp (at tp > 1 from vocabulary shards, see _logp_entropy).
     """
     if not temperature > 0:
         raise ValueError(f"temperature({temperature}) must be > 0")
@@ -272,7 +273,7 @@ def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temper
     both = _forward_collect(
         model, inputs, micro_batch_size,
         lambda logits, mb: torch.stack(_logp_entropy(model, logits, mb, temperature=temperature,
-                                                     logprob_fn=logprob_fn), dim=1),   # [b, 2, T]
+                                                     kernels=kernels), dim=1),   # [b, 2, T]
         (b, 2, t))
     return both[:, 0], both[:, 1]
 
@@ -383,7 +384,7 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
 
 def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,
                loss_fn: ActorLossFn, *, temperature: float, micro_batch_size: int,
-               logprob_fn: Optional[LogProbFn] = None) -> StepResult:
+               kernels: Optional[KernelBackend] = None) -> StepResult:
     """One actor update: zero grads, forward + backward of every micro-batch through megatron's
     schedule (gradients accumulate; finalize_model_grads reduces them over DP and ties), then the
     optimizer step (clipping included). loss_fn(logp [b, T], entropy [b, T], mb) -> (share, stats),
@@ -392,7 +393,7 @@ def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inp
         raise ValueError(f"temperature({temperature}) must be > 0")
 
     def share_of(logits: Tensor, mb: MicroBatch):
-        logp, ent = _logp_entropy(model, logits, mb.inputs, temperature=temperature, logprob_fn=logprob_fn)
+        logp, ent = _logp_entropy(model, logits, mb.inputs, temperature=temperature, kernels=kernels)
         return loss_fn(logp, ent, mb)
 
     return _train(model, optimizer, inputs, micro_batch_size, share_of)

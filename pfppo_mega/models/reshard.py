@@ -60,7 +60,7 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Smallest multiple of tp >= vocab_size (VocabParallelEmbedding splits rows evenly).
 
     The padded rows of the embedding and LM head are zero; their logits are masked to -inf by
-    pfppo_mega.models.vocab_parallel and they are dropped on export.
+    pfppo_mega.kernels.vocab_parallel and they are dropped on export.
     """
     return -(-vocab_size // tp) * tp
 

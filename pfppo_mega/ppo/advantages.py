@@ -35,6 +35,8 @@ def compute_gae(
     r = zero_padding(rewards.to(values.dtype), mask)  # [B, T]
     v = zero_padding(values, mask)  # [B, T]
     num_tokens = v.shape[1]
+    if num_tokens == 0:  # no tokens: empty outputs (v[:, 0] below needs one)
+        return torch.zeros_like(v), torch.zeros_like(v)
 
     next_value = torch.zeros_like(v[:, 0])  # [B]  V_{t+1} * m_{t+1}
     next_adv = torch.zeros_like(v[:, 0])  # [B]  m_{t+1} * A_{t+1}

@@ -99,53 +99,74 @@ def check_logp_entropy(layout: str, kind: str, path: Path, mbs: int, batch: comm
     from pfppo_mega.models import engine
 
     _, actor = _actor(path)
-    logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
-                                            micro_batch_size=mbs)
-    err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
-                             (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
-    report(layout, f"logp_entropy_vs_fp64[{kind}]", err < LOGP_TOL, err, LOGP_TOL)
+    for backend in available_backends():
+        logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+                                                micro_batch_size=mbs, kernels=backend)
+        err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
+                                 (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
+        report(layout, f"logp_entropy_vs_fp64[{kind},{backend.name}]", err < LOGP_TOL, err, LOGP_TOL)
 
 
 def check_vocab_parallel_grads(layout: str) -> None:
-    """Forward and backward of the vocab-parallel function on TP shards vs fp64 autograd on the
-    full vocabulary, with a padded column holding a huge logit (must be ignored)."""
+    """vocab_parallel_logprob_entropy on TP shards of a vocabulary with megatron's padding
+    (vocab_size 51 padded to a multiple of tp * make_vocab_size_divisible_by, with 8: 64, rank 1
+    partly padding; with 128: 256, rank 1 all padding), temperature 0.7, padding holding a huge
+    logit, for each kernels backend: forward and gradients vs the same backend at TP = 1 (the
+    whole unpadded vocabulary in one process) and vs fp64 autograd."""
     from megatron.core import parallel_state as ps
 
-    from pfppo_mega.models import reshard
-    from pfppo_mega.models.vocab_parallel import vocab_parallel_logprob_entropy
+    from pfppo_mega.kernels import available_backends, vocab_parallel_logprob_entropy
 
     tp, rank, group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                        ps.get_tensor_model_parallel_group())
-    n, v = 24, common.VOCAB
-    vp = reshard.padded_vocab_size(v, tp)
+    n, v, temperature = 24, common.VOCAB, 0.7
     gen = torch.Generator().manual_seed(5)
     full = 3.0 * torch.randn(n, v, generator=gen)
     full[0, 7] = 40.0  # one dominant logit
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[1] = v - 1  # the last real column, which sits next to the padding
     g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    padded = torch.cat([full, torch.full((n, vp - v), 1e4)], dim=1)  # padding must not count
-    shard = padded.chunk(tp, dim=1)[rank].clone().requires_grad_(True)
-    before = shard.detach().clone()
-    logp, ent = vocab_parallel_logprob_entropy(shard, labels, vocab_start=rank * (vp // tp), vocab_size=v,
-                                               group=group)
-    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
-    grads = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(grads, shard.grad.contiguous(), group=group)
-    grad = torch.cat(grads, dim=1)
 
     ref_x = full.double().requires_grad_(True)
-    logq = F.log_softmax(ref_x, dim=-1)
+    logq = F.log_softmax(ref_x / temperature, dim=-1)
     ref_logp = logq.gather(1, labels[:, None])[:, 0]
     ref_ent = -(logq.exp() * logq).sum(-1)
     ((ref_logp * g_logp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
-    err = max((logp.double() - ref_logp).abs().max().item(), (ent.double() - ref_ent).abs().max().item(),
-              (grad[:, :v].double() - ref_x.grad).abs().max().item())
-    err = max_over_ranks(err)
-    pad_grad_zero = bool((grad[:, v:] == 0).all())
-    untouched = all_ranks_ok(torch.equal(shard.detach(), before))
-    report(layout, "vocab_parallel_fwd_bwd_vs_fp64", err < GRAD_TOL and pad_grad_zero and untouched, err, GRAD_TOL,
-           f"padded_cols={vp - v} pad_grad_zero={pad_grad_zero} input_untouched={untouched}")
+
+    def run(x, **kw):
+        logp, ent = vocab_parallel_logprob_entropy(x, labels, temperature=temperature, **kw)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+        return logp.detach(), ent.detach()
+
+    for backend in available_backends():
+        one = full.clone().requires_grad_(True)  # TP = 1: the whole vocabulary, no group
+        one_logp, one_ent = run(one, vocab_start=0, vocab_size=v, group=None, backend=backend)
+        vs_tp1, vs_fp64, ok, notes = [0.0, 0.0, 0.0], 0.0, True, []
+        for divisible_by in (8, 128):
+            vp = -(-v // (tp * divisible_by)) * tp * divisible_by
+            padded = torch.cat([full, torch.full((n, vp - v), 1e4)], dim=1)  # padding must not count
+            shard = padded.chunk(tp, dim=1)[rank].clone().requires_grad_(True)
+            before = shard.detach().clone()
+            logp, ent = run(shard, vocab_start=rank * (vp // tp), vocab_size=v, group=group, backend=backend)
+            grads = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(grads, shard.grad.contiguous(), group=group)
+            grad = torch.cat(grads, dim=1)
+            diffs = [(logp - one_logp).abs().max().item(), (ent - one_ent).abs().max().item(),
+                     (grad[:, :v] - one.grad).abs().max().item()]
+            vs_tp1 = [max(a, b) for a, b in zip(vs_tp1, diffs)]
+            vs_fp64 = max(vs_fp64, (logp.double() - ref_logp).abs().max().item(),
+                          (ent.double() - ref_ent).abs().max().item(),
+                          (grad[:, :v].double() - ref_x.grad).abs().max().item())
+            pad_grad_zero = bool((grad[:, v:] == 0).all())
+            untouched = torch.equal(shard.detach(), before)
+            ok = ok and pad_grad_zero and untouched
+            notes.append(f"pad{divisible_by}:cols={vp - v},pad_grad_zero={pad_grad_zero},untouched={untouched}")
+        vs_tp1 = [max_over_ranks(d) for d in vs_tp1]
+        vs_fp64 = max_over_ranks(vs_fp64)
+        ok = all_ranks_ok(ok and max(vs_tp1) < GRAD_TOL and vs_fp64 < GRAD_TOL)
+        report(layout, f"vocab_parallel_fwd_bwd[{backend.name}]", ok, vs_fp64, GRAD_TOL,
+               f"vs_tp1: logp={vs_tp1[0]:.2e} entropy={vs_tp1[1]:.2e} grad={vs_tp1[2]:.2e} T={temperature} "
+               + " ".join(notes))
 
 
 def check_round_trip(layout: str, kind: str, path: Path, out_root: Path) -> None:

@@ -192,6 +192,7 @@ class UpdateResult:
 def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: int, dp: int) -> UpdateResult:
     """Build actor and critic from ``path`` at the current layout, run one PPO update on this DP
     rank's rows (B / dp contiguous rows), and gather the updated weights under HF names."""
+    from pfppo_mega.kernels import get_backend
     from pfppo_mega.models import engine, gpt, hf_io
 
     cfg, arch = model_config(path)
@@ -207,7 +208,9 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
 
     inp = local.inputs
     mask = inp.response_mask
-    logp, _ = engine.forward_logp_entropy(actor, inp, temperature=TEMPERATURE, micro_batch_size=micro_batch_size)
+    kernels = get_backend("auto")  # the trainer's default: the fused kernels when built (vocab-parallel at tp > 1)
+    logp, _ = engine.forward_logp_entropy(actor, inp, temperature=TEMPERATURE, micro_batch_size=micro_batch_size,
+                                          kernels=kernels)
     old_logp = (logp + local.logp_noise) * mask
     old_values = (engine.forward_values(critic, inp, micro_batch_size=micro_batch_size) + local.value_noise) * mask
 
@@ -227,7 +230,7 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     actor.train()
     critic.train()
     a = engine.train_step(actor, actor_opt, inp, actor_loss, temperature=TEMPERATURE,
-                          micro_batch_size=micro_batch_size)
+                          micro_batch_size=micro_batch_size, kernels=kernels)
     c = engine.critic_train_step(critic, critic_opt, inp, critic_loss, micro_batch_size=micro_batch_size)
     assert a.update_successful and c.update_successful
     weights = {f"actor/{n}": t.detach().clone() for n, t in hf_io.gather_hf_weights(actor, cfg)}
