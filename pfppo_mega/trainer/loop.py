@@ -323,7 +323,7 @@ class PPOTrainer:
         Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1."""
         return mengine.forward_logp_entropy(model, inp, temperature=self.cfg.actor_rollout.temperature,
                                             micro_batch_size=self._mbs(inp.labels.shape[0]),
-                                            kernels=self.kernels)
+                                            logprob_fn=self.kernels.logprob_entropy)
 
     def _values(self, inp: PackedInputs) -> torch.Tensor:
         return mengine.forward_values(self.critic, inp, micro_batch_size=self._mbs(inp.labels.shape[0]))  # [B, T]
@@ -418,7 +418,7 @@ class PPOTrainer:
         res = mengine.train_step(self.actor, self.actor_opt, eb.inputs, loss_fn,
                                  temperature=self.cfg.actor_rollout.temperature,
                                  micro_batch_size=self._mbs(eb.advantages.shape[0]),
-                                 kernels=self.kernels)
+                                 logprob_fn=self.kernels.logprob_entropy)
         self._count_skip("actor", res)
         return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
 
@@ -820,7 +820,9 @@ class PPOTrainer:
         except ValueError as e:
             need(False, f"pool.safetensors / state pool: {e}")
         need(all(v <= step for v in pool.versions), f"pool versions {pool.versions} must be <= step {step}")
-        current = [(n, t.dtype, tuple(t.shape)) for n, t in self._current_weights()]
+        # the layout of the pool __init__ built from the live weights (no collective here: a rank
+        # that refused earlier must not leave the others waiting in one)
+        current = [(n, t.dtype, tuple(t.shape)) for n, t in self.pool.snapshots[0].tensors]
         held = [(n, t.dtype, tuple(t.shape)) for n, t in pool.snapshots[0].tensors]
         need(held == current, "pool snapshots do not have the model's layout (names, dtypes, shapes)")
         self.pool = pool
