@@ -323,7 +323,7 @@ class PPOTrainer:
         Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1."""
         return mengine.forward_logp_entropy(model, inp, temperature=self.cfg.actor_rollout.temperature,
                                             micro_batch_size=self._mbs(inp.labels.shape[0]),
-                                            logprob_fn=self.kernels.logprob_entropy)
+                                            kernels=self.kernels)
 
     def _values(self, inp: PackedInputs) -> torch.Tensor:
         return mengine.forward_values(self.critic, inp, micro_batch_size=self._mbs(inp.labels.shape[0]))  # [B, T]
@@ -418,7 +418,7 @@ class PPOTrainer:
         res = mengine.train_step(self.actor, self.actor_opt, eb.inputs, loss_fn,
                                  temperature=self.cfg.actor_rollout.temperature,
                                  micro_batch_size=self._mbs(eb.advantages.shape[0]),
-                                 logprob_fn=self.kernels.logprob_entropy)
+                                 kernels=self.kernels)
         self._count_skip("actor", res)
         return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
 
