@@ -12,6 +12,10 @@ ROLLOUT_ENGINES = ("builtin", "vllm")  # actor_rollout.engine
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels
 TASKS = ("addition",)  # data.task
+DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / Parquet prompt files
+OVERLONG_PROMPTS = ("filter", "error")  # data.overlong_prompts: drop (counted) or refuse at start
+# Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.
+REWARD_SCORERS = ("gsm8k", "math", "exact_match")
 ALGORITHMS = ("ppo",)  # algorithm.name
 ADV_ESTIMATORS = ("gae",)  # algorithm.adv_estimator
 
@@ -47,4 +51,7 @@ MAX_PARALLEL = 4096  # TP / PP degree
 MAX_EVAL_PROMPTS = 100_000  # data.eval_size (each is generated and scored every evaluation)
 MAX_SEED = (1 << 32) - 1
 MAX_THREADS = 1024
+MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward function)
+MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
+MAX_DATA_FILES = 10_000  # data.train_files / data.val_files
 INT_LIMIT = (1 << 31) - 1  # any other int key (a generic backstop in the config tree)

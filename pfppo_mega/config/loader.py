@@ -715,7 +715,8 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
     int: an int (not a bool; 2.0 is refused rather than truncated silently).
     float: a float, an int, or a string that reads as a decimal number ("1e-6": YAML 1.1 reads
     an exponent without a dot as a string). bool: true/false only. str: a string.
-    Optional[X]: null or X. Literal[...]: one of the listed values."""
+    Optional[X]: null or X. Literal[...]: one of the listed values. list[X]: a list of X, or a
+    single X read as a list of one."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not _NONE]
@@ -751,6 +752,16 @@ def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
         if isinstance(value, str):
             return value, None
         return None, f"expected str, got {_kind(value)} (quote it if it is meant as text)"
+    if origin is list:  # list[X]: a list of X, or one X (a single file for a list of paths)
+        (item,) = typing.get_args(tp)
+        items = value if isinstance(value, list) else [value]
+        out = []
+        for i, v in enumerate(items):
+            result, error = coerce(v, item)
+            if error:
+                return None, f"expected {_type_name(tp)}; item {i}: {error}"
+            out.append(result)
+        return out, None
     raise TypeError(f"config field type {tp!r} unsupported (int, float, bool, str, Optional, "
                     f"Literal or a Section)")
 
@@ -761,6 +772,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join("null" if a is _NONE else _type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     if _is_section(tp):
         return f"section {tp.__name__}"
     return getattr(tp, "__name__", str(tp))

@@ -105,7 +105,7 @@ def _section_markdown(path: str, cls: type, aliases: dict[str, list[str]]) -> st
             if spellings:
                 allowed += " (also " + ", ".join(
                     f"`{a}` = `{c}`" for a, c in spellings.items()) + ")"
-            row = [f"`{key}`", _type_name(tp), f"`{_yaml(f.default)}`", allowed, doc,
+            row = [f"`{key}`", _type_name(tp), f"`{_yaml(f.default_factory() if f.default is dataclasses.MISSING else f.default)}`", allowed, doc,
                    ", ".join(f"`{a}`" for a in aliases.get(key, []))]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     for name, (tp, why) in cls.IGNORED.items():

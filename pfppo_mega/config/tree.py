@@ -388,6 +388,22 @@ class AlgorithmConfig(Section):
 
 
 @dataclass
+class CustomFunctionConfig(Section):
+    """verl's custom_reward_function: `name(data_source, solution_str, ground_truth, extra_info)
+    -> float | dict` (a dict's "score" is the reward) from the Python file `path`, run in worker
+    processes with a timeout."""
+
+    path: Optional[str] = opt(None, "Python file defining the function; null = rule-based scorers.")
+    name: str = opt("compute_score", "Function name in that file.")
+
+    def _check(self, p: list[Problem]) -> None:
+        if not self.name.isidentifier():
+            p.append(Problem("name", self.name, "must be a Python identifier"))
+        if self.path is not None and not self.path:
+            p.append(Problem("path", self.path, "must be a file path or null"))
+
+
+@dataclass
 class RewardConfig(Section):
     """Preprocessing of the sequence-level scores before they enter GAE."""
 
@@ -397,6 +413,15 @@ class RewardConfig(Section):
         None, "Clip scores to their [1-q, q] batch quantiles (e.g. 0.95); null = off."
     )
     length_penalty: float = opt(0.0, "Subtract coef * response_length / max_response_length.")
+    default_scorer: Optional[str] = opt(
+        None, "Rule-based scorer for a data_source the registry does not know (null: such a row is "
+              "refused at start).")
+    custom_function: CustomFunctionConfig = opt(
+        factory=CustomFunctionConfig, doc="A user's Python reward function (replaces the "
+        "rule-based scorers when path is set).")
+    num_workers: int = opt(2, "Worker processes running the custom reward function.")
+    timeout_s: float = opt(10.0, "Seconds one custom reward call may take; a hang scores 0 and is "
+                                 "counted in guard/reward_timeouts.")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"scaling": C.REWARD_SCALING}
 
@@ -404,6 +429,10 @@ class RewardConfig(Section):
         _range(p, "clip_range", self.clip_range, gt=0, optional=True)
         _range(p, "quantile_clip", self.quantile_clip, gt=0.5, lt=1, optional=True)
         _range(p, "length_penalty", self.length_penalty, ge=0)
+        if self.default_scorer is not None:
+            _choice(p, "default_scorer", self.default_scorer, C.REWARD_SCORERS)
+        _range(p, "num_workers", self.num_workers, ge=1, le=C.MAX_REWARD_WORKERS)
+        _range(p, "timeout_s", self.timeout_s, gt=0, le=C.MAX_REWARD_TIMEOUT_S)
 
 
 @dataclass
@@ -423,10 +452,6 @@ class TrainingConfig(Section):
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
-    max_consecutive_skipped_updates: int = opt(
-        5, "Stop the run with an error (non-zero exit) after this many consecutive skipped optimizer "
-           "updates of the actor or of the critic (non-finite loss or refused step): it is not learning. "
-           "0 = never stop.")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "train_batch_size": "rollout_batch_size",
@@ -446,7 +471,6 @@ class TrainingConfig(Section):
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
-        _range(p, "max_consecutive_skipped_updates", self.max_consecutive_skipped_updates, ge=0, le=C.MAX_STEPS)
         if self.critic_lr is None:
             self.critic_lr = self.lr
 
@@ -455,17 +479,51 @@ class TrainingConfig(Section):
 class DataConfig(Section):
     """The prompt source and its rule-based reward."""
 
-    task: str = opt("addition", "Built-in task with a verifiable reward.")
+    source: str = opt("task", "Where prompts come from: task (the built-in data.task) or files "
+                              "(data.train_files / data.val_files).")
+    task: str = opt("addition", "Built-in task with a verifiable reward (data.source = task).")
     num_digits: int = opt(3, "Largest operand has this many digits (addition).")
-    eval_size: int = opt(256, "Held-out prompts scored greedily at each evaluation.")
-    max_prompt_length: int = opt(16, "Longest prompt in tokens; longer prompts are an error.")
+    eval_size: int = opt(256, "Held-out prompts scored at each evaluation (files: the first eval_size "
+                              "rows of val_files).")
+    max_prompt_length: int = opt(16, "Longest prompt in tokens (after the chat template).")
+    train_files: list[str] = opt(factory=list, doc="JSONL (.jsonl) or Parquet (.parquet) prompt files in "
+                                                   "verl's schema; one path or a list (data.source = files).")
+    val_files: list[str] = opt(factory=list, doc="Held-out prompt files, same format; evaluated every "
+                                                 "logging.eval_interval steps, scores per data_source.")
+    prompt_key: str = opt("prompt", "Column holding the prompt: a list of chat messages "
+                                    "({role, content}) or a string.")
+    data_source_key: str = opt("data_source", "Column naming each row's dataset (picks its scorer).")
+    ground_truth_key: str = opt("reward_model.ground_truth", "Column (dotted path into nested "
+                                                             "mappings) holding the reference answer.")
+    extra_info_key: str = opt("extra_info", "Column of free per-row metadata passed to the reward "
+                                            "function (missing: {}).")
+    apply_chat_template: bool = opt(True, "Render prompts with the checkpoint's chat template "
+                                          "(tokenizer_config.json); a string prompt becomes one user message.")
+    overlong_prompts: str = opt("filter", "Prompts longer than max_prompt_length: filter (dropped, "
+                                          "counted and reported at start) or error (refused at start).")
+    shuffle: bool = opt(True, "Shuffle the training rows each epoch (seeded by training.seed).")
 
-    CHOICES: ClassVar[dict[str, tuple]] = {"task": C.TASKS}
+    CHOICES: ClassVar[dict[str, tuple]] = {"source": C.DATA_SOURCES, "task": C.TASKS,
+                                           "overlong_prompts": C.OVERLONG_PROMPTS}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "num_digits", self.num_digits, ge=1, le=9)
         _range(p, "eval_size", self.eval_size, ge=1, le=C.MAX_EVAL_PROMPTS)
         _range(p, "max_prompt_length", self.max_prompt_length, ge=1, le=C.MAX_TOKENS)
+        for key in ("train_files", "val_files"):
+            files = getattr(self, key)
+            if len(files) > C.MAX_DATA_FILES:
+                p.append(Problem(key, f"{len(files)} files", f"must list at most {C.MAX_DATA_FILES} files"))
+            elif any(not f for f in files):
+                p.append(Problem(key, files, "must not contain an empty path"))
+        if self.source == "files" and not self.train_files:
+            p.append(Problem("train_files", self.train_files, "must list at least one file when data.source = files"))
+        if self.source == "task" and (self.train_files or self.val_files):
+            p.append(Problem("source", self.source, "must be files when data.train_files / data.val_files are "
+                                                    "set (they would be ignored)"))
+        for key in ("prompt_key", "data_source_key", "ground_truth_key", "extra_info_key"):
+            if not getattr(self, key) or any(not part for part in getattr(self, key).split(".")):
+                p.append(Problem(key, getattr(self, key), "must be a column name (dotted path: no empty part)"))
 
 
 @dataclass

@@ -14,6 +14,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from pfppo_mega.rewards.base import OutcomeLog, call_guarded, result_of
+from pfppo_mega.types import RewardResult, Sample
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -73,3 +76,53 @@ class AdditionTask:
     @property
     def max_answer_tokens(self) -> int:
         return self.num_digits + 2  # digits of the sum + EOS
+
+
+# ----------------------------------------------------------------------------- the task as a
+# PromptSource + RewardFn pair (pfppo_mega.types), registered as data.source = task, data.task = addition
+
+DATA_SOURCE = "addition"
+
+
+def to_sample(p: Problem, tokenizer) -> Sample:
+    return Sample(prompt_ids=tuple(tokenizer.encode(p.prompt)), data_source=DATA_SOURCE, ground_truth=p.answer,
+                  extra_info={"a": p.a, "b": p.b}, prompt_text=p.prompt, row=f"addition {p.prompt}")
+
+
+class AdditionPrompts:
+    """Training prompts drawn from `rng` (the trainer's per-data-parallel-rank stream, so the draws
+    interleave with its sampling seeds exactly as before the seam); held-out prompts fixed."""
+
+    def __init__(self, task: AdditionTask, tokenizer, rng: random.Random):
+        self.task, self.tokenizer, self.rng = task, tokenizer, rng
+
+    def next_batch(self, n: int) -> list[Sample]:
+        return [to_sample(p, self.tokenizer) for p in self.task.train_prompts(n, self.rng)]
+
+    def eval_samples(self, n: int) -> list[Sample]:
+        return [to_sample(p, self.tokenizer) for p in self.task.eval_prompts(n)]
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+
+class AdditionReward:
+    """`task.reward` on each sample through the shared guard (rewards.base): exact sum + EOS."""
+
+    def __init__(self, task: AdditionTask, *, log=print):
+        self.task = task
+        self.outcomes = OutcomeLog(log, f"{DATA_SOURCE} reward")
+
+    def __call__(self, samples, texts, finished) -> RewardResult:
+        calls = [call_guarded(self.task.reward, Problem(s.extra_info["a"], s.extra_info["b"]), text, bool(f))
+                 for s, text, f in zip(samples, texts, finished)]
+        return result_of(calls, samples, texts, self.outcomes)
+
+    def check(self, samples, where: str) -> None:  # scores any data_source
+        pass
+
+    def close(self) -> None:
+        pass

@@ -33,8 +33,17 @@ class Tokenizer:
 
     hf: HFTokenizer
     pad_id: int
-    bos_id: int
+    bos_id: int | None               # None: the tokenizer adds no BOS (e.g. Qwen2)
     eos_id: int
+    config: dict | None = None       # tokenizer_config.json as read (chat_template, special tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        t = (self.config or {}).get("chat_template")
+        return t if isinstance(t, str) else None
+
+    def token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.hf.id_to_token(token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -42,10 +51,16 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        return [self.bos_id] + ids if add_bos else ids
+        return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
-        # Stops at EOS; drops specials. WordLevel has no decoder, so join the token strings.
+        # Stops at EOS; drops specials. A BPE tokenizer decodes with its decoder (byte-level
+        # merges); WordLevel has none, so join the token strings.
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        if self.hf.decoder is not None:
+            return self.hf.decode(ids, skip_special_tokens=True)
         out = []
         for i in ids:
             if i == self.eos_id:
@@ -63,8 +78,8 @@ class Tokenizer:
         return files
 
     def files(self) -> dict[str, bytes]:
-        cfg = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
-               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
+        cfg = self.config or {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
+                              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
         return {"tokenizer.json": self.hf.to_str().encode(),
                 "tokenizer_config.json": json.dumps(cfg, indent=2).encode()}
 
@@ -77,12 +92,43 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
             raise TokenizerError(f"tokenizer: {path} cannot be parsed as a tokenizers JSON file: {e}") from None
-        ids = {name: hf.token_to_id(name) for name in (PAD, BOS, EOS)}
-        missing = [n for n, i in ids.items() if i is None]
-        if missing:
-            raise TokenizerError(f"tokenizer: {path} lacks the special tokens {missing} "
-                             f"(needs {PAD}, {BOS}, {EOS})")
-        return cls(hf, pad_id=ids[PAD], bos_id=ids[BOS], eos_id=ids[EOS])
+        config = _read_tokenizer_config(Path(directory, "tokenizer_config.json"))
+        if config is None or not any(k in config for k in ("bos_token", "eos_token", "pad_token")):
+            ids = {name: hf.token_to_id(name) for name in (PAD, BOS, EOS)}
+            missing = [n for n, i in ids.items() if i is None]
+            if missing:
+                raise TokenizerError(f"tokenizer: {path} lacks the special tokens {missing} "
+                                     f"(needs {PAD}, {BOS}, {EOS}, or a tokenizer_config.json naming them)")
+            return cls(hf, pad_id=ids[PAD], bos_id=ids[BOS], eos_id=ids[EOS], config=config)
+        # A Hugging Face checkpoint: the special tokens are the ones tokenizer_config.json names.
+        names = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        ids = {k: None if v is None else hf.token_to_id(v) for k, v in names.items()}
+        unknown = [f"{k}={names[k]!r}" for k in names if names[k] is not None and ids[k] is None]
+        if unknown or ids["eos_token"] is None:
+            raise TokenizerError(f"tokenizer: {path.parent / 'tokenizer_config.json'} names special tokens "
+                                 f"missing from tokenizer.json ({', '.join(unknown) or 'eos_token unset'}); "
+                                 f"eos_token is required")
+        pad = ids["pad_token"] if ids["pad_token"] is not None else ids["eos_token"]  # Llama has no pad
+        return cls(hf, pad_id=pad, bos_id=ids["bos_token"], eos_id=ids["eos_token"], config=config)
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_tokenizer_config(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"tokenizer: {path} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"tokenizer: {path} must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def char_tokenizer(chars: str = ADDITION_CHARS) -> Tokenizer:

@@ -1,0 +1,56 @@
+"""PromptSource implementations: prompt files (JSONL / Parquet in verl's schema) and the built-in
+task; `build_prompt_data` makes the one the config names, with its held-out set."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pfppo_mega.data.chat import ChatTemplate
+from pfppo_mega.data.files import DataError, FilePrompts, Keys, load_samples
+from pfppo_mega.types import PromptSource, Sample
+
+
+@dataclass
+class PromptData:
+    train: PromptSource
+    val: list[Sample]              # scored at every evaluation (per data_source)
+
+
+def chat_template_of(tokenizer, model_dir: str | Path) -> ChatTemplate | None:
+    source = tokenizer.chat_template
+    if source is None:
+        return None
+    names = {"bos_token": tokenizer.token(tokenizer.bos_id), "eos_token": tokenizer.token(tokenizer.eos_id),
+             "pad_token": tokenizer.token(tokenizer.pad_id)}
+    return ChatTemplate(source, special_tokens=names, where=f"{Path(model_dir) / 'tokenizer_config.json'}")
+
+
+def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Random, dp_rank: int = 0,
+                      dp_size: int = 1, log: Callable[[str], None] = print) -> PromptData:
+    """data.source = task: the built-in task drawing from `rng` (the trainer's per-rank stream).
+    data.source = files: train_files in seeded epochs (training.seed), the first data.eval_size
+    rows of val_files held out (none given: the first eval_size training rows, with a note)."""
+    d = cfg.data
+    if d.source == "task":
+        from pfppo_mega.tasks.addition import AdditionPrompts, AdditionTask
+        src = AdditionPrompts(AdditionTask(d.num_digits), tokenizer, rng)
+        return PromptData(train=src, val=src.eval_samples(d.eval_size))
+    template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
+    keys = Keys(prompt=d.prompt_key, data_source=d.data_source_key, ground_truth=d.ground_truth_key,
+                extra_info=d.extra_info_key)
+    common = dict(keys=keys, tokenizer=tokenizer, template=template, max_prompt_length=d.max_prompt_length,
+                  overlong=d.overlong_prompts, log=log)
+    train = load_samples(d.train_files, key="data.train_files", **common)
+    if d.val_files:
+        val = load_samples(d.val_files, key="data.val_files", **common)[: d.eval_size]
+    else:
+        val = train[: d.eval_size]
+        log(f"[pfppo] data.val_files not set: evaluating on the first {len(val)} training prompts")
+    return PromptData(train=FilePrompts(train, seed=cfg.training.seed, shuffle=d.shuffle, dp_rank=dp_rank,
+                                        dp_size=dp_size), val=val)
+
+
+__all__ = ["DataError", "FilePrompts", "PromptData", "build_prompt_data", "chat_template_of"]

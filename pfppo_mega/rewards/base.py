@@ -1,0 +1,106 @@
+"""The one guard every reward function goes through, and the in-process implementations.
+
+Each sample's call ends in one outcome (pfppo_mega.types.REWARD_OUTCOMES):
+    ok               a finite real number (a dict's "score")         -> that score
+    reward_errors    it raised, or returned None / a non-number       -> 0.0
+    bad_rewards      NaN or +-inf                                     -> 0.0
+    reward_timeouts  it ran past reward.timeout_s (custom functions)  -> 0.0
+The first sample of each bad outcome is logged with its row, prompt and response, once per run;
+the trainer counts the outcomes per step in guard/<outcome>.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pfppo_mega.rewards.rules import DATA_SOURCE_SCORERS, SCORERS, scorer_name
+from pfppo_mega.rewards.worker import as_score
+from pfppo_mega.types import RewardResult, Sample
+
+
+class RewardSetupError(ValueError):
+    """A reward configuration that cannot score the data; refused at start with the row / key."""
+
+
+class OutcomeLog:
+    """Logs the first sample of each bad outcome, once."""
+
+    def __init__(self, log: Callable[[str], None], name: str):
+        self.log, self.name = log, name
+        self._logged: set[str] = set()
+
+    def once(self, outcome: str, detail: str, sample: Sample, text: str) -> None:
+        if outcome in self._logged:
+            return
+        self._logged.add(outcome)
+        self.log(f"[pfppo] {self.name}: {detail} on sample {sample.row or '?'} (data_source "
+                 f"{sample.data_source!r}, prompt {sample.prompt_text[-200:]!r}, response {text[:200]!r}) "
+                 f"(scored 0 and counted in guard/{outcome}; logged once)")
+
+
+def judge(kind: str, payload: Any) -> tuple[float, str, str]:
+    """(score, outcome, detail) of one call's result as `worker.as_score` / an exception gave it."""
+    if kind == "raised":
+        return 0.0, "reward_errors", f"raised {payload}"
+    if kind == "type":
+        return 0.0, "reward_errors", f"returned {payload} (not a number, nor a dict with a numeric 'score')"
+    if kind == "timeout":
+        return 0.0, "reward_timeouts", f"ran longer than reward.timeout_s ({payload} s)"
+    if kind == "died":
+        return 0.0, "reward_errors", f"killed its worker process ({payload})"
+    if not math.isfinite(payload):
+        return 0.0, "bad_rewards", f"returned {payload}"
+    return payload, "ok", ""
+
+
+def call_guarded(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """Run an in-process scorer: ("value", float) / ("type", repr) / ("raised", message)."""
+    try:
+        return as_score(fn(*args))
+    except Exception as e:  # any failure of a scorer is a counted outcome, never a crash
+        return "raised", f"{type(e).__name__}: {e}"[:500]
+
+
+def result_of(calls: Sequence[tuple[str, Any]], samples: Sequence[Sample], texts: Sequence[str],
+              log: OutcomeLog) -> RewardResult:
+    scores, outcomes = [], []
+    for (kind, payload), sample, text in zip(calls, samples, texts):
+        score, outcome, detail = judge(kind, payload)
+        if outcome != "ok":
+            log.once(outcome, detail, sample, text)
+        scores.append(score)
+        outcomes.append(outcome)
+    return RewardResult(torch.tensor(scores, dtype=torch.float32), outcomes)
+
+
+class RuleReward:
+    """The rule-based registry: each sample is scored by its data_source's scorer
+    (`rules.DATA_SOURCE_SCORERS`, else `default_scorer`)."""
+
+    def __init__(self, *, default_scorer: str | None = None, log: Callable[[str], None] = print):
+        self.default_scorer = default_scorer
+        self.outcomes = OutcomeLog(log, "rule-based reward")
+
+    def check(self, samples: Sequence[Sample], where: str) -> None:
+        """Refuse (naming the first row) a data_source that no scorer covers."""
+        for s in samples:
+            if scorer_name(s.data_source, self.default_scorer) is None:
+                raise RewardSetupError(
+                    f"{where}: row {s.row} has data_source {s.data_source!r}, which no rule-based scorer "
+                    f"covers (known: {sorted(DATA_SOURCE_SCORERS)}); set reward.default_scorer (one of "
+                    f"{sorted(SCORERS)}) or reward.custom_function")
+
+    def __call__(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> RewardResult:
+        calls = []
+        for s, text in zip(samples, texts):
+            name = scorer_name(s.data_source, self.default_scorer)
+            calls.append(("raised", f"no scorer for data_source {s.data_source!r}") if name is None
+                         else call_guarded(SCORERS[name], text, s.ground_truth))
+        return result_of(calls, samples, texts, self.outcomes)
+
+    def close(self) -> None:
+        pass
+

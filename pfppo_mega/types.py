@@ -1,0 +1,77 @@
+"""Shared types below the trainer: what a prompt source yields and what a reward function returns.
+
+The trainer sees prompts and rewards only through the two protocols here (DESIGN.md, "the three
+seams"); `pfppo_mega.data` and `pfppo_mega.rewards` hold the implementations and the config
+builds the one it names. Nothing here imports the trainer, a task or a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt: its token ids (chat template applied) and free metadata for the reward."""
+
+    prompt_ids: tuple[int, ...]
+    data_source: str
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    prompt_text: str = ""              # the rendered prompt, for logs
+    row: str = ""                      # "file:row" (or a task's name for the item), for error messages
+
+
+# Guard outcomes of one reward call; each non-"ok" outcome is counted in guard/<outcome>.
+REWARD_OUTCOMES = ("ok", "reward_errors", "bad_rewards", "reward_timeouts")
+
+
+@dataclass
+class RewardResult:
+    """Scores of a batch; every bad call scored 0 and counted by outcome."""
+
+    scores: torch.Tensor               # [B] float32, finite
+    outcomes: list[str]                # [B] one of REWARD_OUTCOMES
+
+    def count(self, outcome: str) -> int:
+        return sum(o == outcome for o in self.outcomes)
+
+    @property
+    def errors(self) -> int:           # raised / wrong type
+        return self.count("reward_errors")
+
+    @property
+    def nonfinite(self) -> int:        # NaN / inf
+        return self.count("bad_rewards")
+
+    @property
+    def timeouts(self) -> int:         # a call that hung past reward.timeout_s (or killed its worker)
+        return self.count("reward_timeouts")
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Training prompts. The position is checkpoint state: a resumed run continues where it stopped."""
+
+    def next_batch(self, n: int) -> list[Sample]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores responses; never raises or hangs on a bad sample (scores 0 and counts it instead)."""
+
+    def __call__(self, samples: Sequence[Sample], texts: Sequence[str],
+                 finished: Sequence[bool]) -> RewardResult: ...
+
+    def check(self, samples: Sequence[Sample], where: str) -> None:
+        """Refuse at start (naming the row) data this function cannot score."""
+        ...
+
+    def close(self) -> None: ...
