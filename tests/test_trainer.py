@@ -384,3 +384,16 @@ def test_dp_metric_aggregation_rules():
     assert out["guard/skipped_updates"] == 2.0 and out["pool/snap0/count"] == 32.0
     ranks[1]["guard/skipped_updates"] = 3.0  # a rank that has counted more: its count, not a mean
     assert aggregate_rank_metrics(ranks)["guard/skipped_updates"] == 3.0
+
+
+def test_random_streams_are_named_and_unchanged():
+    """Seeds come from one helper; its derivations are the ones seeded runs (and the documented
+    figures) were produced with, so a refactor that changes a stream fails here first."""
+    from pfppo_mega.trainer.seeds import stream_seed
+
+    assert stream_seed("prompts", 3) == 3 and stream_seed("prompts", 3, dp_rank=2, step=5) == 3 + 2 * 7777 + 5 * 1_000_003
+    assert stream_seed("assignment", 3) == 3 + 7919
+    assert stream_seed("minibatches", 3, step=4) == 3 * 1_000_003 + 4
+    assert stream_seed("kl_probe", 3, step=4) == 7 and stream_seed("eval", 3) == 3
+    with pytest.raises(ValueError, match="'data'.*'prompts', 'assignment'"):
+        stream_seed("data", 3)

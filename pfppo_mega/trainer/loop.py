@@ -40,6 +40,7 @@ from pfppo_mega.trainer.metrics import (MetricsLogger, aggregate_rank_metrics, p
 from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, choose_policy_loss,
                                             get_policy_loss)
 from pfppo_mega.trainer.reward_guard import RewardGuard
+from pfppo_mega.trainer.seeds import stream_seed
 
 
 class SetupError(RuntimeError):
@@ -173,7 +174,7 @@ class PPOTrainer:
         self.dp_sum = None if self.dp_group is None else functools.partial(parallel.dp_sum, group=self.dp_group)
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
-        self.rng = random.Random(cfg.training.seed + 7777 * self.parallel.dp_rank)
+        self.rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=self.parallel.dp_rank))
         actor = gpt.build_actor(self.model_cfg, arch=self.arch)
         hf_io.load_actor_from_hf(actor, model_dir)
         self.actor = gpt.wrap_ddp(actor)
@@ -193,7 +194,7 @@ class PPOTrainer:
 
         # --- rollout engine, fed HF-named weights by version (the PF-PPO pool plugs in here)
         self.engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=self.tokenizer.pad_id)
-        self.assign_gen = torch.Generator().manual_seed(cfg.training.seed + 7919)
+        self.assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
         self.step = 0
         self.guards = {"bad_rewards": 0, "reward_errors": 0, "skipped_updates": 0, "corrupt_snapshots": 0}
         self.reward_guard = RewardGuard(lambda p, text, finished: self.task.reward(p, text, finished),
@@ -376,7 +377,7 @@ class PPOTrainer:
         B = eb.advantages.shape[0]
         stats: dict[str, list[float]] = {}
         train_actor = self.step >= t.critic_warmup_steps
-        g = torch.Generator().manual_seed(t.seed * 1000003 + self.step)
+        g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=self.step))
         for _ in range(a.ppo_epochs):
             for idx in torch.randperm(B, generator=g).split(t.batch_size // self.parallel.dp):
                 mb = eb.select(idx)
@@ -485,7 +486,8 @@ class PPOTrainer:
         for key, greedy in (("eval/accuracy", False), ("eval/accuracy_greedy", True)):
             params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p, greedy=greedy,
                                     max_new_tokens=self.cfg.algorithm.max_response_length,
-                                    eos_token_id=self.tokenizer.eos_id, seed=self.cfg.training.seed)
+                                    eos_token_id=self.tokenizer.eos_id,
+                                    seed=stream_seed("eval", self.cfg.training.seed))
             gen = self.engine.generate(prompts, params)
             # Same guard as training: a bad reward scores 0 and is counted (every rank evaluates the
             # same prompts, so the counts are already global).
@@ -508,7 +510,7 @@ class PPOTrainer:
         prompts = [self.tokenizer.encode(p.prompt) for p in probs]
         out = self.engine.generate(prompts, SamplingParams(
             temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=self.cfg.algorithm.max_response_length,
-            eos_token_id=self.tokenizer.eos_id, seed=self.cfg.training.seed + self.step))
+            eos_token_id=self.tokenizer.eos_id, seed=stream_seed("kl_probe", self.cfg.training.seed, step=self.step)))
         inp = pack(prompts, out.responses, out.response_mask, pad_id=self.tokenizer.pad_id)
         logp, _ = self._policy_logp(self.actor, inp)
         ref, _ = self._policy_logp(self.ref, inp)
@@ -794,7 +796,7 @@ class PPOTrainer:
             if self.parallel.dp == 1:
                 self.rng.setstate(s["rng"])
             else:  # only dp_rank 0's stream is saved: the others restart theirs deterministically
-                self.rng.seed(t.seed + 7777 * self.parallel.dp_rank + 1_000_003 * s["step"])
+                self.rng.seed(stream_seed("prompts", t.seed, dp_rank=self.parallel.dp_rank, step=s["step"]))
             for name in ("torch_rng", "assign_rng"):
                 need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
                      f"state {name} must be a 1-D uint8 tensor")

@@ -1,0 +1,33 @@
+"""Every random stream of a training run, derived from `training.seed` in one place.
+
+Call sites ask for a stream by name instead of adding their own offsets. The derivations are the
+ones the trainer has always used, so seeded runs (tests, the figures in the docs) are unchanged:
+
+    prompts        seed + 7777 * dp_rank + 1_000_003 * step   prompt draws and sampling seeds of one
+                                                               DP rank (step: where a resumed rank
+                                                               restarts its stream; 0 at the start)
+    assignment     seed + 7919                                 snapshot assignment of prompt groups
+                                                               and the policy-filtration draws
+    minibatches    seed * 1_000_003 + step                     mini-batch shuffles of one update
+    kl_probe       seed + step                                 sampling of the KL probe
+    eval           seed                                        sampling of the held-out evaluation
+"""
+
+from __future__ import annotations
+
+STREAMS = ("prompts", "assignment", "minibatches", "kl_probe", "eval")
+
+
+def stream_seed(stream: str, seed: int, *, dp_rank: int = 0, step: int = 0) -> int:
+    """The integer seed of `stream` for this run (see the module docstring)."""
+    if stream == "prompts":
+        return seed + 7777 * dp_rank + 1_000_003 * step
+    if stream == "assignment":
+        return seed + 7919
+    if stream == "minibatches":
+        return seed * 1_000_003 + step
+    if stream == "kl_probe":
+        return seed + step
+    if stream == "eval":
+        return seed
+    raise ValueError(f"random stream {stream!r} is not one of {STREAMS}")
