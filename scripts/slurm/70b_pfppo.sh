@@ -5,6 +5,16 @@
 #   PFPPO_GPU=h100 PFPPO_CONFIG=configs/70b_pfppo_h100.yaml sbatch scripts/slurm/70b_pfppo.sh
 #   SBATCH_PARTITION=gpu SBATCH_ACCOUNT=myproj sbatch scripts/slurm/70b_pfppo.sh
 #
+# Environment overrides (the batch script passes them to the planner and the trainer alike):
+#   PFPPO_CONFIG          config file (default configs/70b_pfppo.yaml)
+#   PFPPO_OVERRIDES       space-separated key.path=value overrides, e.g.
+#                         "actor_rollout.model_path=/ckpt/sft logging.output_dir=/scratch/run1"
+#   PFPPO_GPU             h200 (default) or h100: the memory plan's GPU; none: no GPU memory
+#                         plan (a CPU cluster, e.g. configs/tiny_cpu.yaml on scripts/local_slurm.sh)
+#   PFPPO_NPROC_PER_NODE  workers per node (default: the GPUs Slurm gave the node, else 8)
+#   PFPPO_PLAN_ARGS       extra planner flags (hardware: --reserve-gib, --host-memory-gib, ...)
+#   nodes, time, partition: sbatch's own options / SBATCH_* variables (sbatch --nodes=2 ...)
+#
 # One torchrun agent per node (srun --ntasks-per-node=1) starts one worker per GPU; the
 # workers meet through a c10d rendezvous on the first node of the allocation. Before any GPU
 # work the memory planner (`python -m pfppo_mega.planning`) checks the config against the
@@ -45,8 +55,10 @@ case "$GPU" in
   h100) PLAN_ARGS="${PFPPO_PLAN_ARGS:---recompute full}" ;;
   *)    PLAN_ARGS="${PFPPO_PLAN_ARGS:---recompute selective}" ;;
 esac
-GPUS_PER_NODE="${SLURM_GPUS_ON_NODE:-8}"
+GPUS_PER_NODE="${PFPPO_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+read -r -a OVERRIDES <<<"${PFPPO_OVERRIDES:-}"
 cd "$REPO" || exit 2
+pfppo_log "config $CONFIG${PFPPO_OVERRIDES:+ with overrides: $PFPPO_OVERRIDES}; $GPUS_PER_NODE worker(s) per node"
 
 # --- communication and runtime settings (all ranks inherit them through srun)
 export CUDA_DEVICE_MAX_CONNECTIONS=1        # megatron: keeps TP communication / compute ordering
@@ -60,8 +72,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 # allocator refuses it, and the rollout engine shares these processes).
 
 # --- preflight: the layout must fit (no GPU needed; exit 2 lists every component over budget)
-if ! "$PFPPO_PYTHON" -m pfppo_mega.planning "$CONFIG" --gpu "$GPU" --nodes "$SLURM_JOB_NUM_NODES" \
-     --gpus-per-node "$GPUS_PER_NODE" $PLAN_ARGS --json "$JOB_DIR/plan.json"; then
+if [[ "$GPU" == none ]]; then
+  pfppo_log "PFPPO_GPU=none: no GPU memory plan (CPU workers)"
+elif ! "$PFPPO_PYTHON" -m pfppo_mega.planning "$CONFIG" "${OVERRIDES[@]}" --gpu "$GPU" \
+     --nodes "$SLURM_JOB_NUM_NODES" --gpus-per-node "$GPUS_PER_NODE" $PLAN_ARGS --json "$JOB_DIR/plan.json"; then
   pfppo_log "the memory plan refuses $CONFIG on $SLURM_JOB_NUM_NODES x $GPUS_PER_NODE $GPU (see above)"
   pfppo_job_finish 2
 fi
@@ -69,5 +83,5 @@ fi
 pfppo_run_step --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" \
   --gpus-per-node="$GPUS_PER_NODE" \
   "$REPO/scripts/slurm/node_launch.sh" "$GPUS_PER_NODE" \
-  -m pfppo_mega train "$CONFIG"
+  -m pfppo_mega train "$CONFIG" "${OVERRIDES[@]}"
 pfppo_job_finish $?

@@ -1,6 +1,6 @@
 # Shared by the Slurm batch scripts of this directory (sourced, not run). See docs/scaling.md.
 #
-# Job life cycle, identical for scripts/slurm/70b_pfppo.sh and scripts/slurm/tiny_cpu.sh:
+# Job life cycle of scripts/slurm/70b_pfppo.sh (any config: the 70B ones, or configs/tiny_cpu.yaml on CPUs):
 #
 #   pfppo_job_init        REPO, JOB_DIR (runs/slurm/<name>-<jobid>/), ATTEMPT (restart count),
 #                         STOP_FILE, STATE_FILE; traps USR1 (checkpoint request) and TERM
