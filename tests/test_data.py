@@ -147,3 +147,15 @@ def test_encode_rows_names_row_and_key(example):
     with pytest.raises(DataError, match=r"data.train_files 'f.jsonl' row 1: no 'prompt' key"):
         encode_rows([{"prompt": "a"}, {"question": "b"}], key="data.train_files", file="f.jsonl", keys=Keys(),
                     tokenizer=tok, template=None, max_prompt_length=50, overlong="filter")
+
+
+def test_layers_point_down():
+    """The model layer, the shared types and the data / reward packages import neither the trainer
+    nor (models, types) a task: a fresh interpreter that imports them has loaded neither."""
+    import subprocess
+    import sys
+    code = ("import sys, pfppo_mega.models.engine, pfppo_mega.models.gpt, pfppo_mega.models.hf_io, "
+            "pfppo_mega.types, pfppo_mega.data.files, pfppo_mega.rewards.custom, pfppo_mega.rewards.base\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('pfppo_mega.trainer', 'pfppo_mega.tasks'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

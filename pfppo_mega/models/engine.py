@@ -47,7 +47,7 @@ from torch import Tensor
 from pfppo_mega import parallel, ppo
 from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, unwrap, zero_grads
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
-from pfppo_mega.trainer.batch import PackedInputs
+from pfppo_mega.types import PackedInputs
 
 with _quiet_megatron():
     from megatron.core import parallel_state as ps

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from pfppo_mega.pool.correction import ISStats
+# The model layer's input type lives below the trainer (pfppo_mega.types); re-exported here.
+from pfppo_mega.types import PackedInputs, pack  # noqa: F401
 from pfppo_mega.tasks.addition import Problem
 
 
@@ -74,17 +76,6 @@ class ScoredBatch:
 
 
 @dataclass
-class PackedInputs:
-    """Prompt + response concatenated per row for the trainer models (right-padded)."""
-
-    input_ids: torch.Tensor            # [B, S]
-    attention_mask: torch.Tensor       # [B, S] bool
-    resp_pos: torch.Tensor             # [B, T] position whose logits predict response token t
-    labels: torch.Tensor               # [B, T] response tokens (pad where masked)
-    response_mask: torch.Tensor        # [B, T]
-
-
-@dataclass
 class PreparedBatch:
     """Phase `prepare` output: the trainer models' view of the scored rows (zero on padding)."""
 
@@ -127,21 +118,3 @@ class ExperienceBatch:
             returns=take(self.returns), kl_ref=take(self.kl_ref), entropy=take(self.entropy),
             pg_mask=take(self.pg_mask), is_weights=None if self.is_weights is None else take(self.is_weights),
             on_policy=take(self.on_policy))
-
-
-def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor,
-         *, pad_id: int) -> PackedInputs:
-    """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row."""
-    B, T = responses.shape
-    lengths = response_mask.sum(1).long().tolist()
-    rows = [p + responses[i, : lengths[i]].tolist() for i, p in enumerate(prompt_ids)]
-    S = max(len(r) for r in rows)
-    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, S, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        attention_mask[i, : len(r)] = True
-    plen = torch.tensor([len(p) for p in prompt_ids])                       # [B]
-    resp_pos = (plen[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=S - 1)  # [B, T]
-    labels = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
-    return PackedInputs(input_ids, attention_mask, resp_pos, labels, response_mask.float())
