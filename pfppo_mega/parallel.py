@@ -241,6 +241,22 @@ def dp_mean(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor
     return dp_sum(t, group) / dist.get_world_size(group)
 
 
+def dp_all_gather(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Every rank's ``t`` ([n, ...], the same shape on every rank) concatenated along dim 0 in rank
+    order, on every rank. Not autograd."""
+    if not _active(group):
+        return t
+    size = dist.get_world_size(group)
+    shapes = [None] * size
+    dist.all_gather_object(shapes, tuple(t.shape), group=group)
+    if any(s != tuple(t.shape) for s in shapes):
+        raise ValueError(f"dp_all_gather: the ranks' shapes {shapes} must be equal")
+    buf = t.detach().to(comm_device(group)).contiguous()
+    out = [torch.empty_like(buf) for _ in range(size)]
+    dist.all_gather(out, buf, group=group)
+    return torch.cat(out).to(device=t.device, dtype=t.dtype)
+
+
 def world_min(value: int, group: Optional[dist.ProcessGroup] = None) -> int:
     """min of an int over ``group`` (default: the world). Used for agreements such as "the newest
     checkpoint every rank has" and "stop now"."""

@@ -737,3 +737,34 @@ def test_running_zscore_updates_the_moments_once_per_batch():
     scale_rewards(torch.tensor([1.0, 2.0, 3.0, 4.0]), method="running_zscore", running=running)
     assert running.count == 4
     assert running.var == pytest.approx(torch.tensor([1.0, 2.0, 3.0, 4.0]).var().item())
+
+
+def test_quantile_clip_is_independent_of_the_dp_split():
+    import threading
+
+    g = torch.Generator().manual_seed(13)
+    scores = torch.randn(12, generator=g, dtype=F64) ** 3  # heavy tails
+    whole = quantile_clip(scores, quantile=0.8)
+    shards = [scores[:6], scores[6:]]
+    barrier = threading.Barrier(2)
+    slots: list = [None, None]
+
+    def gather_for(rank):
+        def gather(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            out = torch.cat(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    outs: list = [None, None]
+    threads = [threading.Thread(target=lambda r=r: outs.__setitem__(
+        r, quantile_clip(shards[r], quantile=0.8, gather=gather_for(r)))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat(outs), whole, rtol=0, atol=0)
+    local = torch.cat([quantile_clip(s, quantile=0.8) for s in shards])
+    assert not torch.equal(local, whole)  # per-rank quantiles differ: the check can fail

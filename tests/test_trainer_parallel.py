@@ -24,7 +24,8 @@ CFG = {
     "training": {"rollout_batch_size": 32, "batch_size": 16, "lr": 3e-4, "critic_lr": 1e-3,
                  "total_training_steps": 3, "seed": 5, "num_threads": 1},
     "algorithm": {"kl_coeff": 0.01, "kl_estimator": "k1", "vf_coef": 0.5, "max_response_length": 4},
-    "reward": {"scaling": "running_zscore"},  # moments over the global batch (checked at dp2)
+    # moments and quantiles over the global batch (checked at dp2)
+    "reward": {"scaling": "running_zscore", "quantile_clip": 0.9},
     "logging": {"eval_interval": 0, "tensorboard": False, "plots": False, "progress": False},
     "checkpoint": {"export_hf": False, "resume": False},
     "sft": {"steps": 80, "batch_size": 32, "lr": 3e-3, "max_seconds": 0},  # stops on steps only
@@ -70,8 +71,8 @@ def test_model_parallel_trainer_equals_serial(setup, layout):
 
 
 def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
-    """DP2 vs DP1 on the same global batch: the reward z-scores (running moments), the whitened
-    advantages and the moments themselves agree; per-rank statistics would not."""
+    """DP2 vs DP1 on the same global batch: the reward z-scores (running moments) and quantile clip,
+    the whitened advantages and the moments themselves agree; per-rank statistics would not."""
     _, results = setup
     assert results["dp2"]["dp"] == 2 and len(results["dp2"]["steps"]) == 3
     inv = results["dp2_invariance"]

@@ -12,6 +12,8 @@ import torch
 # Sums a tensor element-wise over the data-parallel ranks (the caller binds the process group);
 # None means this rank's batch is the whole batch.
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+# Concatenates a [n, ...] tensor over the data-parallel ranks along dim 0 (rank order).
+Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def check_same_shape(fn: str, **tensors: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ import math
 import torch
 
 from pfppo_mega.constants import REWARD_SCALING
-from pfppo_mega.ppo.masked import ReduceSum
+from pfppo_mega.ppo.masked import Gather, ReduceSum
 
 
 class RunningMoments:
@@ -152,19 +152,28 @@ def clip_rewards(scores: torch.Tensor, *, clip_range: float | None) -> torch.Ten
     return scores.clamp(-clip_range, clip_range)
 
 
-def quantile_clip(scores: torch.Tensor, *, quantile: float | None) -> torch.Tensor:
+def quantile_clip(
+    scores: torch.Tensor, *, quantile: float | None, gather: Gather | None = None
+) -> torch.Tensor:
     """clamp(s, Q(1 - q), Q(q)) with Q the empirical quantile of s (linear interpolation, as
     numpy's default) and q = quantile, e.g. 0.95 clips both tails at the 5% / 95% quantiles.
 
     scores: [B] -> [B]. None -> unchanged. q must be in [0.5, 1]; q = 1 is a no-op.
+    gather (concatenates a tensor over the data-parallel ranks; None: this rank's batch is the
+    whole batch) makes Q the quantile of the global batch, so the result does not depend on the
+    DP size.
     """
-    if quantile is None or scores.numel() == 0:
+    if quantile is None:
         return scores
     if not 0.5 <= quantile <= 1.0:
         raise ValueError(f"quantile_clip: quantile={quantile} must be in [0.5, 1] (or None)")
     if scores.dim() != 1:
         raise ValueError(f"quantile_clip: scores.shape={tuple(scores.shape)} must be [B]")
     work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    if gather is not None:
+        work = gather(work)  # [B * dp]
+    if work.numel() == 0:
+        return scores
     qs = torch.tensor([1.0 - quantile, quantile], dtype=work.dtype, device=work.device)
     lo, hi = torch.quantile(work, qs)
     return torch.minimum(torch.maximum(scores, lo.to(scores.dtype)), hi.to(scores.dtype))

@@ -172,6 +172,8 @@ class PPOTrainer:
         # the global batch: the math gets this sum over the data-parallel ranks (None at dp = 1).
         self.dp_group = parallel.data_parallel_group()
         self.dp_sum = None if self.dp_group is None else functools.partial(parallel.dp_sum, group=self.dp_group)
+        self.dp_gather = (None if self.dp_group is None
+                          else functools.partial(parallel.dp_all_gather, group=self.dp_group))
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
         self.rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=self.parallel.dp_rank))
@@ -288,7 +290,8 @@ class PPOTrainer:
 
     def score(self, rb: RolloutBatch) -> ScoredBatch:
         """Task rewards through the guard (a raising / None / NaN reward scores 0 and is counted),
-        then the reward preprocessing. z-scores use the global batch (every DP rank's rows)."""
+        then the reward preprocessing. z-scores and quantiles use the global batch (every DP rank's
+        rows)."""
         cfg = self.cfg.reward
         guarded = self.reward_guard([(p, t, bool(f)) for p, t, f in zip(rb.problems, rb.texts, rb.finished)])
         raw = guarded.scores                                                          # [B] finite
@@ -300,7 +303,7 @@ class PPOTrainer:
         # The running moments are updated inside scale_rewards (once per batch, global batch).
         scores = ppo.scale_rewards(scores, method=cfg.scaling, running=self.running_reward,
                                    reduce_sum=self.dp_sum)
-        scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip)
+        scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip, gather=self.dp_gather)
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
         return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
                            n_reward_errors=guarded.errors)

@@ -54,6 +54,7 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
     c = tr.cfg.reward
     serial = ppo.RunningMoments()
     scores_all = ppo.scale_rewards(raw_all, method=c.scaling, running=serial)  # DP1: no reduction
+    scores_all = ppo.clip_rewards(ppo.quantile_clip(scores_all, quantile=c.quantile_clip), clip_range=c.clip_range)
     saved = tr.dp_sum
     tr.dp_sum = None  # the advantages phase at DP1 on the concatenation (no collective inside)
     eb_all = tr.advantages(ScoredBatch(rb_all, raw_all, scores_all, 0), prep_all)
