@@ -103,10 +103,14 @@ def ref_logits(ref_model, tokens: list[int]) -> torch.Tensor:
     return ref_model(torch.tensor([tokens])).logits[0]
 
 
-def ref_logprobs(ref_model, prompt, response, temperature) -> torch.Tensor:
-    """log_softmax(logits / T) of each response token given everything before it -> [L]."""
+def ref_logprobs(ref_model, prompt, response, temperature, top_p: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token given everything before it -> [L].
+    top_p < 1: under the renormalised nucleus instead (engines with top_p_logprobs == "nucleus")."""
     logits = ref_logits(ref_model, prompt + response)[len(prompt) - 1: len(prompt) + len(response) - 1]
     logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        nucleus = top_p_filter(logp.exp(), top_p)
+        logp = (nucleus / nucleus.sum(-1, keepdim=True)).log()
     return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
@@ -206,7 +210,8 @@ def test_logprobs_match_reference(make_engine, hf_untied, ref64, temperature, to
     T_eff = 1.0 if greedy else temperature
     worst = 0.0
     for b, (prompt, resp) in enumerate(zip(PROMPTS, rows(out))):
-        expected = ref_logprobs(ref64, prompt, resp, T_eff)
+        nucleus = engine.top_p_logprobs == "nucleus" and not greedy
+        expected = ref_logprobs(ref64, prompt, resp, T_eff, top_p if nucleus else 1.0)
         worst = max(worst, (out.logprobs[b, : len(resp)].double() - expected).abs().max().item())
         if greedy:  # greedy picks the reference argmax at every step
             logits = ref_logits(ref64, prompt + resp)[len(prompt) - 1: -1]

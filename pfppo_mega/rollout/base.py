@@ -15,7 +15,10 @@ Log-prob contract (every backend):
     sampled:  logprob_t = log_softmax(logits_t / temperature)[token_t]
     greedy:   logprob_t = log_softmax(logits_t)[token_t]                  (temperature 1)
 Top-p truncation changes which tokens can be drawn but NOT the reported log-prob, so the trainer
-recomputes it exactly from its own logits divided by the temperature.
+recomputes it exactly from its own logits divided by the temperature. Exception, declared by
+``RolloutEngine.top_p_logprobs = "nucleus"``: vLLM reports, for top_p < 1, the log-prob under the
+renormalised nucleus (the distribution the token was drawn from), log_softmax(logits / T)[token]
+- log(nucleus mass); the trainer refuses top_p < 1 with such an engine.
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class RolloutEngine(abc.ABC):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     log: Callable[[str], None] = print
+    top_p_logprobs: str = "full"  # or "nucleus": see the module docstring
     _version: int = -1
     _checksum: str = ""
 

@@ -38,6 +38,7 @@ from pfppo_mega.rollout.weights import WeightLayout
 
 KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",  # a bucket-by-bucket reload warns about every layer it leaves out
         "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -65,6 +66,8 @@ class VLLMEngine(RolloutEngine):
     own). tensor_parallel_size > 1 needs torchrun and the ranks of one rollout-TP group to build
     the engine together (external launcher).
     """
+
+    top_p_logprobs = "nucleus"  # vLLM's processed log-probs are taken after the top-p mask
 
     def __init__(self, model_dir: str | os.PathLike, *, pad_token_id: int, dtype: torch.dtype = torch.float32,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, seed: int = 0,
