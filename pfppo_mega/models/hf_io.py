@@ -570,6 +570,11 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     _check_shapes({n: reader.shape(n) for n in reader.names()}, _expected_hf_shapes(dims),
                   f"checkpoint {str(path)!r}", tied=dims.tied)
     _check_dtypes({n: reader.dtype(n) for n in reader.names() if not _IGNORED.match(n)}, f"checkpoint {str(path)!r}")
+    if dims.tied and "lm_head.weight" in reader.names() and not torch.equal(
+            reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
+        raise CheckpointError(f"checkpoint {str(path)!r}: config.json says tie_word_embeddings = true but "
+                              f"lm_head.weight differs from model.embed_tokens.weight (the LM head would be "
+                              f"silently replaced by the embedding); set tie_word_embeddings to false")
     vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
     stage = layout.stage
     full_shapes = _full_shapes(dims, vocab_rows, stage,

@@ -130,6 +130,8 @@ CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
      ("unexpected tensor", "model.extra.weight")),
     ("unexpected_bias", _edit_tensors(lambda sd: sd.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)})),
      ("unexpected tensor", "model.layers.0.self_attn.q_proj.bias")),
+    ("config_tied_distinct_lm_head", _edit_config(tie_word_embeddings=True),
+     ("tie_word_embeddings = true", "lm_head.weight differs")),
     ("int64_weights", _set("model.layers.0.mlp.down_proj.weight", lambda t: (t * 100).to(torch.int64)),
      ("model.layers.0.mlp.down_proj.weight", "I64", "non-floating dtype")),
     ("int32_norm", _set("model.norm.weight", lambda t: t.to(torch.int32)), ("model.norm.weight", "I32")),
