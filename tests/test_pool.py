@@ -558,3 +558,45 @@ def test_trainer_flow(tmp_path):
         assert snap.stats.n_samples == rows_by_version.get(snap.version, 0)
         assert snap.stats.reward_sum == pytest.approx(reward_by_version.get(snap.version, 0.0))
     assert sum(s.stats.n_samples for s in tr.pool.snapshots) > 0
+
+
+def test_is_stats_are_those_of_the_global_batch_under_dp():
+    """Two DP "ranks" (threads exchanging through a barrier, as ranks do through a collective) each
+    hold half the rows; with the reductions every rank reports the whole batch's ISStats."""
+    import threading
+
+    g = torch.Generator().manual_seed(21)
+    prox = -torch.rand(6, 5, generator=g, dtype=F64)
+    behav = prox - torch.randn(6, 5, generator=g, dtype=F64)
+    mask = (torch.rand(6, 5, generator=g) > 0.2).to(F64)
+    whole = behaviour_is_weights(prox, behav, mask, mode="truncate", is_clip=2.0)[2]
+    barrier = threading.Barrier(2)
+    slots: list = [None, None]
+
+    def exchange(rank, combine):
+        def red(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            out = combine(slots[0], slots[1])
+            barrier.wait()
+            return out
+        return red
+
+    rows = [slice(0, 2), slice(2, 6)]  # unequal shares: an average of the ranks' stats would be off
+    got: list = [None, None]
+
+    def run(r):
+        got[r] = behaviour_is_weights(prox[rows[r]], behav[rows[r]], mask[rows[r]], mode="truncate", is_clip=2.0,
+                                      reduce_sum=exchange(r, torch.add),
+                                      reduce_max=exchange(r, torch.maximum))[2]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for st in got:
+        for k in ("mean", "max", "frac_truncated", "ess"):
+            assert getattr(st, k) == pytest.approx(getattr(whole, k), abs=1e-12), k
+    local = [behaviour_is_weights(prox[r], behav[r], mask[r], mode="truncate", is_clip=2.0)[2] for r in rows]
+    assert abs((local[0].mean + local[1].mean) / 2 - whole.mean) > 1e-3  # the unweighted mean is off

@@ -25,6 +25,7 @@ reproduce plain PPO bit for bit.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -89,19 +90,32 @@ def _row_flags(fn: str, on_policy: torch.Tensor | None, shape: torch.Size, devic
     return on_policy.to(device).unsqueeze(1)
 
 
-def _weight_stats(applied: torch.Tensor, real: torch.Tensor, truncated: torch.Tensor) -> ISStats:
-    """ISStats from applied weights [N], real [N] bool, truncated [N] bool (float64, host sync)."""
+def _weight_stats(
+    applied: torch.Tensor,
+    real: torch.Tensor,
+    truncated: torch.Tensor,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> ISStats:
+    """ISStats from applied weights [N], real [N] bool, truncated [N] bool (float64, host sync).
+    With reduce_sum / reduce_max (sum / max of a tensor over the data-parallel ranks) the stats are
+    those of the global batch."""
     a = applied.detach().to(torch.float64)[real]  # [n]
-    n = a.numel()
+    sums = torch.stack([a.sum(), (a * a).sum(), torch.tensor(float(a.numel()), dtype=torch.float64),
+                        truncated[real].sum().to(torch.float64)])
+    top = a.max() if a.numel() else torch.zeros((), dtype=torch.float64)  # weights are >= 0
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    if reduce_max is not None:
+        top = reduce_max(top)
+    s1, s2, n, n_trunc = sums.tolist()
     if n == 0:
         return ISStats(0.0, 0.0, 0.0, 0.0)
-    s1, s2 = a.sum(), (a * a).sum()
-    ess = float(s1 * s1 / s2 / n) if float(s2) > 0 else 0.0
     return ISStats(
-        mean=float(s1 / n),
-        max=float(a.max()),
-        frac_truncated=float(truncated[real].sum()) / n,
-        ess=ess,
+        mean=s1 / n,
+        max=float(top),
+        frac_truncated=n_trunc / n,
+        ess=s1 * s1 / s2 / n if s2 > 0 else 0.0,
     )
 
 
@@ -113,6 +127,8 @@ def behaviour_is_weights(
     mode: str,
     is_clip: float,
     on_policy: torch.Tensor | None = None,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ISStats]:
     """Per-token behaviour importance weights and the mask to train with.
 
@@ -125,6 +141,8 @@ def behaviour_is_weights(
     prox_logp, behav_logp, mask: [B, T] (mask float or bool, 1 on real tokens); on_policy: [B]
     bool or None. Returns (weights [B, T] detached in prox_logp's dtype, mask_out [B, T] in
     mask's dtype, ISStats). NaN on a real token raises (one host sync, and the stats sync).
+    reduce_sum / reduce_max (sum / max over the data-parallel ranks) make ISStats the global
+    batch's; the weights themselves are per token and need no reduction.
     """
     fn = "behaviour_is_weights"
     _check(fn, "prox_logp", prox_logp, behav_logp=behav_logp, mask=mask)
@@ -151,7 +169,7 @@ def behaviour_is_weights(
     weights = torch.where(on_row, one, weights)
     weights = torch.where(keep, weights, zero)
     mask_out = keep.to(mask.dtype)
-    return weights, mask_out, _weight_stats(weights, real, truncated)
+    return weights, mask_out, _weight_stats(weights, real, truncated, reduce_sum, reduce_max)
 
 
 def tis_policy_loss(

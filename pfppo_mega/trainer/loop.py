@@ -174,6 +174,7 @@ class PPOTrainer:
         self.dp_sum = None if self.dp_group is None else functools.partial(parallel.dp_sum, group=self.dp_group)
         self.dp_gather = (None if self.dp_group is None
                           else functools.partial(parallel.dp_all_gather, group=self.dp_group))
+        self.dp_max = None if self.dp_group is None else functools.partial(parallel.dp_max, group=self.dp_group)
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
         self.rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=self.parallel.dp_rank))
@@ -365,7 +366,8 @@ class PPOTrainer:
         is_weights, pg_mask, is_stats = None, m, None
         if self.pool is not None:
             is_weights, pg_mask, is_stats = pfpool.behaviour_is_weights(
-                old_logp, behav_logp, m, mode=a.pool.is_mode, is_clip=a.pool.is_clip, on_policy=on_policy)
+                old_logp, behav_logp, m, mode=a.pool.is_mode, is_clip=a.pool.is_clip, on_policy=on_policy,
+                reduce_sum=self.dp_sum, reduce_max=self.dp_max)  # is/* stats of the global batch
         return ExperienceBatch(inputs=inp, old_logp=old_logp, behav_logp=behav_logp,
                                ref_logp=ref_logp, old_values=values, token_rewards=token_rewards,
                                advantages=adv, returns=returns, kl_ref=kl_ref, entropy=entropy,
