@@ -68,6 +68,25 @@ class ShardedSnapshotPool(SnapshotPool):
         self._producer_checksums[version] = checksums
         return snap
 
+    def adopt(self, restored: SnapshotPool, plan: list[BucketSpec]) -> None:
+        """Take the snapshots of a pool rebuilt from a checkpoint (SnapshotPool.from_state, which
+        verified every shard against its saved checksum) as this rank's shards of ``plan``; the
+        producer checksums are recomputed from those verified bytes. Raises ValueError when the
+        checkpoint holds another rank's shards."""
+        from pfppo_mega.rollout.weights import bucket_checksum
+
+        mine = {f"bucket.{s.index}": s for s in plan if self.keeper(s) == self.rank} or {"bucket.none": None}
+        self._snapshots, self._producer_checksums = [], {}
+        for snap in restored.snapshots:
+            names = [n for n, _ in snap.tensors]
+            if sorted(names) != sorted(mine):
+                raise ValueError(f"pool checkpoint: snapshot {snap.version} on rank {self.rank} holds {names[:3]}.., "
+                                 f"this rank keeps {sorted(mine)[:3]}.. (saved with another rank layout)")
+            self._snapshots.append(snap)
+            self._producer_checksums[snap.version] = {
+                mine[n].index: bucket_checksum(mine[n], snap.version, t) for n, t in snap.tensors if mine[n] is not None}
+        self.n_corrupt = restored.n_corrupt
+
     def source(self, version: int) -> "PoolSnapshot":
         """The weight source of snapshot ``version`` (KeyError when not held)."""
         return PoolSnapshot(self, self._snapshots[self._index(version)])

@@ -192,7 +192,12 @@ class RolloutEngine(abc.ABC):
     # ----------------------------------------------------------------- memory
     def sleep(self) -> None:
         """Free what the engine can (KV cache, on GPUs the weights) while the trainer runs."""
-        self.log(f"[rollout] {type(self).__name__}.sleep(): nothing to free on this engine (no-op)")
+        self._log_once(f"[rollout] {type(self).__name__}.sleep(): nothing to free on this engine (no-op)")
+
+    def _log_once(self, line: str) -> None:
+        if not getattr(self, "_logged_sleep", False):
+            self._logged_sleep = True
+            self.log(line)
 
     def wake_up(self) -> None:
         """Undo sleep() before the next generate()."""

@@ -134,8 +134,8 @@ class VLLMEngine(RolloutEngine):
     # ----------------------------------------------------------------- memory
     def sleep(self) -> None:
         if not self.sleep_supported:
-            self.log("[rollout] vLLM sleep(): not supported on CPU (vLLM sleep mode needs CUDA; the KV cache "
-                     "stays allocated) -- no-op")
+            self._log_once("[rollout] vLLM sleep(): not supported on CPU (vLLM sleep mode needs CUDA; the KV "
+                           "cache stays allocated) -- no-op")
             return
         self.llm.sleep(level=1)
         self._asleep = True

@@ -1,0 +1,128 @@
+"""The trainer's side of the rollout seam: build the engine the config names, and move weights into it.
+
+One object per trainer process (``EngineSync``) does every weight movement of a step through the
+same call, ``engine.update_weights(source.buckets(plan, group), version)``:
+  refit_live(v)       the actor's current megatron shards (LiveWeights), broadcast over the world
+  capture(pool, v)    the same stream, kept by the PF-PPO pool (1/L of each snapshot per node rank)
+  switch(pool, v)     a pool snapshot, broadcast from its keepers inside the node
+and checks, after each generation, that every engine generated with the same version and weight
+checksum (pfppo_mega.pool.registry). See docs/refit.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from pfppo_mega.rollout.base import RolloutEngine
+from pfppo_mega.rollout.weights import BucketSpec
+
+ENGINES = ("builtin", "vllm")
+
+
+class EngineSetupError(ValueError):
+    """The configured rollout engine cannot run in this job."""
+
+
+def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
+                 log: Callable[[str], None]) -> RolloutEngine:
+    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size of the config.
+    vLLM is imported only here, only when it is named."""
+    ar = cfg.actor_rollout
+    bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
+    rtp = ar.tensor_model_parallel_size
+    if world_size % rtp:
+        raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp} does not divide the world size "
+                               f"({world_size}): each rollout engine spans rollout-TP ranks of the job")
+    if ar.engine == "builtin":
+        if rtp != 1:
+            raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp}: the builtin engine runs "
+                                   f"one full copy per rank (allowed: 1); use engine: vllm for rollout TP > 1")
+        from pfppo_mega.rollout import BuiltinEngine, LlamaShape
+
+        return BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
+                             bucket_bytes=bucket_bytes, log=log)
+    if ar.engine == "vllm":
+        if ar.top_p < 1.0:
+            raise EngineSetupError(
+                f"actor_rollout.top_p = {ar.top_p} with engine: vllm: vLLM reports log-probs under the "
+                f"renormalised nucleus, which the trainer's off-policy correction does not model; set "
+                f"actor_rollout.top_p: 1.0 or engine: builtin")
+        from pfppo_mega.rollout import vllm as rvllm
+
+        why = rvllm.unavailable_reason()
+        if why:
+            raise EngineSetupError(f"actor_rollout.engine = 'vllm': {why}")
+        return rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=rtp,
+                                seed=cfg.training.seed, bucket_bytes=bucket_bytes,
+                                gpu_memory_utilization=ar.gpu_memory_utilization, log=log)
+    raise EngineSetupError(f"actor_rollout.engine = {ar.engine!r}: allowed {ENGINES}")
+
+
+class EngineSync:
+    """Weights into this rank's engine (see the module docstring).
+
+    local_world_size: ranks per node (read before a vLLM engine is built: an in-process vLLM sets
+    LOCAL_WORLD_SIZE to 1). One process group per node is created here (collective).
+    """
+
+    def __init__(self, engine: RolloutEngine, actor, model_cfg, *, local_world_size: Optional[int] = None,
+                 log: Callable[[str], None] = print) -> None:
+        from pfppo_mega.rollout.live import LiveWeights
+
+        self.engine, self.actor, self.model_cfg, self.log = engine, actor, model_cfg, log
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.world = dist.group.WORLD if self.distributed else None
+        world = dist.get_world_size() if self.distributed else 1
+        rank = dist.get_rank() if self.distributed else 0
+        L = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % L:
+            raise EngineSetupError(f"LOCAL_WORLD_SIZE = {L} does not divide the world size ({world})")
+        self.rank = rank
+        self.node_ranks = list(range(rank - rank % L, rank - rank % L + L))
+        self.node_group = self.world
+        if self.distributed and L < world:
+            groups = [dist.new_group(list(range(s, s + L))) for s in range(0, world, L)]  # collective
+            self.node_group = groups[rank // L]
+        self.layout = engine.weight_layout()
+        # one plan for every stream: live, pool and switch (buckets never cross a pipeline stage)
+        self.plan: list[BucketSpec] = LiveWeights(actor, model_cfg, self.layout, 0).plan(engine.bucket_bytes)
+        self.last_refit_s = 0.0
+
+    def _live(self, version: int):
+        from pfppo_mega.rollout.live import LiveWeights
+
+        return LiveWeights(self.actor, self.model_cfg, self.layout, version)
+
+    def refit_live(self, version: int) -> float:
+        """The actor's current weights into the engine as ``version``; returns the seconds taken."""
+        t0 = time.perf_counter()
+        self.engine.update_weights(self._live(version).buckets(self.plan, self.world), version)
+        self.last_refit_s = time.perf_counter() - t0
+        return self.last_refit_s
+
+    def new_pool(self, pool_size: int):
+        from pfppo_mega.pool.sharded import ShardedSnapshotPool
+
+        return ShardedSnapshotPool(pool_size, self.layout, rank=self.rank, node_ranks=self.node_ranks,
+                                   log=self.log)
+
+    def capture(self, pool, version: int) -> None:
+        """Snapshot the actor's current weights into ``pool`` (each rank keeps its share)."""
+        pool.capture(version, self._live(version).buckets(self.plan, self.world))
+
+    def switch(self, pool, version: int) -> float:
+        """Pool snapshot ``version`` into the engine (raises WeightUpdateError on a corrupt shard,
+        on every rank alike: every engine verifies the same bytes)."""
+        t0 = time.perf_counter()
+        self.engine.update_weights(pool.source(version).buckets(self.plan, self.node_group), version)
+        return time.perf_counter() - t0
+
+    def check_versions(self, what: str) -> None:
+        from pfppo_mega.pool.registry import check_engine_versions
+
+        check_engine_versions(self.engine.weight_version, self.engine.weight_checksum, what=what, group=self.world)

@@ -1,0 +1,110 @@
+"""Refit through the trainer's seam in one process (tests/multirank/refit_checks.py runs the same
+over 2 and 4 ranks): the megatron actor's weights -> buckets -> engine, bit-exact; the sharded
+pool's capture / switch / checkpoint round trip; engine selection errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+
+import common  # noqa: E402
+
+from pfppo_mega import parallel  # noqa: E402
+from pfppo_mega.compat import megatron_cpu  # noqa: E402
+from pfppo_mega.pool.snapshots import SnapshotPool  # noqa: E402
+from pfppo_mega.rollout import SamplingParams  # noqa: E402
+from pfppo_mega.rollout.weights import WeightUpdateError  # noqa: E402
+from pfppo_mega.trainer.engine_sync import EngineSetupError, EngineSync, build_engine  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from pfppo_mega.models import gpt, hf_io
+
+    root = tmp_path_factory.mktemp("refit")
+    model = common.hf_model("qwen2")  # tied + q/k/v biases: the harder layout
+    model.save_pretrained(root / "qwen2")
+    path = root / "qwen2"
+    parallel.init_parallel(tp=1, pp=1, seed=0)
+    try:
+        cfg, arch = common.model_config(path)
+        actor = gpt.build_actor(cfg, arch=arch)
+        hf_io.load_actor_from_hf(actor, path)
+        yield path, actor, cfg, hf_io.load_hf_state_dict(path), hf_io.read_hf_config(path)
+    finally:
+        parallel.destroy_parallel()
+        megatron_cpu.disable()
+
+
+def _cfg(engine="builtin", rtp=1, top_p=1.0, bucket_mb=0.02):
+    ar = SimpleNamespace(engine=engine, tensor_model_parallel_size=rtp, top_p=top_p, refit_bucket_mb=bucket_mb,
+                         gpu_memory_utilization=0.5)
+    return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0))
+
+
+def test_live_refit_capture_switch_and_checkpoint(setup):
+    path, actor, cfg, original, hf_cfg = setup
+    engine = build_engine(_cfg(), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)
+    sync = EngineSync(engine, actor, cfg, local_world_size=1, log=lambda *_: None)
+    assert len(sync.plan) > 5
+    sync.refit_live(2)
+    assert engine.weight_version == 2
+    assert all(torch.equal(engine._params[n], original[n]) for n, _ in engine.weight_layout().specs)
+
+    pool = sync.new_pool(2)
+    sync.capture(pool, 2)
+    params = SamplingParams(1.0, 1.0, 10, None, seed=3)
+    before = engine.generate([[1, 2, 3], [4]], params)
+    with torch.no_grad():  # the actor moves on
+        for p in actor.parameters():
+            p.add_(0.05)
+    sync.refit_live(3)
+    assert not torch.equal(engine.generate([[1, 2, 3], [4]], params).responses, before.responses)
+    sync.switch(pool, 2)
+    back = engine.generate([[1, 2, 3], [4]], params)
+    assert back.versions.tolist() == [2, 2]
+    assert torch.equal(back.responses, before.responses) and torch.equal(back.logprobs, before.logprobs)
+
+    # checkpoint round trip (SnapshotPool's state), then a corrupt shard is refused by name
+    restored = SnapshotPool.from_state(pool.state_meta(), pool.state_tensors(), check_memory=False)
+    again = sync.new_pool(2)
+    again.adopt(restored, sync.plan)
+    sync.switch(again, 2)
+    assert torch.equal(engine.generate([[1, 2, 3], [4]], params).responses, before.responses)
+    again.snapshots[0].tensors[3][1].view(torch.int32)[5] ^= 4
+    with pytest.raises(WeightUpdateError, match="from rank 0 failed its checksum for version 2"):
+        sync.switch(again, 2)
+    assert engine.weight_version == -1
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.sub_(0.05)
+
+
+@pytest.mark.parametrize("kw,world,needle", [
+    (dict(rtp=3), 4, r"tensor_model_parallel_size = 3 does not divide the world size \(4\)"),
+    (dict(rtp=2), 2, r"builtin engine runs one full copy per rank \(allowed: 1\)"),
+    (dict(engine="vllm", top_p=0.9), 1, r"actor_rollout.top_p = 0.9 with engine: vllm"),
+    (dict(engine="sglang"), 1, r"actor_rollout.engine = 'sglang': allowed \('builtin', 'vllm'\)"),
+])
+def test_engine_selection_errors(setup, kw, world, needle):
+    path, _, _, _, hf_cfg = setup
+    with pytest.raises(EngineSetupError, match=needle):
+        build_engine(_cfg(**kw), path, hf_cfg, pad_token_id=0, world_size=world, log=print)
+
+
+def test_vllm_missing_is_named(setup, monkeypatch):
+    from pfppo_mega.rollout import vllm as rvllm
+
+    monkeypatch.setattr(rvllm.importlib.util, "find_spec", lambda name: None)
+    path, _, _, _, hf_cfg = setup
+    with pytest.raises(EngineSetupError, match="actor_rollout.engine = 'vllm': vllm is not installed"):
+        build_engine(_cfg(engine="vllm"), path, hf_cfg, pad_token_id=0, world_size=1, log=print)
