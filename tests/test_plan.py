@@ -341,3 +341,19 @@ def test_llama33_checkpoint_config_matches_and_dry_run_builds_it(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"family: llama from {ckpt}/config.json" in out.stdout and "rope_type='llama3'" in out.stdout
     assert out.stdout.count(" OK") == 2 and "MISMATCH" not in out.stdout
+
+
+def test_activation_terms_follow_an_explicit_head_dim():
+    """Qwen3-32B-like: hidden 5120, 64 heads of 128 (a d = 8192 != h): Q, K, V and the out-proj
+    input are a d wide; the q/k RMSNorm inputs add 2 s b (a + g) d. d = h / a changes nothing."""
+    s, b, h, a, g, f = 4096, 1, 5120, 64, 8, 25600
+    base = layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f)
+    assert layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, d=h // a) == base
+    wide = layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, d=128)
+    assert wide.split - base.split == (2 + 2 + 4) * s * b * (a * 128 - h)
+    assert (wide.replicated, wide.core) == (base.replicated, base.core)
+    normed = layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, d=128, qk_norm=True)
+    assert normed.split - wide.split == 2 * s * b * (a + g) * 128
+    flash = layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, d=128, attention="flash", mlp="swiglu")
+    flash_default = layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="flash", mlp="swiglu")
+    assert flash.split - flash_default.split == (2 + 2) * s * b * (a * 128 - h) + 2 * 2 * s * b * g * (128 - h // a)

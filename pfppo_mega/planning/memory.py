@@ -200,27 +200,33 @@ class LayerActivations:
 
 def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
                            attention: str = "unfused", softmax_fp32: bool = True,
-                           mlp: str = "swiglu_unfused", dropout: bool = False) -> LayerActivations:
+                           mlp: str = "swiglu_unfused", dropout: bool = False,
+                           d: Optional[int] = None, qk_norm: bool = False) -> LayerActivations:
     """Korthikanti et al.'s per-layer accounting (see the module docstring), in bytes.
 
-    s sequence, b micro-batch, h hidden, a heads, g KV groups, f MLP width.
+    s sequence, b micro-batch, h hidden, a heads, g KV groups, f MLP width, d head_dim (None:
+    h / a; Qwen3 sets it, so Q, K, V and the out-proj input are a d wide, not h), qk_norm: the
+    q/k RMSNorm inputs (Qwen3) are kept too.
     attention "unfused": K and V kept for all a heads, softmax output kept (fp32 when
     softmax_fp32, plus its bf16 copy); "flash": K and V for g heads, a log-sum-exp, no s^2 term.
     mlp "gelu" (paper), "swiglu" (fused activation) or "swiglu_unfused" (megatron 0.16.1's glu).
     mlp="gelu", dropout=True, softmax_fp32=False with g = a, f = 4h is the paper's GPT layer:
     s b h (34 + 5 a s / h)."""
-    d = h // a
+    d = h // a if d is None else d
     sbh = s * b * h
+    sbq = s * b * a * d                                # the width of Q and of the out-proj input
     replicated = 4 * sbh + 2 * sbh + 2 * sbh          # two norm inputs, QKV input, fc1 input
     if dropout:
         replicated += 2 * sbh                          # attention-out and MLP-out dropout masks (1 B)
-    split = 2 * sbh + 2 * sbh                          # Q, out-proj input
+    split = 2 * sbq + 2 * sbq                          # Q, out-proj input
+    if qk_norm:
+        split += 2 * s * b * (a + g) * d               # q / k RMSNorm inputs
     mlp_terms = {"gelu": 2 + 2, "swiglu": 4 + 2, "swiglu_unfused": 4 + 2 + 2 + 2}
     if mlp not in mlp_terms:
         raise ValueError(f"mlp({mlp!r}) must be one of {tuple(mlp_terms)}")
     split += mlp_terms[mlp] * s * b * f
     if attention == "unfused":
-        split += 2 * 2 * sbh                           # K and V, repeated to a heads
+        split += 2 * 2 * sbq                           # K and V, repeated to a heads
         core = (4 + 2 if softmax_fp32 else 2) * a * s * s * b  # softmax output (+ bf16 copy)
         if dropout:
             core += a * s * s * b + 2 * a * s * s * b  # dropout mask, dropout output
@@ -235,13 +241,15 @@ def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
 LAYERS = ("local", "fused")
 
 
-def layer_terms_for(layer: str, *, s: int, b: int, h: int, a: int, g: int, f: int) -> LayerActivations:
+def layer_terms_for(layer: str, *, s: int, b: int, h: int, a: int, g: int, f: int,
+                    d: Optional[int] = None, qk_norm: bool = False) -> LayerActivations:
     """The Llama layer as built by pfppo_mega.models ("local") or with fused kernels ("fused")."""
     if layer == "local":
         return layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="unfused",
-                                      softmax_fp32=True, mlp="swiglu_unfused")
+                                      softmax_fp32=True, mlp="swiglu_unfused", d=d, qk_norm=qk_norm)
     if layer == "fused":
-        return layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="flash", mlp="swiglu")
+        return layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="flash", mlp="swiglu",
+                                      d=d, qk_norm=qk_norm)
     raise ValueError(f"layer({layer!r}) must be one of {LAYERS}")
 
 
@@ -398,7 +406,7 @@ def _activations(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, b: i
     s, sh = run.seq_len, run.model
     sp = knobs.sequence_parallel and layout.tp > 1
     terms = layer_terms_for(knobs.layer, s=s, b=b, h=sh.hidden_size, a=sh.num_attention_heads,
-                            g=sh.num_query_groups, f=sh.ffn_hidden_size)
+                            g=sh.num_query_groups, f=sh.ffn_hidden_size, d=sh.head_dim, qk_norm=sh.qk_norm)
     stored, transient = layer_bytes(terms, tp=layout.tp, sp=sp, recompute=knobs.recompute,
                                     s=s, b=b, h=sh.hidden_size)
     layers = len(stage_layers(sh.num_layers, layout.pp, pp_rank))
