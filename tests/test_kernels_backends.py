@@ -250,3 +250,16 @@ def test_fused_backend_shifted_logits():
     want = TorchBackend().logprob_entropy(x, labels)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=2e-6)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_temperature_divides_bf16_logits_in_fp32(backend):
+    """bf16 logits / T in bf16 would round the tempered logits to 8 bits (an error of ~1e-2 in
+    log p here); every backend divides in fp32, as the vocab-parallel path does, so the result
+    matches fp64 of the same bf16 values to fp32 rounding."""
+    x = logits(8, 3000, seed=35, dtype=torch.bfloat16)
+    labels = labels_for(x, seed=35)
+    logp, ent = backend.logprob_entropy(x, labels, temperature=0.7)
+    ref = torch.log_softmax(x.double() / 0.7, dim=-1)
+    assert (logp.double() - ref.gather(1, labels[:, None])[:, 0]).abs().max() < 1e-4
+    assert (ent.double() + (ref.exp() * ref).sum(-1)).abs().max() < 1e-4

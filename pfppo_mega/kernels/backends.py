@@ -121,7 +121,9 @@ class TorchBackend:
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits = logits[..., :vocab_size]  # padding dropped: no probability, zero gradient
         if temperature != 1.0:
-            logits = logits / temperature
+            # In fp32 at least, like the kernels and the vocab-parallel path: a bf16 logits / T
+            # would round the tempered logits to bf16 (up to 0.06 in log p at V = 76k).
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         return ppo.logprobs_from_logits(logits, labels), ppo.entropy_from_logits(logits)
 
     def logprob_entropy_partials(self, logits_shard, labels, *, vocab_start, vocab_size, temperature):
