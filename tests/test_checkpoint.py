@@ -189,3 +189,16 @@ def test_truncate_jsonl_keeps_steps_up_to_the_resumed_one(tmp_path):
     assert truncate_jsonl(f, keep_through_step=2) == 2
     assert [json.loads(line)["step"] for line in f.read_text().splitlines()] == [0, 1, 2]
     assert truncate_jsonl(f, keep_through_step=-1) == 3 and f.read_text() == ""
+
+
+def test_save_copies_only_what_safetensors_cannot_take():
+    """Views into one buffer (megatron's parameters), transposes and shared tensors are copied;
+    tensors that own their storage (pool snapshots, optimizer moments) are written as they are,
+    so a save does not double the host memory of the pool."""
+    buffer = torch.arange(12.0)
+    own = torch.ones(4)
+    out = ckpt._private({"v0": buffer[:6], "v1": buffer[6:], "t": torch.ones(3, 4).t(), "own": own, "again": own})
+    assert out["own"].data_ptr() == own.data_ptr()
+    assert out["again"].data_ptr() != own.data_ptr() and torch.equal(out["again"], own)
+    assert out["v0"].data_ptr() != buffer.data_ptr() and torch.equal(out["v1"], buffer[6:])
+    assert out["t"].is_contiguous() and torch.equal(out["t"], torch.ones(4, 3))

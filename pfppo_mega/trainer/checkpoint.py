@@ -108,7 +108,7 @@ def encode_state(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> 
     if isinstance(obj, torch.Tensor):
         if path in tensors:
             raise CheckpointError(f"state {path}: two tensors map to this path (a key holding '/'?)")
-        tensors[path] = obj.detach().cpu().contiguous().clone()
+        tensors[path] = obj.detach()
         return {_TENSOR: path}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -160,6 +160,21 @@ def decode_state(obj: Any, tensors: dict[str, torch.Tensor], used: set[str], whe
 # ---------------------------------------------------------------------------- save
 
 
+def _private(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors that each own their whole storage, as safetensors needs. Only views, shared or
+    non-contiguous tensors are copied: a pool of private host snapshots is not duplicated."""
+    out, seen = {}, set()
+    for k, v in sd.items():
+        v = v.detach().cpu()
+        storage = v.untyped_storage()
+        if (not v.is_contiguous() or v.storage_offset() or storage.nbytes() != v.numel() * v.element_size()
+                or storage.data_ptr() in seen):
+            v = v.contiguous().clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    return out
+
+
 def save_checkpoint(
     root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
     *, keep_last: int,
@@ -179,8 +194,7 @@ def save_checkpoint(
     files = []
     for group, sd in {**tensors, "state": state_tensors}.items():
         name = f"{group}.safetensors"
-        # safetensors refuses shared or non-contiguous storage: give it private contiguous copies.
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}, str(tmp / name))
+        save_file(_private(sd), str(tmp / name))
         files.append(name)
     (tmp / STATE_JSON).write_text(state_json)
     files.append(STATE_JSON)
