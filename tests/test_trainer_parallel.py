@@ -75,6 +75,8 @@ def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
     the whitened advantages and the moments themselves agree; per-rank statistics would not."""
     _, results = setup
     assert results["dp2"]["dp"] == 2 and len(results["dp2"]["steps"]) == 3
+    # the logged reward std / q90 are those of both ranks' rewards together, not a mean of the ranks'
+    assert results["dp2"]["reward_stat_gap"] <= 1e-6
     inv = results["dp2_invariance"]
     print(f"dp2 vs dp1: scores {inv['scores_diff']:.2e}, advantages {inv['adv_diff']:.2e} "
           f"(per-rank whitening would be off by {inv['adv_local_diff']:.2e})")

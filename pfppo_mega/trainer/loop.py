@@ -606,6 +606,8 @@ class PPOTrainer:
         the KL, entropy, critic and update metrics the rows trained on (`eb`)."""
         rb, m = sb.rollout, eb.inputs.response_mask
         lengths = rb.response_mask.sum(1)                                               # [B] generated
+        # std and quantiles of the global batch (every DP rank's rewards), not a mean of the ranks'
+        raw = sb.raw_scores if self.dp_gather is None else self.dp_gather(sb.raw_scores)  # [B * dp]
         first10 = m.clone()
         first10[:, 10:] = 0
         gen_tokens = float(lengths.sum())
@@ -616,9 +618,8 @@ class PPOTrainer:
         seq_w = torch.softmax(((eb.old_logp - eb.behav_logp) * m).sum(1).double(), dim=0)   # [B]
         kl_cur = float((seq_w * ((eb.old_logp - eb.ref_logp) * m).sum(1)).sum() / (seq_w * m.sum(1)).sum())
         metrics = {
-            "reward/mean": sb.raw_scores.mean().item(), "reward/std": sb.raw_scores.std().item()
-            if len(sb.raw_scores) > 1 else 0.0,
-            **{f"reward/{k}": v for k, v in quantiles(sb.raw_scores).items()},
+            "reward/mean": raw.mean().item(), "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
+            **{f"reward/{k}": v for k, v in quantiles(raw).items()},
             "reward/scaled_mean": sb.scores.mean().item(),
             "kl/ref_mean": ppo.masked_mean(eb.kl_ref, m).item(), "kl/ref_k1": k1, "kl/ref_k1_current": kl_cur,
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),

@@ -25,6 +25,11 @@ KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "poli
 LAYOUTS = (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1))
 
 
+def _record(store: list, sb: ScoredBatch) -> ScoredBatch:
+    store.append(sb.raw_scores)
+    return sb
+
+
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
@@ -82,10 +87,20 @@ def main(path: str) -> None:
         d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/{name}"
         d["checkpoint"] = {"save_interval": 3, "resume": False, "export_hf": False}
         tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
-        steps = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(3))]
+        rewards: list[torch.Tensor] = []  # this rank's generated rewards per step
+        score = tr.score
+        tr.score = lambda rb: _record(rewards, score(rb))
+        metrics = [tr.train_step() for _ in range(3)]
+        steps = [{k: m[k] for k in KEYS} for m in metrics]
         tr.save(tr.out_dir / "checkpoints")
+        everyone = parallel.dp_gather_objects(rewards, tr.dp_group)
+        # reward/std and quantiles are those of the global batch (every DP rank's rewards)
+        reward_gap = max(max(abs(m["reward/std"] - torch.cat([e[i] for e in everyone]).std().item()),
+                             abs(m["reward/q90"] - torch.quantile(torch.cat([e[i] for e in everyone]), 0.9).item()))
+                         for i, m in enumerate(metrics))
         if tr.is_logger:
-            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.parallel.dp}), flush=True)
+            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.parallel.dp, "reward_stat_gap": reward_gap}),
+                  flush=True)
         if name == "dp2":
             inv = dp_invariance(tr)
             if tr.is_logger:
