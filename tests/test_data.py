@@ -136,10 +136,13 @@ def test_builtin_task_is_a_registered_prompt_source(example):
     data = build_prompt_data(cfg, char_tokenizer(), model_dir="/x", rng=rng)
     batch = data.train.next_batch(4)
     assert all(isinstance(s, Sample) and s.data_source == "addition" for s in batch) and len(data.val) == 5
-    state = data.train.state_dict()
+    state, rng_state = data.train.state_dict(), rng.getstate()  # the position is the given rng's
     more = [s.prompt_text for s in data.train.next_batch(3)]
+    rng.setstate(rng_state)
     data.train.load_state_dict(state)
     assert [s.prompt_text for s in data.train.next_batch(3)] == more
+    with pytest.raises(ValueError, match="must be {}"):
+        data.train.load_state_dict({"epoch": 1})
 
 
 def test_encode_rows_names_row_and_key(example):

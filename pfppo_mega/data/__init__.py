@@ -17,6 +17,7 @@ from pfppo_mega.types import PromptSource, Sample
 class PromptData:
     train: PromptSource
     val: list[Sample]              # scored at every evaluation (per data_source)
+    train_rows: list[Sample]       # every training row loaded (files; [] for a generated task), for start-up checks
 
 
 def chat_template_of(tokenizer, model_dir: str | Path) -> ChatTemplate | None:
@@ -37,7 +38,7 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
     if d.source == "task":
         from pfppo_mega.tasks.addition import AdditionPrompts, AdditionTask
         src = AdditionPrompts(AdditionTask(d.num_digits), tokenizer, rng)
-        return PromptData(train=src, val=src.eval_samples(d.eval_size))
+        return PromptData(train=src, val=src.eval_samples(d.eval_size), train_rows=[])
     template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
     keys = Keys(prompt=d.prompt_key, data_source=d.data_source_key, ground_truth=d.ground_truth_key,
                 extra_info=d.extra_info_key)
@@ -50,7 +51,7 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
         val = train[: d.eval_size]
         log(f"[pfppo] data.val_files not set: evaluating on the first {len(val)} training prompts")
     return PromptData(train=FilePrompts(train, seed=cfg.training.seed, shuffle=d.shuffle, dp_rank=dp_rank,
-                                        dp_size=dp_size), val=val)
+                                        dp_size=dp_size), val=val, train_rows=train)
 
 
 __all__ = ["DataError", "FilePrompts", "PromptData", "build_prompt_data", "chat_template_of"]

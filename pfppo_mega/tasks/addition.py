@@ -91,7 +91,9 @@ def to_sample(p: Problem, tokenizer) -> Sample:
 
 class AdditionPrompts:
     """Training prompts drawn from `rng` (the trainer's per-data-parallel-rank stream, so the draws
-    interleave with its sampling seeds exactly as before the seam); held-out prompts fixed."""
+    interleave with its sampling seeds exactly as before the seam); held-out prompts fixed. The
+    position is that stream's state, which its owner checkpoints (and reseeds per rank at dp > 1):
+    state_dict holds nothing more."""
 
     def __init__(self, task: AdditionTask, tokenizer, rng: random.Random):
         self.task, self.tokenizer, self.rng = task, tokenizer, rng
@@ -103,10 +105,12 @@ class AdditionPrompts:
         return [to_sample(p, self.tokenizer) for p in self.task.eval_prompts(n)]
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate()}
+        return {}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate(state["rng"])
+        if state != {}:
+            raise ValueError(f"addition task data state {str(state)[:100]} must be {{}} (the position is the "
+                             f"trainer's rng)")
 
 
 class AdditionReward:
@@ -121,7 +125,7 @@ class AdditionReward:
                  for s, text, f in zip(samples, texts, finished)]
         return result_of(calls, samples, texts, self.outcomes)
 
-    def check(self, samples, where: str) -> None:  # scores any data_source
+    def check(self, samples, where: str) -> None:  # the task's own samples only (data.source = task)
         pass
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ def _load(tok_dir, train, **data):
     data = build_prompt_data(cfg, tok, model_dir=tok_dir, rng=random.Random(0), log=lambda *_: None)
     reward = build_reward_fn(cfg, log=lambda *_: None)
     try:
-        reward.check(data.train.samples + data.val, "data")
+        reward.check(data.train_rows + data.val, "data")
     finally:
         reward.close()
     return data
