@@ -162,3 +162,13 @@ def test_layers_point_down():
             "print(sorted(m for m in sys.modules if m.startswith(('pfppo_mega.trainer', 'pfppo_mega.tasks'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_committed_example_is_what_the_generator_writes(tmp_path):
+    from pathlib import Path
+    committed = Path(__file__).resolve().parents[1] / "examples" / "gsm8k_synth"
+    fresh = write_example(tmp_path, n_train=256, n_test=64, seed=0, vocab_size=512)
+    for name in ("train.parquet", "test.parquet", "train.jsonl", "test.jsonl"):
+        assert read_rows(committed / name, "k") == read_rows(fresh[name], "k"), name
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (committed / "tokenizer" / name).read_text() == (fresh["tokenizer"] / name).read_text(), name
