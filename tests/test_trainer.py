@@ -397,3 +397,19 @@ def test_random_streams_are_named_and_unchanged():
     assert stream_seed("kl_probe", 3, step=4) == 7 and stream_seed("eval", 3) == 3
     with pytest.raises(ValueError, match="'data'.*'prompts', 'assignment'"):
         stream_seed("data", 3)
+
+
+def test_sft_stops_on_steps_and_max_seconds_is_only_a_safety_limit(tmp_path):
+    """SFT never cuts itself short on wall time (what later stages train from would depend on the
+    machine's load): running out of sft.max_seconds is an error naming the key, nothing written."""
+    from pfppo_mega.sft import SFTTimeout
+
+    d = json.loads(json.dumps(TINY))
+    d["sft"].update(output_dir=str(tmp_path / "sft"), steps=3, max_seconds=1e-6)
+    d["actor_rollout"] = {"model_path": str(tmp_path / "sft")}
+    with pytest.raises(SFTTimeout, match=r"sft.max_seconds = 1e-06 exceeded at step 1 of sft.steps = 3"):
+        run_sft(load_config_dict(d), log=lambda *_: None)
+    assert not (tmp_path / "sft" / "model.safetensors").exists()
+    d["sft"]["max_seconds"] = 0  # no limit: exactly sft.steps steps
+    out = run_sft(load_config_dict(d), log=lambda *_: None)
+    assert json.loads((out / "sft_info.json").read_text())["steps"] == 3
