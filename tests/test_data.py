@@ -172,3 +172,41 @@ def test_committed_example_is_what_the_generator_writes(tmp_path):
         assert read_rows(committed / name, "k") == read_rows(fresh[name], "k"), name
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (committed / "tokenizer" / name).read_text() == (fresh["tokenizer"] / name).read_text(), name
+
+
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'system' and loop.first %}{%- continue %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_hf_style_special_tokens_and_another_template_match_transformers(tmp_path, example):
+    """A Qwen2-style tokenizer_config.json: no BOS, eos as {"content": ...}, pad unset (-> eos), a
+    template with loop controls and a default system prompt; rendered as transformers renders it."""
+    import transformers
+    from pfppo_mega.data import chat_template_of
+    from pfppo_mega.tasks.tokenizer import TokenizerError
+    paths, tok = example
+    d = tmp_path / "qwenish"
+    d.mkdir()
+    (d / "tokenizer.json").write_text((paths["tokenizer"] / "tokenizer.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False,
+                                           "rstrip": False, "normalized": False, "single_word": False,
+                                           "special": True}, "chat_template": QWEN_LIKE,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    qt = Tokenizer.from_dir(d)
+    assert qt.bos_id is None and qt.pad_id == qt.eos_id == tok.eos_id
+    assert qt.encode("Ava has", add_bos=True) == tok.encode("Ava has", add_bos=False)
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    template = chat_template_of(qt, d)
+    for msgs in ([{"role": "user", "content": "What is 2+2?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]):
+        assert template.render(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json names special tokens missing from "
+                                             r"tokenizer.json \(eos_token='<\|im_end\|>'\)"):
+        Tokenizer.from_dir(d)
