@@ -90,7 +90,7 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
 
 
 @pytest.mark.parametrize("kw,world,needle", [
-    (dict(rtp=3), 4, r"tensor_model_parallel_size = 3 does not divide the world size \(4\)"),
+    (dict(engine="vllm", rtp=3), 4, r"tensor_model_parallel_size = 3 does not divide the world size \(4\)"),
     (dict(rtp=2), 2, r"builtin engine runs one full copy per rank \(allowed: 1\)"),
     (dict(engine="vllm", top_p=0.9), 1, r"actor_rollout.top_p = 0.9 with engine: vllm"),
     (dict(engine="sglang"), 1, r"actor_rollout.engine = 'sglang': allowed \('builtin', 'vllm'\)"),

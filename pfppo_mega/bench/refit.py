@@ -97,10 +97,11 @@ def _broadcast_worker(rank: int, world: int, store: str, numels: list[int], reps
     specs = [BucketSpec(i, (f"b{i}",), ((n,),), torch.float32) for i, n in enumerate(numels)]
     buckets = [Bucket.pack(s, 1, [torch.randn(s.numel)]) if rank == 0 else None for s in specs]
     raw = torch.randn(sum(numels)) if rank == 0 else torch.empty(sum(numels))
+    recv = torch.empty(max(numels))  # what WeightSource.buckets does: one reused receive buffer
 
     def bucketed():
         for s, b in zip(specs, buckets):
-            broadcast_bucket(b, s, 1, src=0, group=None)
+            broadcast_bucket(b, s, 1, src=0, group=None, out=recv[:s.numel])
 
     def flat():
         broadcast_flat(raw, src=0, group=None)

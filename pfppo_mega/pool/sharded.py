@@ -58,7 +58,7 @@ class ShardedSnapshotPool(SnapshotPool):
         for bucket in buckets:
             receiver.accept(bucket)
             if self.keeper(bucket.spec) == self.rank:
-                kept.append((f"bucket.{bucket.spec.index}", bucket.flat))
+                kept.append((f"bucket.{bucket.spec.index}", bucket.flat.to("cpu", copy=True)))  # buffer reused
                 checksums[bucket.spec.index] = bucket.checksum
         receiver.finish()
         if not kept:  # more ranks than buckets: this rank keeps nothing of this snapshot

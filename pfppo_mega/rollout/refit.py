@@ -29,8 +29,9 @@ def _header(version: int, checksum: str) -> torch.Tensor:
 
 
 def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *, src: int,
-                     group: Optional[dist.ProcessGroup]) -> Bucket:
+                     group: Optional[dist.ProcessGroup], out: Optional[torch.Tensor] = None) -> Bucket:
     """Every rank of ``group`` gets rank ``src``'s bucket for ``spec`` (``bucket`` is read on src only).
+    out: [spec.numel] buffer the receivers write into (a fresh one when None).
 
     The owner must hold a bucket; if it does not (a producer bug), it sends an all-zero header
     that every receiver turns into a clear error instead of a hang.
@@ -44,7 +45,7 @@ def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *
         flat = bucket.flat.to(device) if ok else torch.zeros(spec.numel, dtype=spec.dtype, device=device)
     else:
         header = torch.empty(1 + CHECKSUM_BYTES, dtype=torch.int64)
-        flat = torch.empty(spec.numel, dtype=spec.dtype, device=device)
+        flat = out if out is not None else torch.empty(spec.numel, dtype=spec.dtype, device=device)
     header = header.to(device)
     dist.broadcast(header, src=src, group=group)
     dist.broadcast(flat, src=src, group=group)

@@ -310,10 +310,14 @@ class WeightSource:
                     raise RuntimeError(f"{type(self).__name__} produced no bucket {spec.index} in one process")
                 yield bucket
             return
-        from pfppo_mega.rollout.refit import broadcast_bucket
+        from pfppo_mega.rollout.refit import broadcast_bucket, group_device
 
+        # one receive buffer for the whole stream (fresh pages per bucket cost as much as the copy):
+        # on receiving ranks a bucket's bytes are valid until the next bucket is requested
+        recv = torch.empty(max(s.numel for s in plan), dtype=plan[0].dtype, device=group_device(group))
         for spec in plan:
-            yield broadcast_bucket(self.produce(spec), spec, self.version, src=self.owner(spec), group=group)
+            yield broadcast_bucket(self.produce(spec), spec, self.version, src=self.owner(spec), group=group,
+                                   out=recv[:spec.numel])
 
 
 class NamedTensorSource(WeightSource):

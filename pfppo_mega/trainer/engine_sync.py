@@ -28,24 +28,19 @@ class EngineSetupError(ValueError):
     """The configured rollout engine cannot run in this job."""
 
 
-def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
-                 log: Callable[[str], None]) -> RolloutEngine:
-    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size of the config.
-    vLLM is imported only here, only when it is named."""
+def check_engine_config(cfg, *, world_size: int) -> None:
+    """Every check of the engine choice that needs no engine: rollout TP vs the world size, what the
+    engine supports, vLLM installed. Raises EngineSetupError naming the key, value and rule."""
     ar = cfg.actor_rollout
-    bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
     rtp = ar.tensor_model_parallel_size
+    if ar.engine not in ENGINES:
+        raise EngineSetupError(f"actor_rollout.engine = {ar.engine!r}: allowed {ENGINES}")
+    if ar.engine == "builtin" and rtp != 1:
+        raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp}: the builtin engine runs "
+                               f"one full copy per rank (allowed: 1); use engine: vllm for rollout TP > 1")
     if world_size % rtp:
         raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp} does not divide the world size "
                                f"({world_size}): each rollout engine spans rollout-TP ranks of the job")
-    if ar.engine == "builtin":
-        if rtp != 1:
-            raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp}: the builtin engine runs "
-                                   f"one full copy per rank (allowed: 1); use engine: vllm for rollout TP > 1")
-        from pfppo_mega.rollout import BuiltinEngine, LlamaShape
-
-        return BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
-                             bucket_bytes=bucket_bytes, log=log)
     if ar.engine == "vllm":
         if ar.top_p < 1.0:
             raise EngineSetupError(
@@ -57,10 +52,25 @@ def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world
         why = rvllm.unavailable_reason()
         if why:
             raise EngineSetupError(f"actor_rollout.engine = 'vllm': {why}")
-        return rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=rtp,
-                                seed=cfg.training.seed, bucket_bytes=bucket_bytes,
-                                gpu_memory_utilization=ar.gpu_memory_utilization, log=log)
-    raise EngineSetupError(f"actor_rollout.engine = {ar.engine!r}: allowed {ENGINES}")
+
+
+def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
+                 log: Callable[[str], None]) -> RolloutEngine:
+    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size of the config.
+    vLLM is imported only here, only when it is named."""
+    check_engine_config(cfg, world_size=world_size)
+    ar = cfg.actor_rollout
+    bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
+    if ar.engine == "builtin":
+        from pfppo_mega.rollout import BuiltinEngine, LlamaShape
+
+        return BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
+                             bucket_bytes=bucket_bytes, log=log)
+    from pfppo_mega.rollout import vllm as rvllm
+
+    return rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=ar.tensor_model_parallel_size,
+                            seed=cfg.training.seed, bucket_bytes=bucket_bytes,
+                            gpu_memory_utilization=ar.gpu_memory_utilization, log=log)
 
 
 class EngineSync:
