@@ -28,6 +28,7 @@ MULTIRANK = REPO / "tests" / "multirank"
 sys.path.insert(0, str(MULTIRANK))
 
 import common  # noqa: E402
+import feature_checks  # noqa: E402
 import refit_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -45,7 +46,7 @@ WEIGHT_ATOL = common.LR / 50
 _RESULT = re.compile(r"^RESULT (\S+) (\S+) (PASS|FAIL) max_diff=(\S+) tol=(\S+)(.*)$")
 
 
-BACKENDS = [b.name for b in available_backends()]  # the rank processes run the same list
+BACKENDS = [b.name for b in available_backends()]  # the kernels backends the rank processes run
 
 
 def _expected_checks() -> list[tuple[int, str, str]]:
@@ -64,6 +65,8 @@ def _expected_checks() -> list[tuple[int, str, str]]:
                 if tp > 1:
                     out.append((world, layout, f"vocab_parallel_fwd_bwd[{backend}]"))
             out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
+            if world == 2:
+                out += [(world, layout, check) for check in feature_checks.CHECKS]  # tests/multirank/feature_checks.py
     return out
 
 

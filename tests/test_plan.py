@@ -237,8 +237,7 @@ def test_refuses_bad_layouts(args, message, capsys):
     (0.2, "rollout: the engine's share gpu_memory_utilization(0.2)"),  # not even the weights
 ])
 def test_rollout_engine_share(util, message, capsys):
-    rc = plan_main([str(H100_CONFIG), f"actor_rollout.gpu_memory_utilization={util}", "--gpu", "h100",
-                    "--recompute", "full"])
+    rc = plan_main([str(H100_CONFIG), f"actor_rollout.gpu_memory_utilization={util}", "--gpu", "h100"])
     assert rc == (0 if util == 0.25 else 2)
     assert message in capsys.readouterr().out
 
@@ -253,7 +252,7 @@ def test_rollout_engine_share(util, message, capsys):
 def test_dry_run_matches_megatron_at_world_size_64(config, gpu, ranks, tmp_path):
     report = tmp_path / "plan.json"
     out = subprocess.run([sys.executable, "-m", "pfppo_mega.planning", str(config), "--gpu", gpu,
-                          "--recompute", "full", "--dry-run-rank", ranks, "--json", str(report)],
+                          "training.recompute=full", "--dry-run-rank", ranks, "--json", str(report)],
                          env=_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     plan = json.loads(report.read_text())

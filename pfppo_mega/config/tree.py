@@ -159,7 +159,13 @@ class ModelConfig(Section):
     rope_theta: Optional[float] = opt(None, "RoPE base.")
     norm_epsilon: Optional[float] = opt(None, "RMSNorm epsilon.")
     tie_word_embeddings: Optional[bool] = opt(None, "Share the input embedding and the LM head.")
-    params_dtype: str = opt("float32", "Parameter and compute dtype of the trainer models.")
+    params_dtype: str = opt(
+        "float32", "Parameter and compute dtype of the trainer models. bfloat16: bf16 weights and compute, "
+                   "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer.")
+    layer_spec: str = opt(
+        "local", "Transformer layer implementation: local (megatron's pure-torch layers, any machine) or "
+                 "transformer_engine (fused TE layers and flash attention; GPUs with transformer-engine "
+                 "installed, refused at start otherwise).")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "num_hidden_layers": "num_layers",
@@ -168,7 +174,7 @@ class ModelConfig(Section):
         "rms_norm_eps": "norm_epsilon",
         "seq_length": "max_position_embeddings",
     }
-    CHOICES: ClassVar[dict[str, tuple]] = {"params_dtype": C.PARAMS_DTYPES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"params_dtype": C.PARAMS_DTYPES, "layer_spec": C.LAYER_SPECS}
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -203,6 +209,15 @@ class ParallelConfig(Section):
     tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (TP).")
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (PP).")
     backend: str = opt("auto", "torch.distributed backend: auto (nccl on GPUs, else gloo), gloo or nccl.")
+    sequence_parallel: bool = opt(
+        False, "Megatron sequence parallelism: activations outside attention / MLP split over the TP ranks "
+               "along the sequence. Needs tensor_model_parallel_size > 1 and GPUs (refused on CPU at start).")
+    use_distributed_optimizer: bool = opt(
+        False, "Shard the fp32 main weights and Adam states over the data-parallel ranks (megatron's "
+               "distributed optimizer, ZeRO-1 style).")
+    virtual_pipeline_size: Optional[int] = opt(
+        None, "Interleaved pipeline: model chunks per pipeline stage (>= 2; null = not interleaved). Needs "
+              "pipeline_model_parallel_size >= 2 and num_layers divisible by pp x this.")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "tp": "tensor_model_parallel_size",
@@ -216,6 +231,15 @@ class ParallelConfig(Section):
         _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
         _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1,
                le=C.MAX_PARALLEL)
+        _range(p, "virtual_pipeline_size", self.virtual_pipeline_size, ge=2, le=C.MAX_PARALLEL, optional=True)
+        if self.sequence_parallel is True and self.tensor_model_parallel_size == 1:
+            p.append(Problem("sequence_parallel", True,
+                             "needs tensor_model_parallel_size > 1 (it splits activations over the TP ranks; "
+                             "at TP 1 there is nothing to split): set it false or raise the TP size"))
+        if self.virtual_pipeline_size is not None and self.pipeline_model_parallel_size == 1:
+            p.append(Problem("virtual_pipeline_size", self.virtual_pipeline_size,
+                             "needs pipeline_model_parallel_size >= 2 (interleaving splits each pipeline stage "
+                             "into chunks): set it null or raise the PP size"))
 
 
 
@@ -452,12 +476,17 @@ class TrainingConfig(Section):
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
+    recompute: str = opt(
+        "none", "Activation recomputation in the backward pass: none, selective (megatron's core-attention "
+                "recompute: drops the s^2 attention terms) or full (each layer keeps only its input and "
+                "recomputes the rest).")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "train_batch_size": "rollout_batch_size",
         "ppo_mini_batch_size": "batch_size",
         "actor_lr": "lr",
     }
+    CHOICES: ClassVar[dict[str, tuple]] = {"recompute": C.RECOMPUTE_MODES}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1, le=C.MAX_COUNT)
@@ -609,6 +638,11 @@ class Config(Section):
             p.append(Problem(
                 "training.batch_size", self.training.batch_size,
                 f"must divide rollout_batch_size * n_samples_per_prompt ({samples})"))
+        vpp, pp, layers = self.parallel.virtual_pipeline_size, self.parallel.pipeline_model_parallel_size, self.model.num_layers
+        if isinstance(vpp, int) and vpp >= 2 and pp >= 2 and layers and layers % (pp * vpp):
+            p.append(Problem("parallel.virtual_pipeline_size", vpp,
+                             f"model.num_layers ({layers}) must be divisible by pipeline_model_parallel_size x "
+                             f"virtual_pipeline_size ({pp} x {vpp} = {pp * vpp} chunks)"))
         if self.actor_rollout.model_path is None and not self.model.is_complete():
             missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(self.model, k) is None]
             p.append(Problem("model", "incomplete",

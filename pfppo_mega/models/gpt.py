@@ -119,20 +119,98 @@ def _architecture(arch: Optional[Architecture], qkv_bias: bool) -> Architecture:
     return arch
 
 
+@dataclass(frozen=True)
+class Features:
+    """The training features of the config that change how megatron builds and trains the models
+    (besides ``model.params_dtype`` and ``model.layer_spec``, which travel in ModelConfig):
+    ``parallel.sequence_parallel``, ``parallel.use_distributed_optimizer``,
+    ``parallel.virtual_pipeline_size`` and ``training.recompute``. Defaults: everything off."""
+
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute: str = "none"
+    virtual_pipeline_size: Optional[int] = None
+
+
+def features_from_config(cfg) -> Features:
+    """Features of a loaded ``pfppo_mega.config.Config`` (the keys above)."""
+    p = cfg.parallel
+    return Features(sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
+                    recompute=cfg.training.recompute, virtual_pipeline_size=p.virtual_pipeline_size)
+
+
+class FeatureError(ValueError):
+    """A training feature the machine or this build cannot provide; names the config key."""
+
+
+def check_features(model: ModelConfig, features: Features, *, device_type: Optional[str] = None,
+                   tp: Optional[int] = None) -> None:
+    """Refuse at start, by config key, what megatron or the machine cannot run (FeatureError lists
+    every such key). ``device_type``: where the models will live ("cpu" / "cuda"; default: cuda
+    when visible). Runs on CPU: the distributed optimizer, bf16 parameters with fp32 main weights.
+    GPU only: sequence parallelism (megatron's torch RMSNorm refuses it), selective / full
+    recompute (megatron's recompute makes CUDA tensors inside the backward pass), the
+    transformer_engine layer spec. Not wired into the trainer: the interleaved pipeline."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    tp = _layout(tp, None)[0]
+    problems = []
+    if features.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (TP is 1)")
+    elif features.sequence_parallel and device_type != "cuda":
+        problems.append(f"parallel.sequence_parallel = true needs CUDA devices (device {device_type!r}): megatron's "
+                        f"torch RMSNorm refuses sequence parallelism; set it false on CPU")
+    if model.layer_spec == "transformer_engine":
+        try:
+            with _quiet_megatron():
+                import transformer_engine  # noqa: F401
+            te = None
+        except ImportError as e:
+            te = f"transformer_engine is not installed ({e})"
+        if te is None and device_type != "cuda":
+            te = f"transformer_engine runs on CUDA devices only (device {device_type!r})"
+        if te is None:  # installed, on a GPU: the HF name mapping is still the local spec's
+            te = ("TE's fused-norm parameter names (linear_qkv.layer_norm_weight, ...) are not converted by "
+                  "pfppo_mega.models.hf_io yet")
+        problems.append(f"model.layer_spec = 'transformer_engine': {te}; use 'local'")
+    if features.virtual_pipeline_size is not None:
+        problems.append(f"parallel.virtual_pipeline_size = {features.virtual_pipeline_size}: the trainer builds one "
+                        f"model chunk per pipeline stage (megatron's interleaved schedule is not wired in); set it null")
+    if features.recompute not in ("none", "selective", "full"):
+        problems.append(f"training.recompute = {features.recompute!r}: must be one of 'none', 'selective', 'full'")
+    elif features.recompute != "none" and device_type != "cuda":
+        problems.append(f"training.recompute = {features.recompute!r} needs CUDA devices (device {device_type!r}): "
+                        f"megatron re-runs the forward inside autograd's backward, where it creates CUDA "
+                        f"tensors that the CPU compatibility layer cannot map; set it 'none' on CPU")
+    if problems:
+        raise FeatureError("training features this run cannot provide:\n" + "\n".join(f"  - {q}" for q in problems))
+
+
+def _recompute_kwargs(recompute: str) -> dict:
+    """megatron's recompute settings for training.recompute."""
+    if recompute == "selective":  # core attention only (megatron's default recompute_modules)
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":  # every layer keeps its input only
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
 def transformer_config(
     model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None, qkv_bias: bool = False,
-    arch: Optional[Architecture] = None,
+    arch: Optional[Architecture] = None, features: Optional[Features] = None,
 ) -> TransformerConfig:
     """megatron TransformerConfig of the decoder described by ``model`` and ``arch`` (None: Llama,
     or Qwen2 when the older flag ``qkv_bias`` is set).
 
     tp / pp default to the sizes of megatron's initialised parallel state (1 when none is);
     check_layout runs first. Dropout is 0 (RL fine-tuning; also makes the actor deterministic
-    for log-prob ratios).
+    for log-prob ratios). ``features`` (default: all off) sets sequence parallelism and
+    recomputation; check_features refuses what this machine cannot run.
     """
     arch = _architecture(arch, qkv_bias)
     tp, pp = _layout(tp, pp)
     check_layout(model, tp=tp, pp=pp)
+    features = features or Features()
+    check_features(model, features, tp=tp)
     dtype = _DTYPES[model.params_dtype]
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -164,7 +242,8 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,  # unsupported on CPU (megatron's torch norm refuses it)
+        sequence_parallel=features.sequence_parallel,  # GPUs only (check_features)
+        **_recompute_kwargs(features.recompute),
         cuda_graph_scope=[],
     )
 
@@ -200,7 +279,8 @@ def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool,
     return module
 
 
-def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_bias: bool = False) -> GPTModel:
+def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_bias: bool = False,
+                features: Optional[Features] = None) -> GPTModel:
     """The policy: GPTModel with the LM head (tied to the embedding if tie_word_embeddings).
     ``arch``: the family (hf_io.architecture_from_hf); None = Llama (Qwen2 with ``qkv_bias``).
 
@@ -208,7 +288,7 @@ def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_
     on the last pipeline stage (Vp = vocab padded to a multiple of tp), hidden states elsewhere.
     """
     arch = _architecture(arch, qkv_bias)
-    config = transformer_config(model, arch=arch)
+    config = transformer_config(model, arch=arch, features=features)
     return _gpt(GPTModel, model, config, tie=bool(model.tie_word_embeddings), arch=arch)
 
 
@@ -246,10 +326,10 @@ class CriticModel(GPTModel):
 
 
 def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None,
-                 qkv_bias: bool = False) -> CriticModel:
+                 qkv_bias: bool = False, features: Optional[Features] = None) -> CriticModel:
     """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
     arch = _architecture(arch, qkv_bias)
-    config = transformer_config(model, arch=arch)
+    config = transformer_config(model, arch=arch, features=features)
     critic = _gpt(CriticModel, model, config, tie=False, arch=arch)
     if critic.post_process:
         critic.output_layer = ValueHead(model.hidden_size, config.params_dtype)
@@ -315,8 +395,11 @@ def critic_values(model: torch.nn.Module, input_ids: Tensor,
 # ----------------------------------------------------------------------------- training
 
 
-def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False) -> DistributedDataParallel:
+def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False,
+             features: Optional[Features] = None) -> DistributedDataParallel:
     """Wrap in megatron DDP (and Float16Module first when bf16); set finalize_model_grads_func.
+    ``features.use_distributed_optimizer`` (or the flag) shards the optimizer over DP, which
+    build_optimizer then follows.
 
     ``config.finalize_model_grads_func = finalize_model_grads`` makes megatron's schedules
     all-reduce gradients across data-parallel ranks (without it DP replicas silently drift).
@@ -328,7 +411,7 @@ def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False) -> Dis
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        use_distributed_optimizer=use_distributed_optimizer or bool(features and features.use_distributed_optimizer),
     )
     return DistributedDataParallel(config, ddp_config, module)
 

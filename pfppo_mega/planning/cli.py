@@ -7,8 +7,10 @@ its components), or the config / flags are invalid; 1 a ``--dry-run-rank`` check
 disagreeing with the planner's layout arithmetic.
 
 Hardware facts come from flags (--gpu, --nodes, --gpus-per-node, --gpu-memory-gib,
---host-memory-gib); the model and the layout from the config; training choices the config tree
-does not hold yet (micro-batch, recompute, ...) from flags.
+--host-memory-gib); the model, the layout and the training features (training.recompute,
+parallel.sequence_parallel, parallel.use_distributed_optimizer, model.layer_spec) from the config,
+as the trainer and scripts/slurm/70b_pfppo.sh read them; runtime choices the config tree does not
+hold (offload, engine TP, pool placement, reserves) from flags.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 from pfppo_mega.planning.memory import (
-    GPUS, LAYERS, POOL_PLACEMENT, RECOMPUTE, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
+    GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
 )
 
 
@@ -34,16 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
     hw.add_argument("--host-memory-gib", type=float, default=None, help="override host memory per node")
-    tr = ap.add_argument_group("training choices (not in the config tree yet)")
+    tr = ap.add_argument_group("runtime choices (the training features are config keys: see --help of each)")
     d = Knobs()
     tr.add_argument("--micro-batch", type=int, default=None,
                     help="sequences per micro-batch (default: the config's training.micro_batch_size)")
-    tr.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute)
-    tr.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    tr.add_argument("--layer", choices=LAYERS, default=d.layer,
-                    help="local: the layer pfppo_mega.models builds (megatron local spec: unfused attention "
-                         "with fp32 softmax, unfused SwiGLU); fused: flash attention + fused SwiGLU")
-    tr.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    # Former flags, now config keys (so the plan, the Slurm script and the trainer read one value):
+    # refused with the override to use instead.
+    for flag, takes_value in (("--recompute", True), ("--no-sequence-parallel", False), ("--layer", True),
+                              ("--no-distributed-optimizer", False)):
+        kind = {"action": "store"} if takes_value else {"action": "store_const", "const": True}
+        tr.add_argument(flag, dest="moved_" + flag.strip("-").replace("-", "_"), help=argparse.SUPPRESS, **kind)
     tr.add_argument("--no-offload", dest="offload_during_rollout", action="store_false",
                     help="keep the trainer's states on the GPU during rollout")
     tr.add_argument("--rollout-tp", type=int, default=None, help="rollout engine TP (default: GPUs per node)")
@@ -149,9 +151,20 @@ def main(argv: list[str]) -> int:
         cfg = load_config_cli("pfppo plan", args.config, args.overrides)
     except SystemExit as e:  # every problem printed
         return int(e.code)
-    knobs = Knobs(micro_batch=args.micro_batch, recompute=args.recompute,
-                  sequence_parallel=args.sequence_parallel, layer=args.layer,
-                  distributed_optimizer=args.distributed_optimizer,
+    moved = {"recompute": "training.recompute=none|selective|full",
+             "no_sequence_parallel": "parallel.sequence_parallel=false",
+             "layer": "model.layer_spec=local|transformer_engine",
+             "no_distributed_optimizer": "parallel.use_distributed_optimizer=false"}
+    used = [f"--{k.replace('_', '-')}: use the override {v}" for k, v in moved.items()
+            if getattr(args, "moved_" + k) is not None]
+    if used:
+        print("pfppo plan: these flags are config keys now (the trainer and the Slurm script read the same "
+              "values):\n" + "\n".join(f"  - {u}" for u in used), file=sys.stderr)
+        return 2
+    knobs = Knobs(micro_batch=args.micro_batch, recompute=cfg.training.recompute,
+                  sequence_parallel=cfg.parallel.sequence_parallel,
+                  layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
+                  distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                   offload_during_rollout=args.offload_during_rollout, rollout_tp=args.rollout_tp,
                   reserve_gib=args.reserve_gib, rollout_workspace_gib=args.rollout_workspace_gib,
                   host_reserve_gib=args.host_reserve_gib, pool_placement=args.pool_placement)

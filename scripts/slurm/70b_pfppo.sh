@@ -49,12 +49,11 @@ pfppo_rdzv
 
 CONFIG="${PFPPO_CONFIG:-configs/70b_pfppo.yaml}"
 GPU="${PFPPO_GPU:-h200}"
-# Training choices the config tree does not hold yet (docs/scaling.md); the trainer must be
-# started with the same ones once it reads them. H100: full recompute (selective leaves < 4 GiB).
-case "$GPU" in
-  h100) PLAN_ARGS="${PFPPO_PLAN_ARGS:---recompute full}" ;;
-  *)    PLAN_ARGS="${PFPPO_PLAN_ARGS:---recompute selective}" ;;
-esac
+# The training features (training.recompute, parallel.sequence_parallel,
+# parallel.use_distributed_optimizer, model.layer_spec) are config keys: the planner below and the
+# trainer read the same file and overrides, so they cannot disagree. PFPPO_PLAN_ARGS: hardware /
+# runtime flags of the planner only (--reserve-gib, --host-memory-gib, ...).
+PLAN_ARGS="${PFPPO_PLAN_ARGS:-}"
 GPUS_PER_NODE="${PFPPO_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 read -r -a OVERRIDES <<<"${PFPPO_OVERRIDES:-}"
 cd "$REPO" || exit 2

@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import common  # noqa: E402
+import feature_checks  # noqa: E402
 import refit_checks  # noqa: E402
 from pfppo_mega import parallel  # noqa: E402
 
@@ -252,6 +253,8 @@ def main() -> None:
             check_round_trip(layout, kind, data / kind, exports)
         check_logp_entropy(layout, "llama", paths["llama"], mbs, batch, refs)
         refit_checks.run(layout, paths, report, all_ranks_ok)  # broadcast refit, sharded pool, registry
+        if world == 2:  # distributed optimizer, bf16 with fp32 main weights, features refused on CPU
+            feature_checks.run(layout, paths["llama"], batch, mbs, report, all_ranks_ok)
         if tp > 1:
             check_vocab_parallel_grads(layout)
         parallel.destroy_parallel()
