@@ -3,7 +3,9 @@
     pfppo demo [overrides]              SFT warm start (if missing) + PPO on the built-in task
     pfppo sft CONFIG [overrides]        supervised warm start -> HF checkpoint
     pfppo train CONFIG [overrides]      PPO / PF-PPO training
-    pfppo validate CONFIG [overrides]   print the resolved config or every problem (exit 2)
+    pfppo validate CONFIG [overrides]   print the resolved config or every problem (exit 2);
+                                        warns on stderr when PF-PPO is unlikely to pay
+    pfppo doctor RUN_DIR [--json]       diagnose a run's metrics (exit 0 healthy, 1 findings, 2 unreadable)
     pfppo plan CONFIG [--gpu h100|h200] [--dry-run-rank R]   per-GPU memory plan of a cluster layout
     pfppo compare CONFIG --seeds 3      PF-PPO pool off vs on, same budget; markdown + PNG report
     pfppo bench kernels [--quick] [--json PATH]
@@ -94,9 +96,23 @@ def cmd_demo(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    """validate_main, then (a valid config only) the reasons PF-PPO is unlikely to pay, as warnings
+    on stderr; the exit status stays validate_main's."""
+    from pfppo_mega.config import load_config
+    from pfppo_mega.config.advice import pf_ppo_advice
     from pfppo_mega.config.loader import validate_main
 
-    return validate_main([args.config, *args.overrides])
+    rc = validate_main([args.config, *args.overrides])
+    if rc == 0:
+        for advice in pf_ppo_advice(load_config(args.config, args.overrides)):
+            print(f"pfppo validate: warning: PF-PPO unlikely to pay: {advice}", file=sys.stderr)
+    return rc
+
+
+def cmd_doctor(args) -> int:
+    from pfppo_mega.doctor import main
+
+    return main(args.rest)
 
 
 def cmd_bench(args) -> int:
@@ -139,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="PF-PPO pool off vs on over seeds; writes a report")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("doctor", help="diagnose a run directory's metrics; exit 1 on findings")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("bench")
     p.add_argument("what")
     p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -12,7 +12,7 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -139,13 +139,21 @@ def _join(path: str, key: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pfppo_mega.config.reference",
-                                     description="Generate or check the config reference.")
+    return write_or_check(argv, prog="python -m pfppo_mega.config.reference",
+                          description="Generate or check the config reference.", generate=generate_reference,
+                          default_path=DEFAULT_PATH, source="pfppo_mega/config/tree.py", command=COMMAND)
+
+
+def write_or_check(argv: Sequence[str] | None, *, prog: str, description: str, generate: Callable[[], str],
+                   default_path: Path, source: str, command: str) -> int:
+    """The command line of a generated doc: `--write [PATH]` writes generate()'s text, `--check [PATH]`
+    exits 1 (naming `source` and the regenerating `command`) when the file differs from it."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", nargs="?", const=DEFAULT_PATH, type=Path, metavar="PATH")
-    mode.add_argument("--check", nargs="?", const=DEFAULT_PATH, type=Path, metavar="PATH")
+    mode.add_argument("--write", nargs="?", const=default_path, type=Path, metavar="PATH")
+    mode.add_argument("--check", nargs="?", const=default_path, type=Path, metavar="PATH")
     args = parser.parse_args(argv)
-    text = generate_reference()
+    text = generate()
     if args.write:
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(text)
@@ -154,8 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     current = args.check.read_text() if args.check.exists() else None
     if current != text:
         state = "is missing" if current is None else "is out of date"
-        print(f"{args.check} {state} with pfppo_mega/config/tree.py; regenerate it: {COMMAND}",
-              file=sys.stderr)
+        print(f"{args.check} {state} with {source}; regenerate it: {command}", file=sys.stderr)
         return 1
     print(f"{args.check} is up to date")
     return 0

@@ -1,0 +1,353 @@
+"""`pfppo doctor`: every rule on a SYNTHETIC metrics series that shows its symptom and on one that
+does not; reading run directories (good, torn, unreadable); exit codes and --json; the remedies'
+config keys exist; docs/troubleshooting.md is generated from the rules.
+
+All series here are synthetic (hand-made curves written as metrics.jsonl). Tests on real runs
+that fail the way the article describes (issue 12, item 1) are still to come.
+"""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pfppo_mega.config import config_to_dict, load_config_dict
+from pfppo_mega.doctor import RULES, RULES_BY_NAME, RunDirError, diagnose, main, read_run, to_json
+from pfppo_mega.doctor import table
+from pfppo_mega.doctor.rules import config_value
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 40
+
+
+def healthy_records(n: int = N) -> list[dict]:
+    """A synthetic plain-PPO run that goes well: reward up, accuracy up, KL creeping, value loss
+    settling, length steady."""
+    recs = [{"step": 0, "eval/accuracy": 0.3, "eval/accuracy_greedy": 0.5}]
+    for s in range(1, n + 1):
+        wiggle = 0.01 * math.sin(s)
+        recs.append({
+            "step": s, "reward/mean": 0.3 + 0.01 * s + wiggle, "reward/std": 0.4,
+            "reward/q10": 0.0, "reward/q90": 1.0,
+            "kl/ref_mean": 0.002 * s + 0.001 * abs(wiggle),
+            "response/length_mean": 5.0 + wiggle, "response/length_max": 8.0,
+            "response/finished_frac": 0.98, "response/repetition_rate": 0.02,
+            "critic/value_loss": 0.5 / (1 + 0.2 * s) + 0.01 + wiggle / 10, "critic/grad_norm": 0.3,
+            "policy/approx_kl": 0.01,
+        })
+        if s % 10 == 0:
+            recs[-1].update({"eval/accuracy": 0.3 + 0.01 * s, "eval/accuracy_greedy": 0.5 + 0.005 * s})
+    return recs
+
+
+def with_pool(recs: list[dict]) -> list[dict]:
+    for r in recs:
+        if "reward/mean" in r:
+            r.update({"pool/size": 3.0, "pool/snapshots_used": 2.0, "guard/corrupt_snapshots": 0.0})
+    return recs
+
+
+def write_run(tmp: Path, recs: list[dict], config: dict | None = None) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if config is not None:
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    return tmp
+
+
+def default_config(**changes) -> dict:
+    """A resolved config as pfppo train writes it to config.yaml (defaults; `sec__key=value` changes)."""
+    d = config_to_dict(load_config_dict({"actor_rollout": {"model_path": "sft"}}))
+    for key, value in changes.items():
+        node = d
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return d
+
+
+def verdicts(run_dir: Path) -> dict[str, str]:
+    run = read_run(run_dir)
+    return {d.rule.name: d.verdict.status for d in diagnose(run)}
+
+
+# ----------------------------------------------------------------------------- the symptoms (synthetic)
+
+
+def kl_spike(recs):
+    """Synthetic: KL steady ~0.02-0.04, then 0.3 at step 25 (long, repetitive samples that step)."""
+    for r in recs:
+        if r.get("step") == 25:
+            r.update({"kl/ref_mean": 0.3, "response/length_max": 32.0, "response/repetition_rate": 0.6})
+    return recs
+
+
+def reward_scale(recs):
+    """Synthetic: rewards in [-100, 100]."""
+    for r in recs:
+        if "reward/mean" in r:
+            r.update({"reward/q10": -95.0, "reward/q90": 98.0, "reward/std": 80.0})
+    return recs
+
+
+def length_growth(recs):
+    """Synthetic: mean length 5 -> 20 tokens, responses stop finishing, bigrams repeat."""
+    for r in recs:
+        if "reward/mean" in r:
+            s = r["step"]
+            r.update({"response/length_mean": 5.0 + 15.0 * s / N, "response/finished_frac": 1.0 - 0.8 * s / N,
+                      "response/repetition_rate": 0.5 * s / N})
+    return recs
+
+
+def value_divergence(recs):
+    """Synthetic: value loss settles to ~0.05 then climbs to ~2 over the last quarter."""
+    for r in recs:
+        if "reward/mean" in r:
+            s = r["step"]
+            r["critic/value_loss"] = 0.05 if s <= 28 else 0.05 * 1.5 ** (s - 28)
+    return recs
+
+
+def value_nan(recs):
+    """Synthetic: a NaN value loss at step 12."""
+    for r in recs:
+        if r.get("step") == 12:
+            r["critic/value_loss"] = float("nan")
+    return recs
+
+
+def pool_disagree(recs):
+    """Synthetic: from step 20 one of two ranks holds 2 snapshots, the other 3 (mean 2.5)."""
+    for r in with_pool(recs):
+        if r.get("step", 0) >= 20 and "pool/size" in r:
+            r["pool/size"] = 2.5
+    return recs
+
+
+def pool_corrupt(recs):
+    """Synthetic: a snapshot fails its checksum at step 17 (the running count goes 0 -> 1)."""
+    for r in with_pool(recs):
+        if r.get("step", 0) >= 17 and "pool/size" in r:
+            r["guard/corrupt_snapshots"] = 1.0
+    return recs
+
+
+def hacking(recs):
+    """Synthetic: reward keeps rising; held-out accuracy peaks at step 10 (0.5) and falls to 0.2."""
+    acc = {0: 0.3, 10: 0.5, 20: 0.4, 30: 0.3, 40: 0.2}
+    for r in recs:
+        if "reward/mean" in r:
+            r["reward/mean"] = 0.2 + 0.02 * r["step"]
+        if r["step"] in acc:
+            r["eval/accuracy"] = acc[r["step"]]
+    return recs
+
+
+SYMPTOMS = [
+    ("kl_spike", kl_spike), ("reward_scale", reward_scale), ("length_collapse", length_growth),
+    ("value_divergence", value_divergence), ("value_divergence", value_nan),
+    ("pool_inconsistency", pool_disagree), ("pool_inconsistency", pool_corrupt),
+    ("reward_hacking", hacking),
+]
+
+
+def test_healthy_synthetic_run_has_no_finding(tmp_path):
+    v = verdicts(write_run(tmp_path, with_pool(healthy_records()), default_config()))
+    assert v == {r.name: "healthy" for r in RULES}, v
+
+
+@pytest.mark.parametrize("rule,make", SYMPTOMS, ids=[f"{r}-{m.__name__}" for r, m in SYMPTOMS])
+def test_rule_finds_its_synthetic_symptom_and_only_it(tmp_path, rule, make):
+    v = verdicts(write_run(tmp_path, make(healthy_records()), default_config()))
+    assert v[rule] == "finding", v
+    others = {k: s for k, s in v.items() if k != rule and s == "finding"}
+    assert not others, f"{make.__name__} also tripped {others}"
+
+
+def test_every_rule_is_exercised_both_ways():
+    assert {r for r, _ in SYMPTOMS} == set(RULES_BY_NAME)
+
+
+def test_kl_spike_evidence_names_step_value_and_samples(tmp_path):
+    run = read_run(write_run(tmp_path, kl_spike(healthy_records()), default_config()))
+    rep = to_json(run, diagnose(run))
+    kl = next(r for r in rep["rules"] if r["rule"] == "kl_spike")
+    assert kl["steps"] == [25]
+    assert "step 25" in kl["evidence"][0] and "0.3" in kl["evidence"][0]
+    assert "response/length_max 32" in kl["evidence"][0]
+    # the article's order: inspect samples, clip 0.1, KL coefficient +30%, reward quantile clip p95
+    rem = kl["remedies"]
+    assert [r["key"] for r in rem] == [None, "algorithm.clip_ratio", "algorithm.kl_coeff", "reward.quantile_clip"]
+    assert rem[1]["current"] == 0.2 and rem[1]["suggested"] == 0.1
+    assert rem[2]["current"] == 0.05 and rem[2]["suggested"] == pytest.approx(0.065)
+    assert rem[3]["suggested"] == 0.95
+
+
+def test_gradual_kl_growth_is_not_a_spike(tmp_path):
+    """Synthetic: KL doubling slowly (x1.1 a step) from 0.01: no step is 3x the median before it."""
+    recs = healthy_records()
+    for r in recs:
+        if "kl/ref_mean" in r:
+            r["kl/ref_mean"] = 0.01 * 1.1 ** r["step"]
+    assert verdicts(write_run(tmp_path, recs))["kl_spike"] == "healthy"
+
+
+# kl/ref_mean (k1 estimator: noisy, can be negative) of steps 1-30 of a real tiny PF-PPO run: this
+# file's TINY-like model (2 layers, hidden 64) after SFT, 1-digit addition, rollout_batch_size 64,
+# lr 3e-4, kl_coeff 0.01, max_response_length 5, pool 3 every 2 steps, seed 3.
+REAL_K1 = [0.0, -0.0375, -0.0157, -0.0388, 0.0363, 0.1078, 0.1055, 0.0185, 0.0535, -0.0063, 0.0219, 0.0531,
+           0.0909, 0.1395, 0.1157, 0.0205, 0.1019, 0.0742, 0.088, 0.1946, 0.1783, 0.1395, 0.056, 0.1472,
+           0.2479, 0.2977, 0.2744, 0.2354, 0.4226, 0.2146]
+
+
+def test_noisy_k1_kl_around_zero_is_not_a_spike(tmp_path):
+    """Regression: a ratio to the median alone flagged steps 6-9 of this real run (median <= 0)."""
+    recs = healthy_records(len(REAL_K1))
+    for r in recs[1:]:
+        r["kl/ref_mean"] = REAL_K1[r["step"] - 1]
+    assert verdicts(write_run(tmp_path / "real", recs))["kl_spike"] == "healthy"
+    recs[26]["kl/ref_mean"] = 1.5  # the same run with a real jump at step 26
+    run = read_run(write_run(tmp_path / "jump", recs))
+    kl = next(d for d in diagnose(run) if d.rule.name == "kl_spike")
+    assert kl.verdict.status == "finding" and kl.verdict.steps == [26]
+
+
+def test_reward_scale_is_healthy_when_the_trainer_rescales(tmp_path):
+    recs = reward_scale(healthy_records())
+    assert verdicts(write_run(tmp_path / "a", recs, default_config()))["reward_scale"] == "finding"
+    scaled = default_config(reward__scaling="batch_zscore")
+    assert verdicts(write_run(tmp_path / "b", recs, scaled))["reward_scale"] == "healthy"
+
+
+def test_length_remedy_order_and_suggestion(tmp_path):
+    run = read_run(write_run(tmp_path, length_growth(healthy_records()),
+                             default_config(algorithm__max_response_length=32)))
+    rep = to_json(run, diagnose(run))
+    ln = next(r for r in rep["rules"] if r["rule"] == "length_collapse")
+    assert [r["key"] for r in ln["remedies"]] == ["algorithm.max_response_length", "reward.length_penalty"]
+    assert ln["remedies"][0]["suggested"] == 24
+    assert any("response/finished_frac" in e for e in ln["evidence"])
+    assert any("response/repetition_rate" in e for e in ln["evidence"])
+
+
+def test_value_remedies_lower_vf_coef_then_clip_critic_gradients(tmp_path):
+    rule = RULES_BY_NAME["value_divergence"]
+    assert [r.key for r in rule.remedies][0] == "algorithm.vf_coef"
+    assert "critic" in rule.remedies[1].action and "grad" in rule.remedies[1].key
+
+
+def test_hacking_needs_the_honest_metric_to_fall(tmp_path):
+    """Synthetic: the same rising reward with accuracy rising too is healthy."""
+    recs = hacking(healthy_records())
+    for r in recs:
+        if "eval/accuracy" in r:
+            r["eval/accuracy"] = 0.3 + 0.01 * r["step"]
+    assert verdicts(write_run(tmp_path, recs))["reward_hacking"] == "healthy"
+
+
+def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path):
+    v = verdicts(write_run(tmp_path, healthy_records(3)))
+    assert v["kl_spike"] == v["length_collapse"] == v["value_divergence"] == "not_checked"
+    assert v["pool_inconsistency"] == "not_checked"  # no pool/* metrics: plain PPO
+
+
+def test_remedy_keys_exist_and_suggestions_are_valid_values():
+    """A remedy naming a key the config does not have, or suggesting a value it refuses, would send
+    a user to an error: apply every suggestion to the default config through the loader."""
+    d = default_config()
+    for rule in RULES:
+        for rem in rule.remedies:
+            if rem.key is None:
+                continue
+            parent, leaf = rem.key.rsplit(".", 1)
+            assert leaf in config_value(d, parent), (rule.name, rem.key)
+            if rem.suggest is not None:
+                value = rem.suggest(config_value(d, rem.key))
+                cfg = load_config_dict({"actor_rollout": {"model_path": "sft"}},
+                                       [f"{rem.key}={json.dumps(value)}"])
+                assert config_value(config_to_dict(cfg), rem.key) == value, (rule.name, rem.key)
+
+
+# ----------------------------------------------------------------------------- reading run directories
+
+
+def test_unreadable_run_dirs_exit_2_with_named_error(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "metrics.jsonl: missing" in capsys.readouterr().err
+    bad = write_run(tmp_path / "bad", healthy_records(4))
+    text = (bad / "metrics.jsonl").read_text().splitlines()
+    text.insert(2, "{not json")
+    (bad / "metrics.jsonl").write_text("\n".join(text) + "\n")
+    assert main([str(bad)]) == 2
+    assert "metrics.jsonl line 3: not a JSON record" in capsys.readouterr().err
+    only_eval = write_run(tmp_path / "eval_only", healthy_records(0))
+    assert main([str(only_eval)]) == 2
+    assert "no training step recorded" in capsys.readouterr().err
+    strval = write_run(tmp_path / "str", [{"step": 1, "reward/mean": "high"}])
+    with pytest.raises(RunDirError, match=r"step 1: reward/mean = 'high' is not a number"):
+        read_run(strval)
+
+
+def test_torn_last_line_is_skipped_with_a_note(tmp_path):
+    d = write_run(tmp_path, healthy_records(12))
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "reward/me')
+    run = read_run(d)
+    assert run.steps == 12 and any("torn last record" in n for n in run.notes)
+    assert any("config.yaml absent" in n for n in run.notes)
+
+
+def test_exit_codes_text_and_json(tmp_path, capsys):
+    good = write_run(tmp_path / "good", with_pool(healthy_records()), default_config())
+    assert main([str(good)]) == 0
+    assert "healthy" in capsys.readouterr().out
+    sick = write_run(tmp_path / "sick", kl_spike(healthy_records()), default_config())
+    assert main([str(sick)]) == 1
+    out = capsys.readouterr().out
+    assert "[1] kl_spike" in out and "step 25" in out and "algorithm.clip_ratio: 0.2 -> 0.1" in out
+    assert out.index("algorithm.clip_ratio") < out.index("algorithm.kl_coeff") < out.index("reward.quantile_clip")
+    assert main([str(sick), "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["healthy"] is False
+    assert [r["rule"] for r in rep["rules"] if r["status"] == "finding"] == ["kl_spike"]
+
+
+def test_cli_subcommand(tmp_path):
+    sick = write_run(tmp_path, value_nan(healthy_records()))
+    out = subprocess.run([sys.executable, "-m", "pfppo_mega", "doctor", str(sick)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "value_divergence" in out.stdout and "nan at step 12" in out.stdout
+
+
+# ----------------------------------------------------------------------------- docs/troubleshooting.md
+
+
+def test_troubleshooting_doc_is_generated_from_the_rules():
+    out = subprocess.run([sys.executable, "-m", "pfppo_mega.doctor.table", "--check"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_troubleshooting_table_lists_every_rule_and_key(tmp_path):
+    text = table.generate_table()
+    for rule in RULES:
+        assert f"`{rule.name}`" in text and rule.symptom in text
+        for rem in rule.remedies:
+            if rem.key:
+                assert f"`{rem.key}`" in text
+    stale = tmp_path / "t.md"
+    stale.write_text(text.replace(RULES[0].symptom, "edited by hand"))
+    assert table.main(["--check", str(stale)]) == 1
+    assert table.main(["--write", str(stale)]) == 0 and stale.read_text() == text
+    assert dataclasses.is_dataclass(RULES[0])
