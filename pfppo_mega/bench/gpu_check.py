@@ -1,0 +1,159 @@
+"""The GPU check of issue 11 (run by scripts/gpu_check.sh on one H200), two parts:
+
+    python -m pfppo_mega.bench.gpu_check kernels [--json PATH]
+        GAE at [1024, 8192] fp32: >= 1000x the verl-style Python loop and >= 75% of the measured
+        device-to-device copy bandwidth; log-prob + entropy bf16 at [16384, 152064]: >= 5x eager.
+    python -m pfppo_mega.bench.gpu_check ppo --model-dir DIR [--steps 10] [--json PATH]
+        PPO (PF-PPO on) of a random-init ~1B Llama (configs/gpu_check_1b.yaml), one process, one
+        GPU: seconds per step, pool switch time, peak GPU memory, and the planner's training-phase
+        prediction for the same config on 1 x 1 H200 (`pfppo plan`).
+
+Exit status: 0 every target met / the run finished; 1 a target missed or the run failed; 2 bad
+arguments (also: no CUDA device). Nothing here runs without a GPU; the CPU tests check only that
+the entry points exist and parse their arguments (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_1B = REPO / "configs" / "gpu_check_1b.yaml"
+# (name, op, dtype, quantity, threshold): issue 11's GPU targets
+TARGETS = (
+    ("gae x verl loop", "gae", "float32", "speedup:verl", 1000.0),
+    ("gae fraction of HBM copy bandwidth", "gae", "float32", "frac_copy", 0.75),
+    ("logprob+entropy bf16 x eager", "logprob_entropy fwd", "bfloat16", "speedup:eager", 5.0),
+)
+GAE_SHAPE = (1024, 8192)
+LOGPROB_ROWS = 16384  # x 152064 (pfppo_mega.bench.kernels.VOCAB)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m pfppo_mega.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="part", required=True)
+    k = sub.add_parser("kernels", help="GAE and log-prob+entropy against the GPU targets")
+    k.add_argument("--json", type=Path, default=None)
+    k.add_argument("--reps", type=int, default=10, help="timed calls of the fused kernels (>= 1)")
+    p = sub.add_parser("ppo", help="PPO steps of the random-init ~1B Llama with the memory prediction")
+    p.add_argument("--model-dir", type=Path, required=True, help="HF checkpoint of the policy (pfppo sft writes it)")
+    p.add_argument("--config", type=Path, default=CONFIG_1B)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out-dir", type=Path, default=Path("build/gpu_check/ppo"))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("overrides", nargs="*", help="key.path=value, applied after the config")
+    args = ap.parse_args(argv)
+    if getattr(args, "reps", 1) < 1 or getattr(args, "steps", 1) < 1:
+        ap.error("--reps and --steps must be >= 1")
+    return args
+
+
+def _need_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (torch.cuda.is_available() is False): this check needs a GPU")
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from pfppo_mega.bench import kernels as kb
+
+    _need_cuda()
+    copy_gbps, _ = kb.copy_bandwidth("cuda", reps=20)
+    print(f"device-to-device copy bandwidth: {copy_gbps:.0f} GB/s (256 MiB, read + write)")
+    results = []
+    for make in (lambda: kb.gae_case("cuda", *GAE_SHAPE),
+                 lambda: kb.logprob_case("cuda", LOGPROB_ROWS, torch.bfloat16, backward=False)):
+        case = make()
+        if "compile" in case.baselines:
+            case.baselines["compile"] = None  # minutes of triton compilation: not part of these targets
+        results.append(kb.run_case(case, "cuda", copy_gbps, reps=args.reps, loop_reps=2))
+        del case
+        torch.cuda.empty_cache()
+    print(kb.format_table(results, copy_gbps, "cuda"))
+    by_op = {(r.op, r.dtype): r for r in results}
+    ok, rows = True, []
+    for name, op, dtype, what, threshold in TARGETS:
+        value = kb._quantity(by_op[(op, dtype)], what)
+        passed = value is not None and value >= threshold
+        ok &= passed
+        rows.append({"name": name, "value": value, "threshold": threshold, "passed": passed})
+        print(f"  {'PASS' if passed else 'FAIL'} {name}: {value if value is None else round(value, 3)} "
+              f"(target >= {threshold})")
+    if args.json:
+        args.json.write_text(json.dumps({"copy_gbps": copy_gbps, "targets": rows,
+                                         "results": [r.__dict__ for r in results]}, indent=1, default=str))
+    return 0 if ok else 1
+
+
+def planned_training_gib(config: Path, overrides: list[str]) -> float:
+    """The planner's training-phase GPU total (worst stage) for this config on 1 x 1 H200."""
+    import contextlib
+    import io
+    import tempfile
+
+    from pfppo_mega.planning.cli import main as plan_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            plan_main([str(config), *overrides, "--gpu", "h200", "--nodes", "1", "--gpus-per-node", "1",
+                       "--json", str(path)])
+        plan = json.loads(path.read_text())
+    return max(b["total_gib"] for b in plan["gpu_train_phase"])
+
+
+def run_ppo(args: argparse.Namespace) -> int:
+    import torch
+
+    from pfppo_mega.config import load_config
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    _need_cuda()
+    overrides = [f"actor_rollout.model_path={args.model_dir}", f"logging.output_dir={args.out_dir}",
+                 f"training.total_training_steps={args.steps}", *args.overrides]
+    cfg = load_config(args.config, overrides)
+    planned = planned_training_gib(args.config, overrides)
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(cfg)
+    print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.parallel.device}")
+    torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        m = trainer.train_step()
+        torch.cuda.synchronize()
+        steps.append({"step": trainer.step, "step_s": time.perf_counter() - t,
+                      "switch_s": m.get("pool/switch_s"), "reward": m.get("reward/mean"),
+                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        s = steps[-1]
+        print(f"step {s['step']}: {s['step_s']:.2f}s, pool switch {s['switch_s']}, reward {s['reward']}, "
+              f"peak {s['peak_gib']:.2f} GiB", flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    steady = sorted(s["step_s"] for s in steps[1:]) or [steps[0]["step_s"]]
+    print(f"median step (after the first): {steady[len(steady) // 2]:.2f}s; peak GPU memory {peak:.2f} GiB "
+          f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200)")
+    if args.json:
+        args.json.write_text(json.dumps({"steps": steps, "peak_gib": peak, "planned_train_gib": planned}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_kernels(args) if args.part == "kernels" else run_ppo(args)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
