@@ -9,6 +9,7 @@
     pfppo plan CONFIG [--gpu h100|h200] [--dry-run-rank R]   per-GPU memory plan of a cluster layout
     pfppo compare CONFIG --seeds 3      PF-PPO pool off vs on, same budget; markdown + PNG report
     pfppo bench kernels [--quick] [--json PATH]
+    pfppo bench refit [--json PATH] [--vllm]   (refit / pool-switch costs, 70B model)
 
 Overrides are `key.path=value` (YAML-parsed values), applied after the file.
 Every command that takes a config refuses a bad one (unreadable file, bad value, an output
@@ -120,7 +121,11 @@ def cmd_bench(args) -> int:
         from pfppo_mega.bench.kernels import main
 
         return main(args.rest)
-    print(f"pfppo bench: unknown benchmark {args.what!r} (allowed: kernels)", file=sys.stderr)
+    if args.what == "refit":
+        from pfppo_mega.bench.refit import main
+
+        return main(args.rest)
+    print(f"pfppo bench: unknown benchmark {args.what!r} (allowed: kernels, refit)", file=sys.stderr)
     return 2
 
 
