@@ -239,8 +239,11 @@ def test_length_remedy_order_and_suggestion(tmp_path):
 
 def test_value_remedies_lower_vf_coef_then_clip_critic_gradients(tmp_path):
     rule = RULES_BY_NAME["value_divergence"]
-    assert [r.key for r in rule.remedies][0] == "algorithm.vf_coef"
-    assert "critic" in rule.remedies[1].action and "grad" in rule.remedies[1].key
+    assert [r.key for r in rule.remedies] == ["algorithm.vf_coef", "training.critic_grad_clip"]
+    run = read_run(write_run(tmp_path, value_divergence(healthy_records()), default_config()))
+    rem = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "value_divergence")["remedies"]
+    assert (rem[0]["current"], rem[0]["suggested"]) == (0.1, 0.05)
+    assert (rem[1]["current"], rem[1]["suggested"]) == (1.0, 0.5)  # resolved from training.grad_clip
 
 
 def test_hacking_needs_the_honest_metric_to_fall(tmp_path):

@@ -469,6 +469,9 @@ class TrainingConfig(Section):
     critic_lr: Optional[float] = opt(None, "Critic learning rate, in (0, 1] (defaults to lr).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     grad_clip: float = opt(1.0, "Clip the global grad norm at this value; 0 = off.")
+    critic_grad_clip: Optional[float] = opt(
+        None, "Clip the critic's global grad norm at this value, apart from the actor's; 0 = off "
+              "(defaults to grad_clip). pfppo doctor's remedy for a diverging value loss.")
     total_training_steps: int = opt(500, "Training steps (one rollout batch each).")
     micro_batch_size: Optional[int] = opt(
         None, "Rows per forward/backward micro-batch (per data-parallel rank); null = the whole "
@@ -495,6 +498,7 @@ class TrainingConfig(Section):
         _range(p, "critic_lr", self.critic_lr, gt=0, le=1, optional=True)
         _range(p, "weight_decay", self.weight_decay, ge=0)
         _range(p, "grad_clip", self.grad_clip, ge=0)
+        _range(p, "critic_grad_clip", self.critic_grad_clip, ge=0, optional=True)
         _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
         _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0, le=C.MAX_STEPS)
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
@@ -502,6 +506,8 @@ class TrainingConfig(Section):
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
         if self.critic_lr is None:
             self.critic_lr = self.lr
+        if self.critic_grad_clip is None:
+            self.critic_grad_clip = self.grad_clip
 
 
 @dataclass

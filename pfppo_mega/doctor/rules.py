@@ -438,8 +438,8 @@ RULES: tuple[Rule, ...] = (
               "takes oversized gradient steps",
         remedies=(
             Remedy("lower the value-loss weight", "algorithm.vf_coef", _times(0.5), "x 0.5"),
-            Remedy("clip the critic's gradients harder (today training.grad_clip clips actor and critic "
-                   "alike; a separate critic clip is still to come)", "training.grad_clip", _times(0.5), "x 0.5"),
+            Remedy("clip the critic's gradients separately, harder than the actor's", "training.critic_grad_clip",
+                   _times(0.5), "x 0.5"),
         ),
     ),
     Rule(

@@ -191,7 +191,7 @@ class PPOTrainer:
         self.actor_opt = gpt.build_optimizer(self.actor, lr=t.lr, weight_decay=t.weight_decay,
                                              grad_clip=t.grad_clip)
         self.critic_opt = gpt.build_optimizer(self.critic, lr=t.critic_lr, weight_decay=t.weight_decay,
-                                              grad_clip=t.grad_clip)
+                                              grad_clip=t.critic_grad_clip)
         self.kernels = get_backend(cfg.kernels)
         self.running_reward = ppo.RunningMoments()
 
