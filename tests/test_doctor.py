@@ -319,6 +319,10 @@ def test_exit_codes_text_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[1] kl_spike" in out and "step 25" in out and "algorithm.clip_ratio: 0.2 -> 0.1" in out
     assert out.index("algorithm.clip_ratio") < out.index("algorithm.kl_coeff") < out.index("reward.quantile_clip")
+    assert "[reward.quantile_clip: null -> 0.95]" in out
+    no_config = write_run(tmp_path / "no_config", kl_spike(healthy_records()))
+    assert main([str(no_config)]) == 1
+    assert "[algorithm.clip_ratio: ? -> 0.1]" in capsys.readouterr().out
     assert main([str(sick), "--json"]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert rep["healthy"] is False

@@ -146,7 +146,8 @@ def format_text(report: Mapping[str, Any]) -> str:
         for k, rem in enumerate(r["remedies"], 1):
             change = ""
             if rem["key"] is not None:
-                cur = "?" if rem["current"] is None else _show(rem["current"])
+                # the keys exist in the tree (tests/test_doctor.py): with a config, None is null
+                cur = _show(rem["current"]) if report["config"] else "?"
                 change = f"  [{rem['key']}: {cur}" + (
                     f" -> {_show(rem['suggested'])}]" if rem.get("suggested") is not None else "]")
             lines.append(f"      {k}. {rem['action']}{change}")
