@@ -244,6 +244,11 @@ def test_value_remedies_lower_vf_coef_then_clip_critic_gradients(tmp_path):
     rem = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "value_divergence")["remedies"]
     assert (rem[0]["current"], rem[0]["suggested"]) == (0.1, 0.05)
     assert (rem[1]["current"], rem[1]["suggested"]) == (1.0, 0.5)  # resolved from training.grad_clip
+    old = default_config(training__grad_clip=0.8)  # a config.yaml from before the key
+    del old["training"]["critic_grad_clip"]
+    run = read_run(write_run(tmp_path / "old", value_divergence(healthy_records()), old))
+    rem = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "value_divergence")["remedies"]
+    assert (rem[1]["current"], rem[1]["suggested"]) == (None, 0.4)
 
 
 def test_hacking_needs_the_honest_metric_to_fall(tmp_path):
@@ -255,10 +260,12 @@ def test_hacking_needs_the_honest_metric_to_fall(tmp_path):
     assert verdicts(write_run(tmp_path, recs))["reward_hacking"] == "healthy"
 
 
-def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path):
+def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path, capsys):
     v = verdicts(write_run(tmp_path, healthy_records(3)))
     assert v["kl_spike"] == v["length_collapse"] == v["value_divergence"] == "not_checked"
     assert v["pool_inconsistency"] == "not_checked"  # no pool/* metrics: plain PPO
+    assert main([str(tmp_path)]) == 0
+    assert "3 training steps, no finding (5 of 6 rules not checked)" in capsys.readouterr().out
 
 
 def test_remedy_keys_exist_and_suggestions_are_valid_values():

@@ -116,6 +116,8 @@ def _remedies(rule: Rule, config: Optional[Mapping[str, Any]]) -> list[dict[str,
         if r.key is not None:
             current = config_value(config, r.key)
             item["current"] = current
+            if current is None and r.default_from is not None:  # null, or a run from before the key
+                current = config_value(config, r.default_from)
             item["suggested"] = r.suggest(current) if r.suggest is not None else None
         out.append(item)
     return out
@@ -135,8 +137,10 @@ def to_json(run: Run, diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
 
 def format_text(report: Mapping[str, Any]) -> str:
     found = [r for r in report["rules"] if r["status"] == "finding"]
-    lines = [f"pfppo doctor {report['run_dir']}: {report['steps']} training steps, "
-             + (f"{len(found)} finding{'s' * (len(found) != 1)}" if found else "healthy")]
+    unchecked = sum(r["status"] == "not_checked" for r in report["rules"])
+    verdict = (f"{len(found)} finding{'s' * (len(found) != 1)}" if found else
+               f"no finding ({unchecked} of {len(report['rules'])} rules not checked)" if unchecked else "healthy")
+    lines = [f"pfppo doctor {report['run_dir']}: {report['steps']} training steps, {verdict}"]
     lines += [f"  note: {n}" for n in report["notes"]]
     for n, r in enumerate(found, 1):
         lines += ["", f"[{n}] {r['rule']}: {r['symptom']}", f"    metrics: {', '.join(r['metrics'])}",

@@ -57,6 +57,7 @@ class Remedy:
     key: Optional[str] = None                             # config key to change, if any
     suggest: Optional[Callable[[Any], Any]] = None        # current value -> suggested value
     suggest_text: str = ""                                # the suggestion in words (the table)
+    default_from: Optional[str] = None                    # the key a null current value defaults to
 
 
 @dataclass(frozen=True)
@@ -439,7 +440,7 @@ RULES: tuple[Rule, ...] = (
         remedies=(
             Remedy("lower the value-loss weight", "algorithm.vf_coef", _times(0.5), "x 0.5"),
             Remedy("clip the critic's gradients separately, harder than the actor's", "training.critic_grad_clip",
-                   _times(0.5), "x 0.5"),
+                   _times(0.5), "x 0.5", default_from="training.grad_clip"),
         ),
     ),
     Rule(
