@@ -75,7 +75,7 @@ def _shape(size: str):
 
 
 def _actor(size: str):
-    """A megatron actor of this size at TP = PP = 1 (one-process gloo world)."""
+    """A megatron actor of this size at TP = PP = 1 (one-process gloo world, initialised once)."""
     from pfppo_mega import parallel
     from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.models import gpt, hf_io
@@ -148,9 +148,7 @@ def measure(size: str, bucket_mb: float, *, reps: int, with_vllm: bool) -> Row:
     reload_s = _best(lambda: engine.update_weights(stream, 1), reps)
     reload_vllm = _vllm_reload(size, stream, plan, reps) if with_vllm else None
     bucketed_s, raw_s = _broadcast_times([s.numel for s in plan], reps)
-    from pfppo_mega import parallel
-
-    parallel.destroy_parallel()
+    # the one-process world stays up: a vLLM engine built in this process keeps using it
     gb = nbytes / 1e9
     return Row(size=size, params_m=nbytes / 4 / 1e6, model_mb=nbytes / 2 ** 20, bucket_mb=bucket_mb,
                buckets=len(plan), memcpy_gbps=gb / memcpy_s, capture_gbps=gb / capture_s,

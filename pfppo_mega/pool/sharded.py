@@ -58,7 +58,10 @@ class ShardedSnapshotPool(SnapshotPool):
         for bucket in buckets:
             receiver.accept(bucket)
             if self.keeper(bucket.spec) == self.rank:
-                kept.append((f"bucket.{bucket.spec.index}", bucket.flat.to("cpu", copy=True)))  # buffer reused
+                # a received bucket sits in the stream's reused buffer: copy it now (add() copies
+                # again into the pool's private host memory; a bucket this rank produced is its own)
+                flat = bucket.flat if bucket.source_rank == self.rank else bucket.flat.to("cpu", copy=True)
+                kept.append((f"bucket.{bucket.spec.index}", flat))
                 checksums[bucket.spec.index] = bucket.checksum
         receiver.finish()
         if not kept:  # more ranks than buckets: this rank keeps nothing of this snapshot
