@@ -69,7 +69,8 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
             p.add_(0.05)
     sync.refit_live(3)
     assert not torch.equal(engine.generate([[1, 2, 3], [4]], params).responses, before.responses)
-    sync.switch(pool, 2)
+    assert sync.switch(pool, 2) > 0.0
+    assert sync.switch(pool, 2) == 0.0  # the engine already holds exactly this snapshot: nothing moves
     back = engine.generate([[1, 2, 3], [4]], params)
     assert back.versions.tolist() == [2, 2]
     assert torch.equal(back.responses, before.responses) and torch.equal(back.logprobs, before.logprobs)

@@ -43,6 +43,7 @@ class ShardedSnapshotPool(SnapshotPool):
         self.layout, self.rank, self.node_ranks = layout, rank, list(node_ranks)
         self.check_node_memory = check_memory
         self._producer_checksums: dict[int, dict[int, str]] = {}  # version -> bucket index -> checksum
+        self.stream_checksums: dict[int, str] = {}  # version -> stream checksum of the whole snapshot
 
     def keeper(self, spec: BucketSpec) -> int:
         return self.node_ranks[spec.index % len(self.node_ranks)]
@@ -63,12 +64,14 @@ class ShardedSnapshotPool(SnapshotPool):
                 flat = bucket.flat if bucket.source_rank == self.rank else bucket.flat.to("cpu", copy=True)
                 kept.append((f"bucket.{bucket.spec.index}", flat))
                 checksums[bucket.spec.index] = bucket.checksum
-        receiver.finish()
+        stream = receiver.finish()
         if not kept:  # more ranks than buckets: this rank keeps nothing of this snapshot
             kept = [("bucket.none", torch.zeros(0, dtype=self.layout.dtype))]
         snap = self.add(version, kept)  # SnapshotPool.add: eviction, private host copy, local checksum
         self._producer_checksums = {v: c for v, c in self._producer_checksums.items() if v in self.versions}
         self._producer_checksums[version] = checksums
+        self.stream_checksums = {v: c for v, c in self.stream_checksums.items() if v in self.versions}
+        self.stream_checksums[version] = stream  # what an engine holding exactly this snapshot reports
         return snap
 
     def adopt(self, restored: SnapshotPool, plan: list[BucketSpec]) -> None:
@@ -88,6 +91,7 @@ class ShardedSnapshotPool(SnapshotPool):
             self._snapshots.append(snap)
             self._producer_checksums[snap.version] = {
                 mine[n].index: bucket_checksum(mine[n], snap.version, t) for n, t in snap.tensors if mine[n] is not None}
+        self.stream_checksums = {}  # unknown after a restore: the first switch to each snapshot reloads
         self.n_corrupt = restored.n_corrupt
 
     def source(self, version: int) -> "PoolSnapshot":

@@ -127,8 +127,12 @@ class EngineSync:
 
     def switch(self, pool, version: int) -> float:
         """Pool snapshot ``version`` into the engine (raises WeightUpdateError on a corrupt shard,
-        on every rank alike: every engine verifies the same bytes)."""
+        on every rank alike: every engine verifies the same bytes). Nothing moves when the engine
+        already holds exactly that snapshot (same version and stream checksum)."""
         t0 = time.perf_counter()
+        held = pool.stream_checksums.get(version)
+        if held and self.engine.weight_version == version and self.engine.weight_checksum == held:
+            return 0.0
         self.engine.update_weights(pool.source(version).buckets(self.plan, self.node_group), version)
         return time.perf_counter() - t0
 
