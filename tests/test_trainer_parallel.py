@@ -91,3 +91,16 @@ def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
 def test_resume_from_sharded_checkpoints(setup):
     _, results = setup
     assert results["tp2_resumed"]["step"] == 4
+
+
+def test_distributed_optimizer_shards_survive_a_dp2_checkpoint(setup):
+    """parallel.use_distributed_optimizer at DP2: the checkpoint gathers both ranks' optimizer
+    shards to dp_rank 0 and the resume scatters them back, each rank getting exactly its own."""
+    _, results = setup
+    r = results["dp2_distopt"]
+    assert r["dp"] == 2 and r["resumed_step"] == 2 and r["next_loss_finite"]
+    a, b = r["ranks"]
+    assert a["diff"] == 0.0 and b["diff"] == 0.0, r
+    # each rank holds a shard of its own (not the whole state, not the other rank's)
+    assert a["n"] > 0 and b["n"] > 0 and a["sum"] != b["sum"], r
+    assert a["numel"] + b["numel"] == a["model_numel"], r  # the shards partition the parameters

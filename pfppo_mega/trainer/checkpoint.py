@@ -7,6 +7,11 @@ Layout of ``<dir>/step_000040/``:
   ``state.safetensors``    the tensors of the state (optimizer moments, RNG states as uint8, ...);
   ``manifest.json``        ``{"format": 2, "step": 40, "files": {name: {"sha256", "bytes"}}}``.
 
+With ``parallel.use_distributed_optimizer`` each optimizer's entry of ``state.json`` is
+``{"distributed_optimizer": [{"state_dict", "param_state"}]}``: megatron's non-parameter state and
+the parameter state (fp32 main params, exp_avg, exp_avg_sq per grad buffer) gathered over the
+data-parallel ranks to dp_rank 0, which writes it; on resume dp_rank 0 scatters it back.
+
 Loading reads JSON and safetensors only. A checkpoint is refused (CheckpointError, which names
 the file, the value and the rule) when its manifest does not follow the schema above, when the
 manifest's step is not the directory's, when any entry of the directory is not listed in the
@@ -425,6 +430,13 @@ def check_optimizer_state(opt: Any, sd: Any, where: str) -> None:
     """Raise CheckpointError unless `sd` is a state dict `opt` can take: the same groups over the
     same parameter indices, and every per-parameter tensor of the parameter's shape, floating
     point and finite (torch's load_state_dict checks none of these shapes)."""
+    dist_subs = _distributed_parts(opt)
+    if dist_subs is not None:
+        _check_distributed(dist_subs, sd, where)
+        return
+    if isinstance(sd, dict) and _DIST in sd:
+        raise CheckpointError(f"{where}: the checkpoint holds a distributed optimizer state but this run has "
+                              f"parallel.use_distributed_optimizer=false; resume with the setting it was written with")
     subs = getattr(opt, "chained_optimizers", None)
     if isinstance(sd, list):
         if subs is None or len(subs) != len(sd):
@@ -471,3 +483,176 @@ def check_optimizer_state(opt: Any, sd: Any, where: str) -> None:
             if v.dim() and tuple(v.shape) != shapes[idx]:
                 raise CheckpointError(f"{where}: state[{idx}][{k}] has shape {tuple(v.shape)}, parameter {idx} "
                                       f"has {shapes[idx]}")
+
+
+# ---------------------------------------------------------------------------- distributed optimizer
+# megatron's DistributedOptimizer shards the parameter state (fp32 main params, exp_avg,
+# exp_avg_sq) over the data-parallel ranks, and its state_dict() holds only the rest (param groups
+# with the step). The checkpoint stores, per sub-optimizer, that state_dict and the parameter
+# state gathered to dp_rank 0 (get_parameter_state_dp_zero, over the gloo DP group), one entry per
+# grad buffer: {"dtype": [param dtype, grad dtype], "numel_unpadded", "param", "exp_avg",
+# "exp_avg_sq"} (1-D float32 tensors of numel_unpadded). Before the first optimizer step both are
+# None (there are no moments yet; the main params are refreshed from the loaded weights).
+_DIST = "distributed_optimizer"
+_PARAM_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _distributed_parts(opt: Any) -> list | None:
+    """The sub-optimizers of `opt` when they are megatron DistributedOptimizers, else None."""
+    subs = getattr(opt, "chained_optimizers", None) or [opt]
+    sharded = [hasattr(o, "get_parameter_state_dp_zero") for o in subs]
+    if not any(sharded):
+        return None
+    if not all(sharded):
+        raise CheckpointError(f"optimizer chain mixes distributed and plain optimizers "
+                              f"({[type(o).__name__ for o in subs]}): not supported by checkpoints")
+    return subs
+
+
+def _stepped(o: Any) -> bool:
+    """Whether every rank of `o`'s DP group has optimizer moments (a collective over that group)."""
+    has = 1 if len(o.optimizer.state) else 0
+    flags = torch.tensor([has, -has], dtype=torch.long)
+    group = o.data_parallel_group_gloo
+    if group is not None and torch.distributed.is_initialized() and group.size() > 1:
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+    if int(flags[0]) != -int(flags[1]):
+        raise CheckpointError("distributed optimizer: some data-parallel ranks have optimizer moments and "
+                              "others not; cannot checkpoint a state the ranks disagree on")
+    return bool(flags[0])
+
+
+def optimizer_state(opt: Any) -> Any:
+    """The optimizer's state as data for save_checkpoint. A plain optimizer: its state_dict().
+    A distributed one: {"distributed_optimizer": [per sub-optimizer {"state_dict", "param_state"}]},
+    gathered over the data-parallel group, so EVERY DP rank must call this; the result is whole on
+    dp_rank 0 (the writer) and None on the others."""
+    subs = _distributed_parts(opt)
+    if subs is None:
+        return opt.state_dict()
+    parts, writer = [], True
+    for o in subs:
+        if not _stepped(o):
+            parts.append({"state_dict": None, "param_state": None})
+            continue
+        gathered = o.get_parameter_state_dp_zero(use_gloo_comm=True)  # collective; None off dp_rank 0
+        if gathered is None:
+            writer = False
+            continue
+        buffers = []
+        for gbuf_idx in range(len(o.gbuf_ranges)):
+            (dtypes, world), = gathered[gbuf_idx].items()
+            buffers.append({"dtype": [str(d) for d in dtypes], "numel_unpadded": int(world["numel_unpadded"]),
+                            **{k: world[k] for k in _PARAM_KEYS}})
+        parts.append({"state_dict": o.state_dict(), "param_state": buffers})
+    return {_DIST: parts} if writer else None
+
+
+def _run_buffers(o: Any) -> list[tuple[list[str], int]]:
+    """[(dtype names, numel_unpadded)] of the run's grad buffers, the layout of its param_state."""
+    out = []
+    for gbuf_idx, ranges in enumerate(o.gbuf_ranges):
+        (dtypes, _), = ranges.items()
+        out.append(([str(d) for d in dtypes], int(o.buffers[gbuf_idx].numel_unpadded)))
+    return out
+
+
+def _check_distributed(subs: list, sd: Any, where: str) -> None:
+    """check_optimizer_state for a run with the distributed optimizer (no collectives)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    if not (isinstance(sd, dict) and set(sd) == {_DIST} and isinstance(sd[_DIST], list)):
+        raise CheckpointError(f"{where}: this run has parallel.use_distributed_optimizer=true but the checkpoint "
+                              f"holds a plain optimizer state (keys "
+                              f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__}); resume with the "
+                              f"setting it was written with")
+    parts = sd[_DIST]
+    if len(parts) != len(subs):
+        raise CheckpointError(f"{where}: {len(parts)} distributed optimizer states, the run has {len(subs)}")
+    for i, (o, part) in enumerate(zip(subs, parts)):
+        w = f"{where}[{i}]"
+        if not (isinstance(part, dict) and set(part) == {"state_dict", "param_state"}):
+            raise CheckpointError(f"{w}: must be an object with keys ['param_state', 'state_dict']")
+        state, params = part["state_dict"], part["param_state"]
+        if (state is None) != (params is None):
+            raise CheckpointError(f"{w}: state_dict and param_state must both be present or both null")
+        if state is None:
+            continue
+        keys = {"optimizer"} | ({"grad_scaler"} if o.grad_scaler else set())
+        inner = state.get("optimizer") if isinstance(state, dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not (isinstance(state, dict) and set(state) == keys and isinstance(groups, list)):
+            raise CheckpointError(f"{w}: state_dict must have keys {sorted(keys)} with optimizer.param_groups a list")
+        run_groups = o.optimizer.param_groups
+        if len(groups) != len(run_groups):
+            raise CheckpointError(f"{w}: {len(groups)} param groups, the run's optimizer has {len(run_groups)}")
+        for j, (g, r) in enumerate(zip(groups, run_groups)):
+            if not isinstance(g, dict):
+                raise CheckpointError(f"{w}: param group {j} must be an object, got {type(g).__name__}")
+            ident = [(k, g.get(k), r.get(k)) for k in param_group_identifier_keys if k in r]
+            if any(a != b for _, a, b in ident):
+                raise CheckpointError(f"{w}: param group {j} is {[(k, a) for k, a, _ in ident]}, the run's is "
+                                      f"{[(k, b) for k, _, b in ident]}")
+            step = g.get("step")
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0:
+                raise CheckpointError(f"{w}: param group {j} step = {step!r} must be a finite number >= 0")
+            for k, v in g.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise CheckpointError(f"{w}: param group {j} {k} = {v} must be finite")
+        run = _run_buffers(o)
+        if not isinstance(params, list) or len(params) != len(run):
+            raise CheckpointError(f"{w}: param_state must be a list of {len(run)} grad buffer(s), got "
+                                  f"{len(params) if isinstance(params, list) else type(params).__name__}")
+        for b, (buf, (dtypes, numel)) in enumerate(zip(params, run)):
+            need = {"dtype", "numel_unpadded", *_PARAM_KEYS}
+            if not (isinstance(buf, dict) and set(buf) == need):
+                raise CheckpointError(f"{w}: param_state[{b}] must have keys {sorted(need)}")
+            if buf["dtype"] != dtypes or buf["numel_unpadded"] != numel:
+                raise CheckpointError(f"{w}: param_state[{b}] is dtype {buf['dtype']} with {buf['numel_unpadded']} "
+                                      f"elements, the run's grad buffer {b} is {dtypes} with {numel} (another "
+                                      f"model, model.params_dtype or layout)")
+            for k in _PARAM_KEYS:
+                v = buf[k]
+                if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and tuple(v.shape) == (numel,)):
+                    raise CheckpointError(f"{w}: param_state[{b}].{k} must be a float32 tensor of shape ({numel},), "
+                                          f"got {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+                if not bool(v.isfinite().all()):
+                    raise CheckpointError(f"{w}: param_state[{b}].{k} holds NaN/inf")
+
+
+def load_optimizer_state(opt: Any, sd: Any) -> list:
+    """Install a state check_optimizer_state accepted, without collectives. Returns the collective
+    remainder as [(sub-optimizer, param_state)]: pass it to scatter_parameter_state on every DP
+    rank once all ranks have accepted the checkpoint (empty for a plain optimizer)."""
+    subs = _distributed_parts(opt)
+    if subs is None:
+        opt.load_state_dict(sd)
+        return []
+    pending = []
+    for o, part in zip(subs, sd[_DIST]):
+        if part["state_dict"] is None:
+            o.reload_model_params()  # never stepped: fp32 main params from the loaded weights
+            continue
+        o.load_state_dict(part["state_dict"])
+        for per in o.optimizer.state.values():  # megatron sets one shared step tensor, which
+            if isinstance(per.get("step"), torch.Tensor):  # torch's AdamW would advance once per param
+                per["step"] = per["step"].clone()
+        pending.append((o, part["param_state"]))
+    return pending
+
+
+def scatter_parameter_state(pending: list) -> None:
+    """Load the parameter state of load_optimizer_state's remainder: dp_rank 0 scatters it over the
+    gloo DP group (a collective: every DP rank calls this with the same sub-optimizers)."""
+    for o, buffers in pending:
+        state = {gbuf_idx: {next(iter(o.gbuf_ranges[gbuf_idx])): {"numel_unpadded": buf["numel_unpadded"],
+                                                                  **{k: buf[k] for k in _PARAM_KEYS}}}
+                 for gbuf_idx, buf in enumerate(buffers)}
+        # megatron copies every entry of a parameter's optimizer state from what it received, which
+        # has no "step" (torch's own AdamW, without Apex/TE, keeps one per parameter): set it aside
+        steps = {p: per.pop("step") for p, per in o.optimizer.state.items() if "step" in per}
+        try:
+            o.load_parameter_state_from_dp_zero(state)
+        finally:
+            for p, step in steps.items():
+                o.optimizer.state[p]["step"] = step

@@ -160,12 +160,16 @@ class PPOTrainer:
         check_lengths(cfg, self.model_cfg, self.tokenizer)
         tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
         gpt.check_layout(self.model_cfg, tp=tp, pp=pp)
+        # Training features (distributed optimizer, bf16, recompute, sequence parallelism, layer
+        # spec) come from the config alone, so the plan, the Slurm script and the trainer agree.
+        self.features = gpt.features_from_config(cfg)
         self.task = AdditionTask(cfg.data.num_digits)
         self.eval_problems = self.task.eval_prompts(cfg.data.eval_size)
 
         # --- parallel state (one place), then models and optimizers
         self.parallel = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed)
         self.is_logger = self.parallel.rank == 0
+        gpt.check_features(self.model_cfg, self.features, device_type=self.parallel.device.type, tp=tp)
         self.log = log if self.is_logger else (lambda *_: None)
         check_batch_split(cfg, self.parallel.dp)
         # Batch statistics (advantage whitening, reward z-scores and running moments) are taken over
@@ -178,15 +182,17 @@ class PPOTrainer:
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
         self.rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=self.parallel.dp_rank))
-        actor = gpt.build_actor(self.model_cfg, arch=self.arch)
+        actor = gpt.build_actor(self.model_cfg, arch=self.arch, features=self.features)
         hf_io.load_actor_from_hf(actor, model_dir)
-        self.actor = gpt.wrap_ddp(actor)
-        self.ref = gpt.build_actor(self.model_cfg, arch=self.arch)  # frozen copy of the initial policy
+        self.actor = gpt.wrap_ddp(actor, features=self.features)
+        # frozen copy of the initial policy
+        self.ref = gpt.build_actor(self.model_cfg, arch=self.arch, features=self.features)
         hf_io.load_actor_from_hf(self.ref, model_dir)
         self.ref.eval().requires_grad_(False)
-        critic = gpt.build_critic(self.model_cfg, arch=self.arch)  # SFT trunk + zero-initialised value head
+        # SFT trunk + zero-initialised value head
+        critic = gpt.build_critic(self.model_cfg, arch=self.arch, features=self.features)
         hf_io.load_critic_trunk_from_hf(critic, model_dir)
-        self.critic = gpt.wrap_ddp(critic)
+        self.critic = gpt.wrap_ddp(critic, features=self.features)
         t = cfg.training
         self.actor_opt = gpt.build_optimizer(self.actor, lr=t.lr, weight_decay=t.weight_decay,
                                              grad_clip=t.grad_clip)
@@ -712,13 +718,16 @@ class PPOTrainer:
         if self._saved_step == self.step:
             return None
         self._saved_step = self.step
+        # the distributed optimizer's state is gathered to dp_rank 0: every DP rank takes part
+        opt_states = {name: ckpt.optimizer_state(opt) for name, opt in (("actor_opt", self.actor_opt),
+                                                                         ("critic_opt", self.critic_opt))}
         if self.parallel.dp_rank != 0:
             return None
         state = {"step": self.step, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
                  "assign_rng": self.assign_gen.get_state(),
                  "running_reward": self.running_reward.state_dict(), "guards": dict(self.guards),
                  "consecutive_skips": dict(self.consecutive_skips),
-                 "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                 **opt_states,
                  "config": config_to_dict(self.cfg),
                  "pool": None if self.pool is None else self.pool.state_meta()}
         tensors = {"actor": tensor_state(self.actor), "critic": tensor_state(self.critic)}
@@ -746,22 +755,24 @@ class PPOTrainer:
                 f"repair or move them, or set checkpoint.resume=false")
         if step < 0:
             return
-        error = None
+        error, pending = None, []
         try:
-            self._load_checkpoint(ckpt.load_step(root, step))
+            pending = self._load_checkpoint(ckpt.load_step(root, step))
         except ckpt.CheckpointError as e:
             error = e
         if self._min_over_world(-1 if error is not None else 0) < 0:
             raise error or ckpt.CheckpointError(f"checkpoint step {step}: refused on another rank (see its log)")
+        ckpt.scatter_parameter_state(pending)  # collective: only once every rank accepted the checkpoint
         self._saved_step = self.step
         self.log(f"[pfppo] resumed from {root / f'step_{step:06d}'} (step {self.step})")
 
     _STATE_KEYS = frozenset({"step", "rng", "torch_rng", "assign_rng", "running_reward", "guards",
                              "consecutive_skips", "actor_opt", "critic_opt", "config", "pool"})
 
-    def _load_checkpoint(self, found: "ckpt.Checkpoint") -> None:
-        """Check a loaded checkpoint against this run, then install it. CheckpointError names the
-        file, the value and the rule it breaks."""
+    def _load_checkpoint(self, found: "ckpt.Checkpoint") -> list:
+        """Check a loaded checkpoint against this run, then install it (no collectives).
+        CheckpointError names the file, the value and the rule it breaks. Returns the distributed
+        optimizer's parameter state, for ckpt.scatter_parameter_state once every rank accepted."""
         where, s, t = found.path, found.state, self.cfg.training
 
         def need(ok: bool, what: str) -> None:
@@ -790,7 +801,8 @@ class PPOTrainer:
                 need(False, f"{group}.safetensors does not fit the configured model: {e}")
         for name, opt in (("actor_opt", self.actor_opt), ("critic_opt", self.critic_opt)):
             ckpt.check_optimizer_state(opt, s[name], f"{where}: state {name}")
-            opt.load_state_dict(s[name])
+        pending = [p for name, opt in (("actor_opt", self.actor_opt), ("critic_opt", self.critic_opt))
+                   for p in ckpt.load_optimizer_state(opt, s[name])]
         need(isinstance(s["guards"], dict) and set(s["guards"]) <= set(self.guards)
              and all(type(v) is int and v >= 0 for v in s["guards"].values()),
              f"guards = {str(s['guards'])[:200]}: keys must be among {sorted(self.guards)}, values ints >= 0")
@@ -816,6 +828,7 @@ class PPOTrainer:
         self.guards.update(s["guards"])
         self.consecutive_skips.update(s["consecutive_skips"])
         self.step = s["step"]
+        return pending
 
     def _load_pool(self, meta, tensors: dict[str, torch.Tensor], step: int, need) -> None:
         """Rebuild the PF-PPO pool exactly (versions, stats, snapshots, checksums)."""

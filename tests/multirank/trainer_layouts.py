@@ -5,6 +5,7 @@ per layout for tests/test_trainer_parallel.py to compare with the single-process
 At DP2 it also checks DP-size invariance of the batch statistics: one rollout batch per rank goes
 through the trainer's score -> prepare -> advantages phases (reductions over the DP group), and
 rank 0 runs the same phases at DP1 on the two ranks' rows concatenated (`RESULT dp2_invariance`).
+Last, a DP2 run with the distributed optimizer checkpoints and resumes (`RESULT dp2_distopt`).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
 """
@@ -75,6 +76,46 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
             "running_mean_diff": max(abs(e["running"]["mean"] - serial.mean) for e in everyone)}
 
 
+def _shard_state(tr: PPOTrainer) -> list[torch.Tensor]:
+    """This rank's distributed-optimizer shards (fp32 main params, exp_avg, exp_avg_sq, step) of
+    both models, in the optimizers' parameter order."""
+    out = []
+    for opt in (tr.actor_opt, tr.critic_opt):
+        for o in getattr(opt, "chained_optimizers", None) or [opt]:
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    per = o.optimizer.state[p]
+                    out += [p.detach().clone(), *(per[k].detach().clone() for k in ("exp_avg", "exp_avg_sq", "step"))]
+    return out
+
+
+def dp2_distributed_optimizer(base: dict) -> dict:
+    """DP2 with parallel.use_distributed_optimizer and bf16 params: 2 steps, a checkpoint (each
+    rank's optimizer shard gathered to dp_rank 0), then a trainer resumed from it must hold every
+    rank's shard exactly (scattered back), and take a further step."""
+    d = json.loads(json.dumps(base))
+    d["parallel"] = {"use_distributed_optimizer": True}
+    d["model"]["params_dtype"] = "bfloat16"
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/dp2_distopt"
+    d["checkpoint"] = {"save_interval": 0, "resume": False, "export_hf": False}
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    for _ in range(2):
+        tr.train_step()
+    tr.save(tr.out_dir / "checkpoints")
+    saved = _shard_state(tr)
+    d["checkpoint"]["resume"] = True
+    again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    loaded = _shard_state(again)
+    diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(saved, loaded))
+    mine = {"diff": diff if len(saved) == len(loaded) else float("inf"), "n": len(saved),
+            "numel": sum(t.numel() for t in saved[::4]), "sum": sum(float(t.double().sum()) for t in saved[1::4]),
+            "model_numel": sum(p.numel() for m in (tr.actor, tr.critic) for p in m.parameters())}
+    m = again.train_step()
+    everyone = parallel.dp_gather_objects(mine, again.dp_group)
+    return {"dp": again.parallel.dp, "resumed_step": again.step - 1, "ranks": everyone,
+            "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
+
+
 def main(path: str) -> None:
     base = json.load(open(path))
     torch.set_num_threads(1)
@@ -113,6 +154,10 @@ def main(path: str) -> None:
                 print("RESULT tp2_resumed", json.dumps({"step": again.step, "pg_loss": m["policy/pg_loss"]}),
                       flush=True)
         destroy_parallel()
+    result = dp2_distributed_optimizer(base)
+    if dist.get_rank() == 0:
+        print("RESULT dp2_distopt", json.dumps(result), flush=True)
+    destroy_parallel()
     dist.destroy_process_group()
 
 

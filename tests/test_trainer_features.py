@@ -1,0 +1,74 @@
+"""The training features of the config reach the trainer's models and optimizers (issue 11):
+the distributed optimizer and bf16 parameters with fp32 main weights run on CPU, checkpoint and
+resume bit-identically; what the CPU cannot run is refused at start by key."""
+
+import copy
+import math
+
+import pytest
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from pfppo_mega.models.gpt import FeatureError
+from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.loop import PPOTrainer
+from test_trainer_resume import _LOG, quiet, records_and_weights, resume_comparison, sft_small  # noqa: F401
+from test_trainer import _cfg
+
+
+def _run(sft, out, steps, **sections):
+    tr = PPOTrainer(_cfg(out, sft, training={"total_training_steps": steps}, logging=_LOG,
+                         checkpoint={"save_interval": 0}, **sections), log=quiet)
+    return tr, tr.fit()
+
+
+def test_distributed_optimizer_and_bf16_run_and_resume_bit_identically(sft_small, tmp_path):
+    feats = dict(parallel={"use_distributed_optimizer": True}, model={"params_dtype": "bfloat16"})
+    tr, res = _run(sft_small, tmp_path / "a", 4, **feats)
+    assert isinstance(tr.actor_opt.chained_optimizers[0] if hasattr(tr.actor_opt, "chained_optimizers")
+                      else tr.actor_opt, DistributedOptimizer)
+    assert tr.actor.config.bf16 and next(tr.actor.parameters()).dtype.is_floating_point
+    straight = records_and_weights(tr, res)
+    _run(sft_small, tmp_path / "b", 2, **feats)
+    tr, res = _run(sft_small, tmp_path / "b", 4, **feats)
+    differ, n, max_diff = resume_comparison(straight, records_and_weights(tr, res))
+    assert not differ, differ[:10]
+    assert max_diff == 0.0
+    # the checkpoint's optimizer state is checked against the run: the gathered parameter state
+    # (fp32 main params, moments) must have the run's grad-buffer layout
+    sd = ckpt.load_latest(tmp_path / "b" / "checkpoints", log=quiet).state["actor_opt"]
+    ckpt.check_optimizer_state(tr.actor_opt, sd, "actor_opt")
+    buf = sd["distributed_optimizer"][0]["param_state"][0]
+    assert buf["dtype"][0] == "torch.bfloat16" and buf["exp_avg_sq"].abs().sum() > 0
+    bad = copy.deepcopy(sd)
+    bad["distributed_optimizer"][0]["param_state"][0]["exp_avg"] = buf["exp_avg"][:-1]
+    with pytest.raises(ckpt.CheckpointError, match=r"param_state\[0\]\.exp_avg must be a float32 tensor of shape"):
+        ckpt.check_optimizer_state(tr.actor_opt, bad, "actor_opt")
+    bad = copy.deepcopy(sd)
+    bad["distributed_optimizer"][0]["param_state"][0]["numel_unpadded"] += 1
+    with pytest.raises(ckpt.CheckpointError, match="the run's grad buffer 0"):
+        ckpt.check_optimizer_state(tr.actor_opt, bad, "actor_opt")
+    with pytest.raises(ckpt.CheckpointError, match="use_distributed_optimizer=true but the checkpoint holds a plain"):
+        ckpt.check_optimizer_state(tr.actor_opt, {"state": {}, "param_groups": []}, "actor_opt")
+
+
+def test_distributed_optimizer_checkpoint_before_any_step_resumes(sft_small, tmp_path):
+    """megatron's DistributedOptimizer.state_dict() asserts before the first step: a checkpoint at
+    step 0 stores no moments and the resumed run refreshes its fp32 main params from the weights."""
+    feats = dict(parallel={"use_distributed_optimizer": True}, model={"params_dtype": "bfloat16"})
+    tr = PPOTrainer(_cfg(tmp_path, sft_small, logging=_LOG, **feats), log=quiet)
+    path = tr.save(tmp_path / "checkpoints")
+    state = ckpt.load_step(path.parent, 0).state
+    assert state["actor_opt"] == {"distributed_optimizer": [{"state_dict": None, "param_state": None}]}
+    msgs: list[str] = []
+    again = PPOTrainer(_cfg(tmp_path, sft_small, logging=_LOG, **feats), log=msgs.append)
+    assert any("resumed" in m for m in msgs), msgs
+    assert again.step == 0 and math.isfinite(again.train_step()["policy/pg_loss"])
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("training", "recompute", "full"),
+    ("model", "layer_spec", "transformer_engine"),
+])
+def test_features_the_cpu_cannot_run_are_refused_by_key(sft_small, tmp_path, section, key, value):
+    with pytest.raises(FeatureError, match=f"{section}.{key}"):
+        PPOTrainer(_cfg(tmp_path, sft_small, **{section: {key: value}}, logging=_LOG), log=quiet)
