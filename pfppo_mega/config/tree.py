@@ -483,6 +483,10 @@ class TrainingConfig(Section):
         "none", "Activation recomputation in the backward pass: none, selective (megatron's core-attention "
                 "recompute: drops the s^2 attention terms) or full (each layer keeps only its input and "
                 "recomputes the rest).")
+    max_consecutive_skipped_updates: int = opt(
+        5, "Stop the run with an error (non-zero exit) after this many consecutive skipped optimizer "
+           "updates of the actor or of the critic (non-finite loss or refused step): it is not learning. "
+           "0 = never stop.")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "train_batch_size": "rollout_batch_size",
@@ -504,6 +508,7 @@ class TrainingConfig(Section):
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
+        _range(p, "max_consecutive_skipped_updates", self.max_consecutive_skipped_updates, ge=0, le=C.MAX_STEPS)
         if self.critic_lr is None:
             self.critic_lr = self.lr
         if self.critic_grad_clip is None:
