@@ -143,7 +143,7 @@ def test_resume_continues_from_latest_checkpoint(sft_dir, tmp_path):
 def test_nan_rewards_are_guarded_and_counted(sft_dir, tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 1}, checkpoint={"resume": False})
     tr = PPOTrainer(cfg, log=lambda *_: None)
-    monkeypatch.setattr(tr.task, "reward", lambda p, text, finished: float("nan"))
+    monkeypatch.setattr(tr.reward_fn.task, "reward", lambda p, text, finished: float("nan"))
     m = tr.train_step()
     assert m["guard/bad_rewards"] == 64
     assert math.isfinite(m["policy/pg_loss"]) and math.isfinite(m["critic/value_loss"])
@@ -298,7 +298,7 @@ def test_bad_rewards_are_guarded_under_filtration_and_reward_sampling(sft_dir, t
                reward={"scaling": "running_zscore"})
     logs = []
     tr = PPOTrainer(cfg, log=logs.append)
-    monkeypatch.setattr(tr.task, "reward", _bad_reward_factory())
+    monkeypatch.setattr(tr.reward_fn.task, "reward", _bad_reward_factory())
     metrics = [tr.train_step() for _ in range(2)]
     # per 64 rows: 8 groups of 8 calls -> 8 raised + 8 None, 8 NaN + 8 inf
     assert metrics[0]["guard/reward_errors"] == 16 and metrics[0]["guard/bad_rewards"] == 16
@@ -353,7 +353,7 @@ def test_update_stats_are_token_weighted_over_micro_batches(sft_dir, tmp_path):
 
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 1}, checkpoint={"resume": False})
     tr = PPOTrainer(cfg, log=lambda *_: None)
-    rb, _ = tr.rollout(tr.task.train_prompts(32, tr.rng))
+    rb, _ = tr.rollout(tr.prompts.next_batch(32))
     sb = tr.score(rb)
     eb = tr.advantages(sb, tr.prepare(sb))
     lengths = eb.inputs.response_mask.sum(1)

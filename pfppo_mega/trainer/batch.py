@@ -8,15 +8,14 @@ import torch
 
 from pfppo_mega.pool.correction import ISStats
 # The model layer's input type lives below the trainer (pfppo_mega.types); re-exported here.
-from pfppo_mega.types import PackedInputs, pack  # noqa: F401
-from pfppo_mega.tasks.addition import Problem
+from pfppo_mega.types import PackedInputs, Sample, pack  # noqa: F401
 
 
 @dataclass
 class RolloutBatch:
     """Phase `rollout` output: B = prompts * n_samples_per_prompt samples."""
 
-    problems: list[Problem]            # [B]
+    samples: list[Sample]              # [B] the prompt of each row (+ its reward metadata)
     prompt_ids: list[list[int]]        # [B] ragged
     responses: torch.Tensor            # [B, T] long, right-padded
     response_mask: torch.Tensor        # [B, T] float, 1 on real response tokens (EOS included)
@@ -28,7 +27,7 @@ class RolloutBatch:
 
     def select(self, idx: list[int]) -> "RolloutBatch":
         t = torch.tensor(idx, dtype=torch.long)
-        return RolloutBatch(problems=[self.problems[i] for i in idx],
+        return RolloutBatch(samples=[self.samples[i] for i in idx],
                             prompt_ids=[self.prompt_ids[i] for i in idx],
                             responses=self.responses[t], response_mask=self.response_mask[t],
                             behav_logp=self.behav_logp[t], finished=self.finished[t],
@@ -45,7 +44,7 @@ def concat_rollouts(parts: list[RolloutBatch], order: list[int], *, pad_id: int)
         return torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value)
 
     cat = RolloutBatch(
-        problems=[x for p in parts for x in p.problems],
+        samples=[x for p in parts for x in p.samples],
         prompt_ids=[x for p in parts for x in p.prompt_ids],
         responses=torch.cat([padded(p.responses, pad_id) for p in parts]),
         response_mask=torch.cat([padded(p.response_mask, 0.0) for p in parts]),
@@ -68,11 +67,12 @@ class ScoredBatch:
     scores: torch.Tensor               # [B] after the reward preprocessing
     n_bad_rewards: int                 # NaN / inf rewards replaced by 0 (guarded, counted)
     n_reward_errors: int = 0           # reward calls that raised / returned None, scored 0 (counted)
+    n_reward_timeouts: int = 0         # reward calls past reward.timeout_s, scored 0 (counted)
 
     def select(self, idx: list[int]) -> "ScoredBatch":
         t = torch.tensor(idx, dtype=torch.long)
         return ScoredBatch(self.rollout.select(idx), self.raw_scores[t], self.scores[t], self.n_bad_rewards,
-                           self.n_reward_errors)
+                           self.n_reward_errors, self.n_reward_timeouts)
 
 
 @dataclass

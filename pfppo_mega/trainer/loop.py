@@ -29,17 +29,18 @@ from pfppo_mega.models import gpt, hf_io
 from pfppo_mega import parallel
 from pfppo_mega.parallel import init_parallel
 from pfppo_mega import pool as pfpool
+from pfppo_mega.data import build_prompt_data
+from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout import BuiltinEngine, LlamaShape, SamplingParams
-from pfppo_mega.tasks.addition import AdditionTask, Problem
 from pfppo_mega.tasks.tokenizer import Tokenizer
 from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, PreparedBatch, RolloutBatch, ScoredBatch,
                                       concat_rollouts, pack)
 from pfppo_mega.trainer.metrics import (MetricsLogger, aggregate_rank_metrics, plot_curves, quantiles, read_jsonl,
                                         repetition_rate)
+from pfppo_mega.types import PromptSource, RewardFn, Sample
 from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, choose_policy_loss,
                                             get_policy_loss)
-from pfppo_mega.trainer.reward_guard import RewardGuard
 from pfppo_mega.trainer.seeds import stream_seed
 
 
@@ -163,8 +164,6 @@ class PPOTrainer:
         # Training features (distributed optimizer, bf16, recompute, sequence parallelism, layer
         # spec) come from the config alone, so the plan, the Slurm script and the trainer agree.
         self.features = gpt.features_from_config(cfg)
-        self.task = AdditionTask(cfg.data.num_digits)
-        self.eval_problems = self.task.eval_prompts(cfg.data.eval_size)
 
         # --- parallel state (one place), then models and optimizers
         self.parallel = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed)
@@ -182,6 +181,14 @@ class PPOTrainer:
         # Each data-parallel rank draws its own prompts and samples; the ranks of one model
         # replica (same dp_rank) draw the same ones.
         self.rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=self.parallel.dp_rank))
+        # --- prompts and rewards: the implementations the config names (data.source, reward.*);
+        # bad files / rows / data sources / reward functions are refused here, before any model
+        data = build_prompt_data(cfg, self.tokenizer, model_dir=model_dir, rng=self.rng,
+                                 dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp, log=self.log)
+        self.prompts: PromptSource = data.train
+        self.eval_samples: list[Sample] = data.val
+        self.reward_fn: RewardFn = build_reward_fn(cfg, log=self.log)
+        self.reward_fn.check(data.train_rows + data.val, "data")
         actor = gpt.build_actor(self.model_cfg, arch=self.arch, features=self.features)
         hf_io.load_actor_from_hf(actor, model_dir)
         self.actor = gpt.wrap_ddp(actor, features=self.features)
@@ -205,9 +212,8 @@ class PPOTrainer:
         self.engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=self.tokenizer.pad_id)
         self.assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
         self.step = 0
-        self.guards = {"bad_rewards": 0, "reward_errors": 0, "skipped_updates": 0, "corrupt_snapshots": 0}
-        self.reward_guard = RewardGuard(lambda p, text, finished: self.task.reward(p, text, finished),
-                                        log=self.log, name=f"{cfg.data.task} reward")
+        self.guards = {"bad_rewards": 0, "reward_errors": 0, "reward_timeouts": 0, "skipped_updates": 0,
+                       "corrupt_snapshots": 0}
         self.consecutive_skips = {"actor": 0, "critic": 0}  # optimizer updates skipped in a row, per model
         a = cfg.algorithm
         self.policy_loss_name = choose_policy_loss(use_pool=a.use_pf_ppo, is_mode=a.pool.is_mode)
@@ -230,26 +236,26 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ phase: rollout
 
-    def rollout(self, problems: list[Problem]) -> tuple[RolloutBatch, dict[str, float]]:
+    def rollout(self, samples: list[Sample]) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate n samples per prompt. Plain PPO: with the current weights. PF-PPO: each
         prompt group samples a behaviour snapshot; groups are generated per snapshot so the
         engine switches weights at most once per snapshot used (from host memory, never disk)."""
         n = self.cfg.actor_rollout.n_samples_per_prompt
         if self.pool is None:
-            return self._generate(problems, n), {}
+            return self._generate(samples, n), {}
         cands = self.pool.candidates(self.step, self.cfg.algorithm.pool.include_current)
         pc = self.cfg.algorithm.pool
         probs = pfpool.snapshot_weights([c.version for c in cands], method=pc.sampling,
                                         temperature=pc.sampling_temperature, current_version=self.step,
                                         kl=[c.kl_to_current for c in cands],
                                         mean_reward=[c.mean_reward for c in cands])
-        assign = pfpool.assign_snapshots(len(problems), probs, self.assign_gen)       # [groups]
+        assign = pfpool.assign_snapshots(len(samples), probs, self.assign_gen)       # [groups]
         parts, order, switch_s = [], [], 0.0
         for k, groups in pfpool.group_by_snapshot(assign).items():
             t0 = time.perf_counter()
             self._load_behaviour(cands[k])
             switch_s += time.perf_counter() - t0
-            parts.append(self._generate([problems[g] for g in groups], n))
+            parts.append(self._generate([samples[g] for g in groups], n))
             order += [g * n + j for g in groups for j in range(n)]
         stats = {"pool/switch_s": switch_s, "pool/snapshots_used": float(len(parts)),
                  "pool/size": float(len(self.pool))}
@@ -272,20 +278,20 @@ class PPOTrainer:
                     self.pool.add(self.step, self._current_weights())
         self.sync_weights(self.step)
 
-    def _generate(self, problems: list[Problem], n: int) -> RolloutBatch:
-        """n samples per problem with whatever weights the engine holds (rows carry its version)."""
+    def _generate(self, samples: list[Sample], n: int) -> RolloutBatch:
+        """n responses per prompt with whatever weights the engine holds (rows carry its version)."""
         cfg = self.cfg
-        problems = [p for p in problems for _ in range(n)]
-        prompt_ids = [self.tokenizer.encode(p.prompt) for p in problems]
+        samples = [s for s in samples for _ in range(n)]
+        prompt_ids = [list(s.prompt_ids) for s in samples]
         self._check_prompts(prompt_ids)
         params = SamplingParams(temperature=cfg.actor_rollout.temperature, top_p=cfg.actor_rollout.top_p,
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         out = self.engine.generate(prompt_ids, params)
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
-        return RolloutBatch(problems=problems, prompt_ids=prompt_ids, responses=out.responses,
+        return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
-                            versions=torch.full((len(problems),), out.weight_version), texts=texts)
+                            versions=torch.full((len(samples),), out.weight_version), texts=texts)
 
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
         limit = self.cfg.data.max_prompt_length
@@ -300,7 +306,7 @@ class PPOTrainer:
         then the reward preprocessing. z-scores and quantiles use the global batch (every DP rank's
         rows)."""
         cfg = self.cfg.reward
-        guarded = self.reward_guard([(p, t, bool(f)) for p, t, f in zip(rb.problems, rb.texts, rb.finished)])
+        guarded = self.reward_fn(rb.samples, rb.texts, rb.finished.tolist())
         raw = guarded.scores                                                          # [B] finite
         lengths = rb.response_mask.sum(1)
         scores = raw
@@ -313,7 +319,7 @@ class PPOTrainer:
         scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip, gather=self.dp_gather)
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
         return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
-                           n_reward_errors=guarded.errors)
+                           n_reward_errors=guarded.errors, n_reward_timeouts=guarded.timeouts)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
         """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
@@ -491,7 +497,8 @@ class PPOTrainer:
         policy's own success rate, seeded) and greedy."""
         if self.engine.weight_version != self.step:  # the engine may hold a behaviour snapshot
             self.sync_weights(self.step)
-        prompts = [self.tokenizer.encode(p.prompt) for p in self.eval_problems]
+        prompts = [list(s.prompt_ids) for s in self.eval_samples]
+        sources = sorted({s.data_source for s in self.eval_samples})
         ar = self.cfg.actor_rollout
         out = {}
         for key, greedy in (("eval/accuracy", False), ("eval/accuracy_greedy", True)):
@@ -502,12 +509,15 @@ class PPOTrainer:
             gen = self.engine.generate(prompts, params)
             # Same guard as training: a bad reward scores 0 and is counted (every rank evaluates the
             # same prompts, so the counts are already global).
-            guarded = self.reward_guard([(p, self.tokenizer.decode(r[: int(l)].tolist()), bool(f))
-                                         for p, r, l, f in zip(self.eval_problems, gen.responses, gen.lengths,
-                                                               gen.finished)])
+            texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(gen.responses, gen.lengths)]
+            guarded = self.reward_fn(self.eval_samples, texts, gen.finished.tolist())
             self.guards["bad_rewards"] += guarded.nonfinite
             self.guards["reward_errors"] += guarded.errors
-            out[key] = float(guarded.scores.double().sum()) / len(self.eval_problems)
+            self.guards["reward_timeouts"] += guarded.timeouts
+            out[key] = float(guarded.scores.double().sum()) / len(self.eval_samples)
+            for ds in sources:  # per data_source: eval/<data_source>/accuracy[_greedy]
+                rows = [i for i, s in enumerate(self.eval_samples) if s.data_source == ds]
+                out[f"eval/{ds}/{key.split('/', 1)[1]}"] = float(guarded.scores[rows].double().mean())
         return out
 
     @torch.no_grad()
@@ -516,9 +526,8 @@ class PPOTrainer:
         prompts, fixed seed): the same estimator whichever behaviour policies trained it."""
         if self.engine.weight_version != self.step:
             self.sync_weights(self.step)
-        probs = self.eval_problems[: self.cfg.logging.kl_probe_size]
         ar = self.cfg.actor_rollout
-        prompts = [self.tokenizer.encode(p.prompt) for p in probs]
+        prompts = [list(s.prompt_ids) for s in self.eval_samples[: self.cfg.logging.kl_probe_size]]
         out = self.engine.generate(prompts, SamplingParams(
             temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=self.cfg.algorithm.max_response_length,
             eos_token_id=self.tokenizer.eos_id, seed=stream_seed("kl_probe", self.cfg.training.seed, step=self.step)))
@@ -532,10 +541,10 @@ class PPOTrainer:
     def train_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         t0 = time.perf_counter()
-        problems = self.task.train_prompts(self.cfg.training.rollout_batch_size // self.parallel.dp, self.rng)
+        samples = self.prompts.next_batch(self.cfg.training.rollout_batch_size // self.parallel.dp)
         corrupt_before = self.guards["corrupt_snapshots"]
         with timer("rollout"):
-            rb, pool_stats = self.rollout(problems)
+            rb, pool_stats = self.rollout(samples)
         with timer("score"):
             scored = self.score(rb)      # every generated row: rewards, responses and pool statistics
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
@@ -562,10 +571,12 @@ class PPOTrainer:
         """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
         this rank's corrupt snapshots of the step (`corrupt`, already counted) by every rank's.
         (Skipped updates need no sum: the loss is global, every rank skips together.)"""
-        counts = torch.tensor([scored.n_bad_rewards, scored.n_reward_errors, corrupt], dtype=torch.long)
-        bad, errors, all_corrupt = parallel.dp_sum(counts, self.dp_group).tolist()
+        counts = torch.tensor([scored.n_bad_rewards, scored.n_reward_errors, scored.n_reward_timeouts, corrupt],
+                              dtype=torch.long)
+        bad, errors, timeouts, all_corrupt = parallel.dp_sum(counts, self.dp_group).tolist()
         self.guards["bad_rewards"] += bad
         self.guards["reward_errors"] += errors
+        self.guards["reward_timeouts"] += timeouts
         self.guards["corrupt_snapshots"] += all_corrupt - corrupt
 
     def _aggregate_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -638,6 +649,7 @@ class PPOTrainer:
             "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
             "guard/bad_rewards": float(self.guards["bad_rewards"]),
             "guard/reward_errors": float(self.guards["reward_errors"]),
+            "guard/reward_timeouts": float(self.guards["reward_timeouts"]),
             "guard/skipped_updates": float(self.guards["skipped_updates"]),
             "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
@@ -668,7 +680,7 @@ class PPOTrainer:
                                enabled=self.is_logger, start_step=self.step)
         ckpt_root = self.out_dir / "checkpoints"
         eval_before = self.evaluate()
-        self.log(f"[pfppo] held-out accuracy at step {self.step} ({len(self.eval_problems)} prompts): "
+        self.log(f"[pfppo] held-out accuracy at step {self.step} ({len(self.eval_samples)} prompts): "
                  f"sampled {eval_before['eval/accuracy']:.3f}, greedy {eval_before['eval/accuracy_greedy']:.3f}")
         if self.step == 0:
             logger.log(0, eval_before)
@@ -692,7 +704,8 @@ class PPOTrainer:
         plot = None
         if cfg.logging.plots and self.is_logger:
             plot = plot_curves(read_jsonl(logger.jsonl_path), self.out_dir / "curves.png",
-                               title=f"PPO on {cfg.data.task} ({self.model_cfg.num_layers} layers)")
+                               title=f"PPO on {cfg.data.task if cfg.data.source == 'task' else 'data.train_files'} "
+                                     f"({self.model_cfg.num_layers} layers)")
         export = None
         if cfg.checkpoint.export_hf:
             export = self.out_dir / "hf_export"
@@ -726,7 +739,7 @@ class PPOTrainer:
         state = {"step": self.step, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
                  "assign_rng": self.assign_gen.get_state(),
                  "running_reward": self.running_reward.state_dict(), "guards": dict(self.guards),
-                 "consecutive_skips": dict(self.consecutive_skips),
+                 "consecutive_skips": dict(self.consecutive_skips), "data": self.prompts.state_dict(),
                  **opt_states,
                  "config": config_to_dict(self.cfg),
                  "pool": None if self.pool is None else self.pool.state_meta()}
@@ -766,7 +779,7 @@ class PPOTrainer:
         self._saved_step = self.step
         self.log(f"[pfppo] resumed from {root / f'step_{step:06d}'} (step {self.step})")
 
-    _STATE_KEYS = frozenset({"step", "rng", "torch_rng", "assign_rng", "running_reward", "guards",
+    _STATE_KEYS = frozenset({"step", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
                              "consecutive_skips", "actor_opt", "critic_opt", "config", "pool"})
 
     def _load_checkpoint(self, found: "ckpt.Checkpoint") -> list:
@@ -823,6 +836,10 @@ class PPOTrainer:
             self.running_reward.load_state_dict(s["running_reward"])
         except (TypeError, ValueError, RuntimeError, AttributeError) as e:
             need(False, f"RNG or running-reward state refused ({type(e).__name__}: {str(e)[:200]})")
+        try:  # the data position (prompt files: epoch and offset; the built-in task: in `rng`)
+            self.prompts.load_state_dict(s["data"])
+        except (ValueError, KeyError, TypeError) as e:
+            need(False, f"state data (the data position) refused: {e}")
         if has_pool:
             self._load_pool(s["pool"], found.tensors["pool"], found.step, need)
         self.guards.update(s["guards"])

@@ -148,7 +148,7 @@ def outcome(case: Case, sft_dir: Path, out_dir: Path) -> Result:
     try:
         tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
         fn, state = _reward_fn(case.bad)
-        tr.task.reward = fn
+        tr.reward_fn.task.reward = fn
         counter = next(c for name, _, c in BAD if name == case.bad)
         if case.phase == "train":
             metrics = {}

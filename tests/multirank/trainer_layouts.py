@@ -41,7 +41,7 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
     per-rank (unreduced) statistics would be off, so the check is known to be sensitive."""
     seen_rows = tr.running_reward.count  # rewards merged so far (every rank: the global count)
     tr.running_reward.load_state_dict({"count": 0.0, "mean": 0.0, "m2": 0.0})  # the probe's batch alone
-    rb, _ = tr.rollout(tr.task.train_prompts(tr.cfg.training.rollout_batch_size // tr.parallel.dp, tr.rng))
+    rb, _ = tr.rollout(tr.prompts.next_batch(tr.cfg.training.rollout_batch_size // tr.parallel.dp))
     sb = tr.score(rb)
     prep = tr.prepare(sb)
     eb = tr.advantages(sb, prep)
