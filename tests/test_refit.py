@@ -70,7 +70,14 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
     sync.refit_live(3)
     assert not torch.equal(engine.generate([[1, 2, 3], [4]], params).responses, before.responses)
     assert sync.switch(pool, 2) > 0.0
-    assert sync.switch(pool, 2) == 0.0  # the engine already holds exactly this snapshot: nothing moves
+    version_before = engine.weight_checksum
+    sync.switch(pool, 2)  # the engine already holds exactly this snapshot: nothing moves
+    assert engine.weight_checksum == version_before
+    shard = pool.snapshots[0].tensors[0][1].view(torch.int32)
+    shard[0] ^= 1  # rot in host memory is refused even when no byte has to move
+    with pytest.raises(WeightUpdateError, match=r"snapshot 2: the shard kept by rank\(s\) \[0\] failed"):
+        sync.switch(pool, 2)
+    shard[0] ^= 1
     back = engine.generate([[1, 2, 3], [4]], params)
     assert back.versions.tolist() == [2, 2]
     assert torch.equal(back.responses, before.responses) and torch.equal(back.logprobs, before.logprobs)

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from pfppo_mega.rollout.base import RolloutEngine
-from pfppo_mega.rollout.weights import BucketSpec
+from pfppo_mega.rollout.weights import BucketSpec, WeightUpdateError
 
 ENGINES = ("builtin", "vllm")
 
@@ -132,9 +133,25 @@ class EngineSync:
         t0 = time.perf_counter()
         held = pool.stream_checksums.get(version)
         if held and self.engine.weight_version == version and self.engine.weight_checksum == held:
-            return 0.0
+            # the bytes need not move, but a shard that rotted in host memory is still refused
+            bad = self._ranks_failing(pool.verify(pool.snapshots[pool.versions.index(version)]))
+            if bad:
+                raise WeightUpdateError(f"snapshot {version}: the shard kept by rank(s) {bad} failed its checksum; "
+                                        f"corrupt bytes refused")
+            return time.perf_counter() - t0
         self.engine.update_weights(pool.source(version).buckets(self.plan, self.node_group), version)
         return time.perf_counter() - t0
+
+    def _ranks_failing(self, ok: bool) -> list[int]:
+        """Global ranks of the node whose local check failed (one all-gather on the node group)."""
+        if not self.distributed:
+            return [] if ok else [self.rank]
+        from pfppo_mega.rollout.refit import group_device
+
+        device = group_device(self.node_group)
+        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in self.node_ranks]
+        dist.all_gather(flags, torch.tensor([0 if ok else 1], device=device), group=self.node_group)
+        return [r for r, f in zip(self.node_ranks, flags) if int(f)]
 
     def check_versions(self, what: str) -> None:
         from pfppo_mega.pool.registry import check_engine_versions
