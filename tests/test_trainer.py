@@ -150,8 +150,8 @@ def test_nan_rewards_are_guarded_and_counted(sft_dir, tmp_path, monkeypatch):
 
 
 def test_bad_setup_is_refused_before_work(sft_dir, tmp_path):
-    with pytest.raises(SetupError, match="only 'builtin'"):
-        PPOTrainer(_cfg(tmp_path, sft_dir, actor_rollout={"engine": "vllm"}))
+    with pytest.raises(SetupError, match=r"tensor_model_parallel_size = 2: the builtin engine runs one full copy"):
+        PPOTrainer(_cfg(tmp_path, sft_dir, actor_rollout={"engine": "builtin", "tensor_model_parallel_size": 2}))
     with pytest.raises(SetupError, match="no such directory"):
         PPOTrainer(_cfg(tmp_path, tmp_path / "nope"))
     with pytest.raises(SetupError, match="max_position_embeddings"):

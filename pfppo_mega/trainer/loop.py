@@ -29,9 +29,11 @@ from pfppo_mega.models import gpt, hf_io
 from pfppo_mega import parallel
 from pfppo_mega.parallel import init_parallel
 from pfppo_mega import pool as pfpool
+from pfppo_mega.pool.registry import broadcast_assignment
 from pfppo_mega.data import build_prompt_data
 from pfppo_mega.rewards import build_reward_fn
-from pfppo_mega.rollout import BuiltinEngine, LlamaShape, SamplingParams
+from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.weights import WeightUpdateError
 from pfppo_mega.tasks.tokenizer import Tokenizer
 from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, PreparedBatch, RolloutBatch, ScoredBatch,
@@ -41,6 +43,7 @@ from pfppo_mega.trainer.metrics import (MetricsLogger, aggregate_rank_metrics, p
 from pfppo_mega.types import PromptSource, RewardFn, Sample
 from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, choose_policy_loss,
                                             get_policy_loss)
+from pfppo_mega.trainer.engine_sync import EngineSetupError, EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.seeds import stream_seed
 
 
@@ -150,9 +153,10 @@ class PPOTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
         # --- checkpoint, tokenizer, shapes: every check before any work
-        if cfg.actor_rollout.engine != "builtin":
-            raise SetupError(f"actor_rollout.engine = {cfg.actor_rollout.engine!r}: only 'builtin' is "
-                             f"implemented in this version (the vLLM engine is not built yet)")
+        try:  # the engine choice (rollout TP, vLLM installed, top_p), before any work
+            check_engine_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        except EngineSetupError as e:
+            raise SetupError(str(e)) from e
         model_dir = check_model_path(cfg.actor_rollout.model_path)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         hf_cfg = hf_io.read_hf_config(model_dir)
@@ -208,8 +212,15 @@ class PPOTrainer:
         self.kernels = get_backend(cfg.kernels)
         self.running_reward = ppo.RunningMoments()
 
-        # --- rollout engine, fed HF-named weights by version (the PF-PPO pool plugs in here)
-        self.engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=self.tokenizer.pad_id)
+        # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
+        # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.parallel.world_size))  # an in-process vLLM resets it
+        try:
+            self.engine = build_engine(cfg, model_dir, hf_cfg, pad_token_id=self.tokenizer.pad_id,
+                                       world_size=self.parallel.world_size, log=self.log)
+        except EngineSetupError as e:
+            raise SetupError(str(e)) from e
+        self.sync = EngineSync(self.engine, self.actor, self.model_cfg, local_world_size=local_world, log=self.log)
         self.assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
         self.step = 0
         self.guards = {"bad_rewards": 0, "reward_errors": 0, "reward_timeouts": 0, "skipped_updates": 0,
@@ -226,10 +237,11 @@ class PPOTrainer:
         # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
         self.pool: pfpool.SnapshotPool | None = None
         if cfg.algorithm.use_pf_ppo:
-            self.pool = pfpool.SnapshotPool(cfg.algorithm.pool.pool_size, log=self.log)
-            self.pool.add(self.step, self._current_weights())
+            self.pool = self.sync.new_pool(cfg.algorithm.pool.pool_size)
+            self.sync.capture(self.pool, self.step)
             self.log(f"[pfppo] PF-PPO pool: {cfg.algorithm.pool.pool_size} x "
-                     f"{self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshots in host memory, "
+                     f"{self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshot shards per rank in host memory "
+                     f"({self.pool.layout.nbytes / 1e6:.2f} MB per snapshot per node), "
                      f"sampling={cfg.algorithm.pool.sampling}, every {cfg.algorithm.pool.snapshot_interval} steps")
         self._resume()  # after the pool is built: a checkpoint's pool replaces it
         self.sync_weights(self.step)
@@ -250,6 +262,7 @@ class PPOTrainer:
                                         kl=[c.kl_to_current for c in cands],
                                         mean_reward=[c.mean_reward for c in cands])
         assign = pfpool.assign_snapshots(len(samples), probs, self.assign_gen)       # [groups]
+        assign = broadcast_assignment(assign, len(assign), group=self.sync.world)  # rank 0 decides
         parts, order, switch_s = [], [], 0.0
         for k, groups in pfpool.group_by_snapshot(assign).items():
             t0 = time.perf_counter()
@@ -268,14 +281,16 @@ class PPOTrainer:
         snapshot that fails its checksum is evicted (counted) and the current weights are used."""
         if cand.snapshot is not None:
             try:
-                snap = self.pool.get_verified(cand.version)
-                self.engine.load_weights(snap.tensors, version=snap.version)
+                self.sync.switch(self.pool, cand.version)
                 return
-            except pfpool.CorruptSnapshotError as e:
-                self.guards["corrupt_snapshots"] += 1
-                self.log(f"[pfppo] {e}; generating with the current weights instead")
+            except WeightUpdateError as e:  # every rank's engine refuses the same bytes: all evict alike
+                self.pool.evict(cand.version)
+                self.pool.n_corrupt += 1
+                self.guards["corrupt_snapshots"] += int(self.parallel.dp_rank == 0)  # summed over DP below
+                self.log(f"[pfppo] snapshot {cand.version} refused ({e}); evicted, generating with the current "
+                         f"weights instead")
                 if len(self.pool) == 0:  # never leave the pool empty: re-seed it with the current policy
-                    self.pool.add(self.step, self._current_weights())
+                    self.sync.capture(self.pool, self.step)
         self.sync_weights(self.step)
 
     def _generate(self, samples: list[Sample], n: int) -> RolloutBatch:
@@ -288,6 +303,7 @@ class PPOTrainer:
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         out = self.engine.generate(prompt_ids, params)
+        self.sync.check_versions(f"rollout at step {self.step}")  # every engine, same version and checksum
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
         return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
@@ -482,13 +498,10 @@ class PPOTrainer:
         if self.pool is None:
             self.sync_weights(self.step)
         elif pfpool.snapshot_due(self.step, self.cfg.algorithm.pool.snapshot_interval):
-            self.pool.add(self.step, self._current_weights())
-
-    def _current_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(hf_io.megatron_named_params_to_hf(self.actor, self.model_cfg))
+            self.sync.capture(self.pool, self.step)
 
     def sync_weights(self, version: int) -> None:
-        self.engine.load_weights(hf_io.megatron_named_params_to_hf(self.actor, self.model_cfg), version=version)
+        self.sync.refit_live(version)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -863,7 +876,12 @@ class PPOTrainer:
         current = [(n, t.dtype, tuple(t.shape)) for n, t in self.pool.snapshots[0].tensors]
         held = [(n, t.dtype, tuple(t.shape)) for n, t in pool.snapshots[0].tensors]
         need(held == current, "pool snapshots do not have the model's layout (names, dtypes, shapes)")
-        self.pool = pool
+        sharded = self.sync.new_pool(size)
+        try:
+            sharded.adopt(pool, self.sync.plan)
+        except ValueError as e:
+            need(False, str(e))
+        self.pool = sharded
 
     def _stop_requested(self) -> bool:
         """Rank 0 tests $PFPPO_STOP_FILE (created by scripts/slurm/lib.sh on SIGUSR1) and every
