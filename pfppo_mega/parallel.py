@@ -130,6 +130,7 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> Para
                 f"parallel state is already initialised with tp({_state.info.tp}) pp({_state.info.pp}); "
                 f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp})"
             )
+        megatron_cpu.enable()  # this thread may have popped the CPU mode since (idempotent)
         return _state.info
 
     backend = resolve_backend(backend)
