@@ -102,8 +102,12 @@ def test_rope_scaling_is_exercised(ckpt):
     """Unscaled RoPE must give visibly different logits past the original context: the parity
     above is a test of the scaling, not of positions where it does not act."""
     kind, path, _, cfg, arch, _, ids, ref64, _ = ckpt
-    if arch.rope.rope_type == "default":
-        pytest.skip(f"{kind} has unscaled RoPE")
+    if arch.rope.rope_type == "default":  # unscaled family: the model must carry the plain frequencies
+        rotary = gpt.unwrap(ckpt[5]).rotary_pos_emb
+        head_dim = arch.head_dim_of(cfg.hidden_size, cfg.num_attention_heads)
+        plain_freq = families.rope_inv_freq(head_dim, cfg.rope_theta)
+        assert torch.equal(rotary.inv_freq.float().cpu(), plain_freq), kind
+        return
     plain = gpt.build_actor(cfg, arch=families.Architecture(arch.family, arch.qkv_bias, arch.qk_norm, arch.head_dim))
     with torch.no_grad():
         for p, q in zip(plain.parameters(), ckpt[5].parameters()):
