@@ -124,6 +124,18 @@ class VLLMEngine(RolloutEngine):
         # whole fused groups per call (see the module docstring); checkpoint format: vLLM shards
         # the full tensors for its own TP rank and repacks them as it does at load time
         self._worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        if self.shape.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in named):
+            self._repack_tied_head()
+
+    def _repack_tied_head(self) -> None:
+        """A tied LM head shares embed_tokens' weight, and vLLM's loader skips lm_head.* when tied,
+        so a reload never processes the head. On CPU the head's GEMM uses a copy packed at load
+        time (lm_head.cpu_linear): it kept the checkpoint's embedding after every refit (O(1)
+        log-prob gaps on tied Qwen2 / Qwen3 / Llama, tests/test_vllm_families.py). Pack it again
+        from the shared, updated weight (a no-op off CPU)."""
+        head = getattr(self._worker.model_runner.get_model(), "lm_head", None)
+        if head is not None and getattr(head, "quant_method", None) is not None:
+            head.quant_method.process_weights_after_loading(head)
 
     def _commit(self) -> None:
         self.llm.reset_prefix_cache()
