@@ -55,5 +55,6 @@ MAX_SEED = (1 << 32) - 1
 MAX_THREADS = 1024
 MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward function)
 MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
+MAX_REWARD_WEIGHT = 1e6  # reward.model_weight / reward.rule_weight
 MAX_DATA_FILES = 10_000  # data.train_files / data.val_files
 INT_LIMIT = (1 << 31) - 1  # any other int key (a generic backstop in the config tree)

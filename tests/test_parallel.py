@@ -30,6 +30,7 @@ sys.path.insert(0, str(MULTIRANK))
 import common  # noqa: E402
 import feature_checks  # noqa: E402
 import refit_checks  # noqa: E402
+import reward_model_checks  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from pfppo_mega import parallel  # noqa: E402
@@ -67,6 +68,7 @@ def _expected_checks() -> list[tuple[int, str, str]]:
             out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
             if world == 2:
                 out += [(world, layout, check) for check in feature_checks.CHECKS]  # tests/multirank/feature_checks.py
+                out += [(world, layout, check) for check in reward_model_checks.CHECKS]  # reward models per family
     return out
 
 
@@ -79,6 +81,7 @@ PARITY = [(layout, kind) for layouts in common.LAYOUTS.values() for layout, *_ i
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("parallel")
     common.make_checkpoints(root)
+    reward_model_checks.make_checkpoints(root)
     return root
 
 

@@ -446,6 +446,18 @@ class RewardConfig(Section):
     num_workers: int = opt(2, "Worker processes running the custom reward function.")
     timeout_s: float = opt(10.0, "Seconds one custom reward call may take; a hang scores 0 and is "
                                  "counted in guard/reward_timeouts.")
+    model_path: Optional[str] = opt(
+        None, "Reward model: a Hugging Face one-label sequence-classification checkpoint (Llama / Qwen2 / "
+              "Qwen3 / Mistral *ForSequenceClassification, score.weight [1, hidden], no bias) with the "
+              "policy's vocabulary and tokenizer files; scores prompt + response at its last token, on the "
+              "actor's ranks and tensor x pipeline layout (rewards/model.py). null = no reward model.")
+    model_weight: float = opt(
+        1.0, "With model_path: the reward is model_weight * reward-model score + rule_weight * the "
+             "rule-based / custom / built-in task score. Must be > 0 with model_path, 1.0 without.")
+    rule_weight: float = opt(
+        1.0, "With model_path: the weight of the rule-based / custom / built-in task score in that sum; "
+             "0 = the reward model alone (then the data needs no scorer). Must be 1.0 without model_path "
+             "(the score is then the reward as it is).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"scaling": C.REWARD_SCALING}
 
@@ -457,6 +469,18 @@ class RewardConfig(Section):
             _choice(p, "default_scorer", self.default_scorer, C.REWARD_SCORERS)
         _range(p, "num_workers", self.num_workers, ge=1, le=C.MAX_REWARD_WORKERS)
         _range(p, "timeout_s", self.timeout_s, gt=0, le=C.MAX_REWARD_TIMEOUT_S)
+        if self.model_path is not None and not self.model_path:
+            p.append(Problem("model_path", self.model_path, "must be a checkpoint directory or null"))
+        _range(p, "model_weight", self.model_weight, ge=0, le=C.MAX_REWARD_WEIGHT)
+        _range(p, "rule_weight", self.rule_weight, ge=0, le=C.MAX_REWARD_WEIGHT)
+        if self.model_path is None:
+            for key in ("model_weight", "rule_weight"):
+                if getattr(self, key) != 1.0 and not any(q.key == key for q in p):
+                    p.append(Problem(key, getattr(self, key), "weighs the reward model's score against the "
+                                     "rule-based one: set reward.model_path, or leave it 1.0"))
+        elif self.model_weight == 0:
+            p.append(Problem("model_weight", self.model_weight, "must be > 0 when reward.model_path is set "
+                             "(unset model_path to train on the rule-based score alone)"))
 
 
 @dataclass

@@ -552,11 +552,15 @@ def _model_config_of(path: str | os.PathLike) -> tuple[ModelConfig, Architecture
 
 
 def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
-               skip_prefixes: tuple[str, ...] = ()) -> ModelConfig:
+               skip_prefixes: tuple[str, ...] = (), score_head: bool = False) -> ModelConfig:
     """Copy this rank's slice of checkpoint ``path`` into ``module``. Every check (architecture,
     checkpoint tensor shapes from the file headers, the model's parameter names and shapes)
-    runs before any tensor data is read."""
+    runs before any tensor data is read. ``score_head``: a sequence-classification checkpoint
+    (trunk without LM head + ``score.weight`` [1, H]) into a critic's trunk and value head."""
     cfg, arch = _model_config_of(path)
+    if score_head:  # no LM head to tie or load: the trunk's shapes plus the score head
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+        skip_prefixes = ("output_layer.",)
     target = unwrap(module)
     built = module_architecture(target)
     if built != arch:
@@ -567,7 +571,10 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     dims = _Dims.of(cfg, arch)
     layout = _current_layout(dims.layers)
     reader = CheckpointReader(path)
-    _check_shapes({n: reader.shape(n) for n in reader.names()}, _expected_hf_shapes(dims),
+    expected_hf = _expected_hf_shapes(dims)
+    if score_head:
+        expected_hf[CRITIC_HEAD] = (1, dims.hidden)
+    _check_shapes({n: reader.shape(n) for n in reader.names()}, expected_hf,
                   f"checkpoint {str(path)!r}", tied=dims.tied)
     _check_dtypes({n: reader.dtype(n) for n in reader.names() if not _IGNORED.match(n)}, f"checkpoint {str(path)!r}")
     if dims.tied and "lm_head.weight" in reader.names() and not torch.equal(
@@ -600,6 +607,8 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
             global_name = expected[name][0]
             full = _megatron_tensor(global_name, reader.get, dims, vocab_rows)
             param.copy_(reshard.shard(full, reshard.split_of(global_name), layout.tp, layout.tp_rank))
+        if score_head and stage.last:  # the value head is replicated over tensor-parallel ranks
+            target.output_layer.weight.copy_(reader.get(CRITIC_HEAD))
     return cfg
 
 
@@ -614,6 +623,18 @@ def load_critic_trunk_from_hf(critic_module: torch.nn.Module, path: str | os.Pat
     """Copy checkpoint ``path`` into a critic's trunk; the value head keeps its (zero) init and
     the checkpoint's LM head is not used."""
     return _load_into(critic_module, path, skip_prefixes=("output_layer.",))
+
+
+def load_score_model_from_hf(critic_module: torch.nn.Module, path: str | os.PathLike) -> ModelConfig:
+    """Copy a one-label sequence-classification checkpoint (``*ForSequenceClassification``: the
+    trunk without LM head, ``score.weight`` [1, H], no bias) into a critic built by build_critic:
+    trunk and value head, at any TP x PP. Returns its ModelConfig (tie_word_embeddings is
+    meaningless without an LM head and reads True). The caller checks num_labels and the
+    architectures entry (pfppo_mega.rewards.model); a missing or misshapen score.weight or a
+    score.bias is refused here too, by name (an lm_head.weight is ignored)."""
+    if not isinstance(unwrap(critic_module), CriticModel):
+        raise TypeError("load_score_model_from_hf loads into a CriticModel (gpt.build_critic)")
+    return _load_into(critic_module, path, score_head=True)
 
 
 # ----------------------------------------------------------------------------- out of a model

@@ -1,7 +1,7 @@
 """RewardFn implementations: the rule-based registry (`rules`), a user's custom function in worker
-processes (`custom`), and the built-in task's verifier; `build_reward_fn` makes the one the config
-names. This file imports nothing heavy: the spawned reward workers import `rewards.worker` through
-it and must start fast."""
+processes (`custom`), the built-in task's verifier, and a reward model (`model`); `build_reward_fn`
+makes the one the config names. This file imports nothing heavy: the spawned reward workers import
+`rewards.worker` through it and must start fast."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ from typing import Callable
 
 
 def build_reward_fn(cfg, *, log: Callable[[str], None] = print):
+    """The RewardFn of the whole Config: with reward.model_path, the reward model (rewards/model.py)
+    weighted with the scorer below (reward.model_weight, reward.rule_weight; rule_weight 0: the model
+    alone); else the scorer. Collective when there is a reward model: build it on every rank after
+    parallel.init_parallel."""
+    if cfg.reward.model_path is None:
+        return _scorer(cfg, log)
+    from pfppo_mega.rewards.model import with_reward_model
+    return with_reward_model(cfg, _scorer(cfg, log) if cfg.reward.rule_weight else None, log=log)
+
+
+def _scorer(cfg, log: Callable[[str], None]):
     """From the whole Config: the custom function when reward.custom_function.path is set, else
     the built-in task's verifier (data.source = task), else the rule-based registry."""
     cf = cfg.reward.custom_function

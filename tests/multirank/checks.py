@@ -33,6 +33,7 @@ from safetensors.torch import load_file  # noqa: E402
 import common  # noqa: E402
 import feature_checks  # noqa: E402
 import refit_checks  # noqa: E402
+import reward_model_checks  # noqa: E402
 from pfppo_mega import parallel  # noqa: E402
 
 LOGITS_TOL = 2e-5      # fp32 megatron vs fp64 transformers (as tests/test_models.py)
@@ -255,6 +256,7 @@ def main() -> None:
         refit_checks.run(layout, paths, report, all_ranks_ok)  # broadcast refit, sharded pool, registry
         if world == 2:  # distributed optimizer, bf16 with fp32 main weights, features refused on CPU
             feature_checks.run(layout, paths["llama"], batch, mbs, report, all_ranks_ok)
+            reward_model_checks.run(layout, data, mbs, report, all_ranks_ok)  # scores vs transformers, per family
         if tp > 1:
             check_vocab_parallel_grads(layout)
         parallel.destroy_parallel()
