@@ -90,6 +90,19 @@ def test_the_last_real_token_is_scored(world, family_ckpts):
     assert inp.resp_pos.tolist() == [[2], [0]] and inp.attention_mask.sum(1).tolist() == [3, 1]
 
 
+def test_bf16_reward_model_tracks_fp32(world, family_ckpts):
+    """model.params_dtype bfloat16: bf16 weights and compute (megatron's Float16Module casts the
+    output to fp32); scores within bf16 resolution of the fp32 model's."""
+    root, paths = family_ckpts
+    ref = load_file(str(root / rmc.REFERENCES))["scores/qwen3"]
+    rm = RewardModel(paths["qwen3"], params_dtype="bfloat16", log=lambda *_: None)
+    assert next(rm.model.parameters()).dtype == torch.bfloat16
+    got = rm.score_ids(rmc.rows())
+    gap = float((got.double() - ref).abs().max())
+    print(f"[reward model qwen3 bf16] max |ours bf16 - transformers fp64| = {gap:.2e}")
+    assert got.dtype == torch.float32 and gap < 0.1 * float(ref.abs().max())
+
+
 # ----------------------------------------------------------------------------- policy + reward model
 
 
