@@ -179,8 +179,12 @@ def destroy_parallel() -> None:
 # ----------------------------------------------------------------------------- collectives
 # The trainer's reductions, written once. Each takes the process group it reduces over (None, or a
 # group of one rank, returns the input unchanged: the single-process computation) and runs the
-# collective on the device the group's backend needs (cuda for nccl, cpu for gloo); the result
-# comes back on the input's device and dtype.
+# collective on the group's device (comm_device: cuda for nccl, cpu for gloo); the result comes
+# back on the input's device and dtype. The device rule (docs/scaling.md): inputs that meet a
+# model are on the model's device, collectives run on the group's device -- on a GPU both are the
+# current CUDA device, so the copies below are no-ops there. Every other collective in the code
+# base builds its tensors on comm_device(group) itself; PFPPO_DEVICE_CHECK=1 checks them all
+# (pfppo_mega.trainer.devicecheck).
 
 
 def data_parallel_group() -> Optional[dist.ProcessGroup]:
@@ -263,7 +267,9 @@ def world_min(value: int, group: Optional[dist.ProcessGroup] = None) -> int:
     checkpoint every rank has" and "stop now"."""
     if group is None:
         group = world_group()
-    t = torch.tensor([value], dtype=torch.long)
+    if not _active(group):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=comm_device(group))  # made where the collective runs
     return int(dp_min(t, group).item())
 
 

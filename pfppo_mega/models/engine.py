@@ -11,7 +11,8 @@ one model replica (its tensor- and pipeline-parallel ranks) passes the same batc
     critic_train_step(critic, optimizer, inputs, loss_fn, micro_batch_size=)       -> StepResult
 
 Forward results are computed on the last pipeline stage and broadcast to every stage, so every
-rank of the model-parallel group returns them. Log-probs come from the kernels backend passed in
+rank of the model-parallel group returns them, on the model's device (whatever device the inputs
+were on: the trainer passes them there too). Log-probs come from the kernels backend passed in
 (``kernels=``, pure torch when None) through pfppo_mega.kernels.vocab_parallel: at tp > 1 each
 rank reduces its vocabulary shard to per-row partials and two all-reduces combine them (the
 vocabulary is never gathered); temperature and megatron's vocabulary padding are handled inside
@@ -241,7 +242,8 @@ def _values(values: Tensor, inputs: PackedInputs) -> Tensor:
 def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_size: int,
                      compute: Callable[[Tensor, PackedInputs], Tensor], out_shape: tuple[int, ...]) -> Tensor:
     """Run the forward schedule; compute(output, chunk inputs) -> [b, ...] per micro-batch on the
-    last stage; the concatenation, float32, on every stage and on the inputs' device."""
+    last stage; the concatenation, float32, on every stage and on the model's device (where the
+    trainer keeps everything that meets the model; see pfppo_mega.trainer.devicecheck)."""
     _check_inputs(inputs, micro_batch_size)
     mbs = min(micro_batch_size, inputs.labels.shape[0])
     device = _device(model)
@@ -256,7 +258,7 @@ def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_s
         _run_schedule(model, chunks, mbs, head, forward_only=True)
         result = torch.cat(parts) if _last_stage() else None
         result = _broadcast_from_last_stage(result, out_shape, device)
-    return result.to(inputs.input_ids.device)
+    return result
 
 
 def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temperature: float,
@@ -288,9 +290,11 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, *, micro_batch_siz
     rank. For checks and evaluation; training never gathers the vocabulary."""
     b, s = input_ids.shape
     vocab_size = unwrap(model).unpadded_vocab_size
+    dev = _device(model)
+    input_ids = input_ids.to(dev)
     inputs = PackedInputs(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
-                          torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long),
-                          torch.ones(b, 1))
+                          torch.zeros(b, 1, dtype=torch.long, device=dev), torch.zeros(b, 1, dtype=torch.long, device=dev),
+                          torch.ones(b, 1, device=dev))
 
     def compute(logits: Tensor, mb: PackedInputs) -> Tensor:
         full = gather_from_tensor_model_parallel_region(logits) if _tp()[0] > 1 else logits

@@ -101,9 +101,9 @@ def _weight_stats(
     With reduce_sum / reduce_max (sum / max of a tensor over the data-parallel ranks) the stats are
     those of the global batch."""
     a = applied.detach().to(torch.float64)[real]  # [n]
-    sums = torch.stack([a.sum(), (a * a).sum(), torch.tensor(float(a.numel()), dtype=torch.float64),
+    sums = torch.stack([a.sum(), (a * a).sum(), torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device),
                         truncated[real].sum().to(torch.float64)])
-    top = a.max() if a.numel() else torch.zeros((), dtype=torch.float64)  # weights are >= 0
+    top = a.max() if a.numel() else torch.zeros((), dtype=torch.float64, device=a.device)  # weights are >= 0
     if reduce_sum is not None:
         sums = reduce_sum(sums)
     if reduce_max is not None:

@@ -64,7 +64,8 @@ class RunningMoments:
             mean_b = x.mean().item()
             m2_b = (x - mean_b).square().sum().item()
         else:
-            total, count = reduce_sum(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype)]))
+            total, count = reduce_sum(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype,
+                                                                          device=x.device)]))
             n_b = int(count.item())
             if n_b == 0:
                 return
@@ -130,7 +131,7 @@ def scale_rewards(
             std = scores.std(unbiased=True) if scores.numel() > 1 else torch.zeros_like(mean)
         else:
             total, n = reduce_sum(torch.stack([scores.sum(), torch.tensor(float(scores.numel()),
-                                                                          dtype=scores.dtype)]))
+                                                                          dtype=scores.dtype, device=scores.device)]))
             mean = total / n.clamp(min=1.0)
             sq = reduce_sum((scores - mean).square().sum())
             std = (sq / (n - 1.0).clamp(min=1.0)).sqrt()

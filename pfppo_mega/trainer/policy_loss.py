@@ -88,9 +88,10 @@ def _tis(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
                         mode=p.loss_agg_mode)
     with torch.no_grad():
         real = x.mask.bool()
-        log_rho = torch.where(real, x.logp - behav, torch.zeros((), dtype=x.logp.dtype))
+        zero = torch.zeros((), dtype=x.logp.dtype, device=x.logp.device)
+        log_rho = torch.where(real, x.logp - behav, zero)
         truncated = (torch.exp(log_rho) > p.is_clip).to(x.mask.dtype)
-        log_ratio = torch.where(real, x.logp - x.old_logp, torch.zeros((), dtype=x.logp.dtype))
+        log_ratio = torch.where(real, x.logp - x.old_logp, zero)
         log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         approx_kl = ppo.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, x.mask)  # k3, as ppo_clip
     return PolicyLossResult(loss=loss, mask=x.mask, stats={
