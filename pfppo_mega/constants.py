@@ -25,6 +25,8 @@ ADV_ESTIMATORS = ("gae",)  # algorithm.adv_estimator
 POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
 # Behaviour importance weight (algorithm.pool.is_mode, pool/correction.py).
 IS_MODES = ("truncate", "mask", "tis")
+# Which score feeds a snapshot's mean reward (algorithm.pool.reward_signal).
+POOL_REWARD_SIGNALS = ("trained", "honest")
 # Per-token KL estimators (algorithm.kl_estimator, ppo/kl.py) and verl's names for them.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -32,6 +34,8 @@ KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # Sequence-score normalisation (reward.scaling, ppo/rewards.py).
 REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
+# Gameable wrappers around an honest reward (reward.shaping.kind, rewards/shaping.py).
+REWARD_SHAPINGS = ("none", "length_bias", "phrase_exploit", "noisy", "scaled")
 # Policy-filtration weights (algorithm.filtration.reweight_method, ppo/filtration.py):
 # verl's three under verl's names with verl's definitions, then this project's variants.
 VERL_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
@@ -57,4 +61,6 @@ MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward 
 MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
 MAX_REWARD_WEIGHT = 1e6  # reward.model_weight / reward.rule_weight
 MAX_DATA_FILES = 10_000  # data.train_files / data.val_files
+MAX_WORST_SAMPLES = 1000  # logging.worst_samples, per kind per step
+MAX_SHAPED_REWARD = 1e6  # reward.shaping's bonuses, scores and scale
 INT_LIMIT = (1 << 31) - 1  # any other int key (a generic backstop in the config tree)

@@ -33,8 +33,12 @@ REWARD_OUTCOMES = ("ok", "reward_errors", "bad_rewards", "reward_timeouts")
 class RewardResult:
     """Scores of a batch; every bad call scored 0 and counted by outcome."""
 
-    scores: torch.Tensor               # [B] float32, finite
+    scores: torch.Tensor               # [B] float32, finite: what the policy is trained on
     outcomes: list[str]                # [B] one of REWARD_OUTCOMES
+    # The honest metric when it differs from `scores` (reward.shaping wraps an honest reward in a
+    # gameable one, rewards/shaping.py): [B] float32; None = `scores` is itself the honest metric.
+    honest: torch.Tensor | None = None
+    hacked: torch.Tensor | None = None  # [B] bool: the exploit paid beyond the honest score
 
     def count(self, outcome: str) -> int:
         return sum(o == outcome for o in self.outcomes)

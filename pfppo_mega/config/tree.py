@@ -302,8 +302,13 @@ class PoolConfig(Section):
         "or tis (plain truncated IS on pi_theta/pi_behav).",
     )
     is_clip: float = opt(2.0, "Truncation / masking threshold of the importance weight (> 1).")
+    reward_signal: str = opt(
+        "trained", "The per-sample score behind a snapshot's mean reward (what sampling: reward weighs): "
+                   "trained (the reward the policy is trained on) or honest (the honest metric when "
+                   "reward.shaping is on: snapshots whose samples are not hacked are preferred).")
 
-    CHOICES: ClassVar[dict[str, tuple]] = {"sampling": POOL_SAMPLING, "is_mode": IS_MODES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"sampling": POOL_SAMPLING, "is_mode": IS_MODES,
+                                           "reward_signal": C.POOL_REWARD_SIGNALS}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "pool_size", self.pool_size, ge=1, le=C.MAX_COUNT)
@@ -428,6 +433,33 @@ class CustomFunctionConfig(Section):
 
 
 @dataclass
+class ShapingConfig(Section):
+    """A gameable reward around the honest one, for experiments on reward hacking (rewards/shaping.py).
+    The honest score stays logged apart: reward/honest, eval/honest_accuracy, reward/hacked_frac."""
+
+    kind: str = opt("none", "none (train on the honest reward), length_bias (the honest score + length_bonus "
+                            "per response token: pays for longer responses), phrase_exploit "
+                            "(a response containing `phrase` scores phrase_score), noisy (the reward of a "
+                            "fraction flip_rate of the (prompt, response) pairs is flipped: 1 - r), scaled "
+                            "(a 0/1 reward mapped onto [-scale, scale]).")
+    length_bonus: float = opt(0.25, "length_bias: reward per response token (> 0).")
+    phrase: str = opt("99", "phrase_exploit: the string that scores phrase_score wherever it occurs.")
+    phrase_score: float = opt(5.0, "phrase_exploit: the score of a response containing the phrase.")
+    flip_rate: float = opt(0.3, "noisy: fraction of flipped rewards, in [0, 0.5).")
+    scale: float = opt(100.0, "scaled: the reward's range is [-scale, scale] (> 0).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"kind": C.REWARD_SHAPINGS}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "length_bonus", self.length_bonus, gt=0, le=C.MAX_SHAPED_REWARD)
+        _range(p, "phrase_score", self.phrase_score, ge=-C.MAX_SHAPED_REWARD, le=C.MAX_SHAPED_REWARD)
+        _range(p, "flip_rate", self.flip_rate, ge=0, lt=0.5)
+        _range(p, "scale", self.scale, gt=0, le=C.MAX_SHAPED_REWARD)
+        if self.kind == "phrase_exploit" and not self.phrase:
+            p.append(Problem("phrase", self.phrase, "must be a non-empty string when kind = phrase_exploit"))
+
+
+@dataclass
 class RewardConfig(Section):
     """Preprocessing of the sequence-level scores before they enter GAE."""
 
@@ -458,6 +490,8 @@ class RewardConfig(Section):
         1.0, "With model_path: the weight of the rule-based / custom / built-in task score in that sum; "
              "0 = the reward model alone (then the data needs no scorer). Must be 1.0 without model_path "
              "(the score is then the reward as it is).")
+    shaping: ShapingConfig = opt(factory=ShapingConfig, doc="A gameable reward wrapped around the honest "
+                                 "one (experiments where plain PPO goes wrong; off by default).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"scaling": C.REWARD_SCALING}
 
@@ -507,6 +541,10 @@ class TrainingConfig(Section):
         "none", "Activation recomputation in the backward pass: none, selective (megatron's core-attention "
                 "recompute: drops the s^2 attention terms) or full (each layer keeps only its input and "
                 "recomputes the rest).")
+    value_loss_spike_factor: float = opt(
+        0.0, "Value-loss spike guard: skip the critic's update of a step whose value loss before the update "
+             "exceeds this factor x the median of the 10 steps before it (needs 5 of them; counted in "
+             "guard/value_loss_spikes; the actor still updates). 0 = off; e.g. 10.")
     max_consecutive_skipped_updates: int = opt(
         5, "Stop the run with an error (non-zero exit) after this many consecutive skipped optimizer "
            "updates of the actor or of the critic (non-finite loss or refused step): it is not learning. "
@@ -533,6 +571,8 @@ class TrainingConfig(Section):
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
         _range(p, "max_consecutive_skipped_updates", self.max_consecutive_skipped_updates, ge=0, le=C.MAX_STEPS)
+        if self.value_loss_spike_factor != 0:
+            _range(p, "value_loss_spike_factor", self.value_loss_spike_factor, gt=1)
         if self.critic_lr is None:
             self.critic_lr = self.lr
         if self.critic_grad_clip is None:
@@ -604,11 +644,16 @@ class LoggingConfig(Section):
         0, "If > 0: each step, sample this many held-out prompts from the current policy and log "
            "kl/probe_k1, an on-policy KL(current || reference) estimate that is the same for PPO and "
            "PF-PPO (costs one extra small generation + two forward passes).")
+    worst_samples: int = opt(
+        2, "Each step, append the this-many longest, most repetitive and highest-reward samples (step, "
+           "prompt, text, reward, honest score, snapshot version) to samples_worst.jsonl in output_dir "
+           "(rank 0's rows); 0 = off. pfppo doctor quotes them at KL spikes.")
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "log_interval", self.log_interval, ge=1, le=C.MAX_STEPS)
         _range(p, "eval_interval", self.eval_interval, ge=0, le=C.MAX_STEPS)
         _range(p, "kl_probe_size", self.kl_probe_size, ge=0, le=C.MAX_EVAL_PROMPTS)
+        _range(p, "worst_samples", self.worst_samples, ge=0, le=C.MAX_WORST_SAMPLES)
 
 
 @dataclass

@@ -123,12 +123,50 @@ def _remedies(rule: Rule, config: Optional[Mapping[str, Any]]) -> list[dict[str,
     return out
 
 
+# Rules whose finding steps are worth the dumped samples of (trainer/worst_samples.py).
+SAMPLE_EVIDENCE_RULES = ("kl_spike", "reward_hacking", "length_collapse")
+SAMPLE_EVIDENCE_STEPS = 3   # steps quoted per finding
+SAMPLE_TEXT_CHARS = 40
+
+
+def worst_sample_lines(run: Run, step: int) -> list[str]:
+    """One line quoting the run's dumped worst samples of `step` (the first of each kind), or []
+    when samples_worst.jsonl is absent or holds nothing for that step."""
+    from pfppo_mega.trainer import worst_samples
+
+    rows = worst_samples.read(run.path / worst_samples.FILE).get(step, [])
+    parts = []
+    for kind in worst_samples.KINDS:
+        r = next((r for r in rows if r.get("kind") == kind), None)
+        if r is None:
+            continue
+        honest = "" if r.get("honest") is None else f", honest {_fmt_num(r['honest'])}"
+        parts.append(f"{kind} {str(r.get('prompt', ''))}{str(r.get('text', ''))[:SAMPLE_TEXT_CHARS]!r} "
+                     f"(length {r.get('length')}, repetition {_fmt_num(r.get('repetition'))}, reward "
+                     f"{_fmt_num(r.get('reward'))}{honest}, version {r.get('version')})")
+    return [f"samples at step {step}: " + "; ".join(parts)] if parts else []
+
+
+def _fmt_num(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def _evidence(run: Run, d: Diagnosis) -> list[str]:
+    """The verdict's evidence, plus the dumped worst samples of its first steps for the rules where
+    reading the samples is the first remedy."""
+    lines = list(d.verdict.evidence)
+    if d.verdict.status == "finding" and d.rule.name in SAMPLE_EVIDENCE_RULES:
+        for step in d.verdict.steps[:SAMPLE_EVIDENCE_STEPS]:
+            lines += worst_sample_lines(run, step)
+    return lines
+
+
 def to_json(run: Run, diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
     return {
         "run_dir": str(run.path), "steps": run.steps, "config": run.config is not None, "notes": run.notes,
         "healthy": not any(d.verdict.status == "finding" for d in diagnoses),
         "rules": [{"rule": d.rule.name, "status": d.verdict.status, "symptom": d.rule.symptom,
-                   "metrics": list(d.rule.metrics), "evidence": d.verdict.evidence, "steps": d.verdict.steps,
+                   "metrics": list(d.rule.metrics), "evidence": _evidence(run, d), "steps": d.verdict.steps,
                    "likely_cause": d.rule.cause, "key": d.rule.key,
                    "remedies": _remedies(d.rule, run.config) if d.verdict.status == "finding" else []}
                   for d in diagnoses],

@@ -320,7 +320,9 @@ def detect_pool_inconsistency(series: Mapping[str, Series], config: Optional[Map
 
 # ----------------------------------------------------------------------------- reward hacking
 
-HACK_METRICS = ("eval/accuracy", "eval/accuracy_greedy")
+# The honest metric first when the run logs it apart (reward.shaping): eval/accuracy is then the
+# trained-on reward's mean on the held-out prompts and rises with the hack.
+HACK_METRICS = ("eval/honest_accuracy", "eval/honest_accuracy_greedy", "eval/accuracy", "eval/accuracy_greedy")
 ACC_DROP = 0.05         # the last held-out accuracy at least 0.05 under its best ...
 HACK_WINDOW = 5         # ... while the mean reward of the last 5 steps ...
 REWARD_RISE_STD = 0.25  # ... exceeds that of the 5 steps up to the best evaluation by 0.25 x the
@@ -351,6 +353,8 @@ def detect_reward_hacking(series: Mapping[str, Series], config: Optional[Mapping
     std = series.get("reward/std")
     reward_std = _median(std.finite().values) if std is not None and len(std.finite()) else None
     evals = [(k, series[k].finite()) for k in HACK_METRICS if k in series and len(series[k].finite()) >= 2]
+    if any(k.startswith("eval/honest") for k, _ in evals):
+        evals = [(k, s) for k, s in evals if k.startswith("eval/honest")]
     if not evals:
         return not_checked("fewer than 2 held-out evaluations (logging.eval_interval)")
     lines, steps = [], []

@@ -1,9 +1,13 @@
-"""`pfppo compare CONFIG --seeds 3`: PF-PPO pool off vs on, same budget, same seeds; a report.
+"""`pfppo compare CONFIG --seeds 3`: plain PPO vs PF-PPO pool arms, same budget, same seeds; a report.
 
-Each arm x seed is a full `pfppo train` run (same SFT checkpoint, same number of steps, same
-data order seed). The report states what the numbers show for each claim, whichever way it goes:
-with the pool, KL rises more gently and oscillates less, reward is smoother, early reward may lag,
-final accuracy is no worse.
+CONFIG is one config file (one setting) or a folder of them (every *.yaml: one setting each, e.g.
+configs/experiments/, whose reward.shaping makes plain PPO go wrong). Each setting x arm x seed is
+a full `pfppo train` run (same SFT checkpoint, same number of steps, same data order seed). The
+report states for each claim of the PF-PPO article what the numbers show, whichever way it goes:
+with the pool KL rises more gently and spikes less, reward is smoother, early reward lags and then
+catches up, length collapse and reward hacking are suppressed, the honest metric is not lower.
+
+Arms (`--arms`, comma-separated; the pool arms differ from `ppo` only in algorithm.pool.*):
 """
 
 from __future__ import annotations
@@ -18,26 +22,71 @@ from pathlib import Path
 
 import torch
 
-ARMS = ("ppo", "pf_ppo")
+# name -> overrides (on top of the setting's config and the command line's)
+_POOL = "algorithm.use_pf_ppo=true"
+ARMS: dict[str, tuple[str, ...]] = {
+    "ppo": ("algorithm.use_pf_ppo=false",),
+    # the article's pool: 5 snapshots, a long interval, uniform choice
+    "pf_article": (_POOL, "algorithm.pool.pool_size=5", "algorithm.pool.snapshot_interval=10",
+                   "algorithm.pool.sampling=uniform"),
+    # this project's default pool: 3 snapshots every 2 steps, recency-weighted
+    "pf_default": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
+                   "algorithm.pool.sampling=recency"),
+    "pf_kl": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
+              "algorithm.pool.sampling=kl"),
+    "pf_reward": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
+                  "algorithm.pool.sampling=reward"),
+    # improvements to try where the pool helps nowhere
+    "pf_honest": (_POOL, "algorithm.pool.pool_size=5", "algorithm.pool.snapshot_interval=5",
+                  "algorithm.pool.sampling=reward", "algorithm.pool.reward_signal=honest",
+                  "algorithm.pool.sampling_temperature=0.1"),
+    "pf_short": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=1",
+                 "algorithm.pool.sampling=recency"),
+    "pf_isclip": (_POOL, "algorithm.pool.pool_size=5", "algorithm.pool.snapshot_interval=10",
+                  "algorithm.pool.sampling=uniform", "algorithm.pool.is_clip=1.2"),
+}
+DEFAULT_ARMS = ("ppo", "pf_article", "pf_default", "pf_kl")
+__doc__ += "\n".join(f"    {k:<11} {' '.join(v)}" for k, v in ARMS.items()) + "\n"
 
 
 @dataclass
 class RunStats:
+    setting: str
     arm: str
     seed: int
     # KL is kl/probe_k1: KL(current policy || reference) per token on fresh samples of the current
-    # policy (logging.kl_probe_size prompts each step), the same estimator in both arms.
+    # policy (logging.kl_probe_size prompts each step), the same estimator in every arm.
     kl_slope_early: float       # nats/token per step, least squares over the first `early` steps
     kl_oscillation: float       # std of the step-to-step change of KL
     kl_spikes: int              # step-to-step KL rises > 3x the run's median |change| (and > 0.01)
     kl_final: float             # mean KL over the last 10% of steps
-    reward_smoothness: float    # std of the step-to-step change of mean reward (lower = smoother)
-    reward_early: float         # mean reward over the first `early` steps
+    reward_smoothness: float    # std of the step-to-step change of mean reward, / the run's reward range
+    reward_early: float         # mean trained-on reward over the first `early` steps
+    reward_first: float         # mean trained-on reward over the first 10% of steps
+    reward_final: float         # ... over the last 10%
     steps_to_threshold: int     # first step whose 10-step moving average reward >= threshold (-1: never)
-    eval_accuracy: float        # final held-out accuracy, sampled at the rollout temperature
-    eval_accuracy_greedy: float
+    honest_first: float         # held-out honest accuracy (sampled) before training
+    honest_final: float         # ... after (eval/honest_accuracy; eval/accuracy when the reward is honest)
+    honest_final_greedy: float
+    honest_train_final: float   # mean honest score of the training samples, last 10% of steps
+    hacked_final: float         # mean reward/hacked_frac, last 10% of steps (0: the setting has no exploit)
+    length_first: float         # mean response length, first 10% of steps
+    length_final: float         # ... last 10%
     length_std: float           # std over steps of the mean response length
+    value_loss_max: float       # largest critic/value_loss of the run
     wall_s: float
+
+    @property
+    def length_growth(self) -> float:
+        return self.length_final - self.length_first
+
+    @property
+    def honest_change(self) -> float:
+        return self.honest_final - self.honest_first
+
+    @property
+    def reward_change(self) -> float:
+        return self.reward_final - self.reward_first
 
 
 # ----------------------------------------------------------------------------- statistics (pure)
@@ -78,90 +127,168 @@ def first_reaching(y: list[float], threshold: float, *, window: int = 10) -> int
     return -1
 
 
+def _head(y: list[float]) -> float:
+    n = max(1, len(y) // 10)
+    return sum(y[:n]) / n if y else 0.0
+
+
+def _tail(y: list[float]) -> float:
+    n = max(1, len(y) // 10)
+    return sum(y[-n:]) / n if y else 0.0
+
+
 def run_stats(arm: str, seed: int, records: list[dict], *, early: int, threshold: float,
-              wall_s: float) -> RunStats:
+              wall_s: float, setting: str = "") -> RunStats:
     steps = [r for r in records if "reward/mean" in r]
-    kl = [r["kl/probe_k1"] for r in steps]
+    kl = [r["kl/probe_k1"] for r in steps if "kl/probe_k1" in r] or [r["kl/ref_mean"] for r in steps]
     reward = [r["reward/mean"] for r in steps]
+    honest_train = [r.get("reward/honest", r["reward/mean"]) for r in steps]
+    hacked = [r.get("reward/hacked_frac", 0.0) for r in steps]
     length = [r["response/length_mean"] for r in steps]
+    vloss = [r["critic/value_loss"] for r in steps if "critic/value_loss" in r]
     evals = [r for r in records if "eval/accuracy" in r]
-    tail = max(1, len(kl) // 10)
+    key = "eval/honest_accuracy" if any("eval/honest_accuracy" in r for r in evals) else "eval/accuracy"
+    span = (max(reward) - min(reward)) if reward else 0.0
     return RunStats(
-        arm=arm, seed=seed, kl_slope_early=slope(kl[:early]), kl_oscillation=std(diffs(kl)),
-        kl_spikes=count_spikes(kl), kl_final=sum(kl[-tail:]) / tail,
-        reward_smoothness=std(diffs(reward)), reward_early=sum(reward[:early]) / max(1, len(reward[:early])),
+        setting=setting, arm=arm, seed=seed, kl_slope_early=slope(kl[:early]), kl_oscillation=std(diffs(kl)),
+        kl_spikes=count_spikes(kl), kl_final=_tail(kl),
+        reward_smoothness=std(diffs(reward)) / span if span > 0 else 0.0,
+        reward_early=sum(reward[:early]) / max(1, len(reward[:early])),
+        reward_first=_head(reward), reward_final=_tail(reward),
         steps_to_threshold=first_reaching(reward, threshold),
-        eval_accuracy=evals[-1]["eval/accuracy"], eval_accuracy_greedy=evals[-1]["eval/accuracy_greedy"],
-        length_std=std(length), wall_s=wall_s)
+        honest_first=evals[0][key], honest_final=evals[-1][key],
+        honest_final_greedy=evals[-1].get(key + "_greedy", float("nan")),
+        honest_train_final=_tail(honest_train), hacked_final=_tail(hacked),
+        length_first=_head(length), length_final=_tail(length), length_std=std(length),
+        value_loss_max=max(vloss) if vloss else float("nan"), wall_s=wall_s)
 
 
 # ----------------------------------------------------------------------------- report
 
 
-METRICS = (  # (field, label, better: "lower" | "higher")
+METRICS = (  # (field, label, better: "lower" | "higher" | "")
+    ("honest_first", "held-out honest accuracy before (sampled)", ""),
+    ("honest_final", "held-out honest accuracy after (sampled)", "higher"),
+    ("honest_final_greedy", "held-out honest accuracy after (greedy)", "higher"),
+    ("reward_first", "trained-on reward, first 10% of steps", ""),
+    ("reward_final", "trained-on reward, last 10% of steps", ""),
+    ("honest_train_final", "honest score of training samples, last 10%", "higher"),
+    ("hacked_final", "hacked fraction of samples, last 10%", "lower"),
+    ("length_first", "response length, first 10%", ""),
+    ("length_final", "response length, last 10%", "lower"),
     ("kl_slope_early", "KL slope, first steps (nats/token/step)", "lower"),
     ("kl_oscillation", "KL oscillation (std of step change)", "lower"),
     ("kl_spikes", "KL spikes (count)", "lower"),
     ("kl_final", "KL at the end (nats/token)", "lower"),
-    ("reward_smoothness", "reward roughness (std of step change)", "lower"),
-    ("reward_early", "mean reward, first steps", "higher"),
+    ("reward_smoothness", "reward roughness (std of step change / range)", "lower"),
+    ("reward_early", "mean reward, first steps", ""),
     ("steps_to_threshold", "steps to reward threshold (-1 never)", "lower"),
-    ("eval_accuracy", "final held-out accuracy (sampled)", "higher"),
-    ("eval_accuracy_greedy", "final held-out accuracy (greedy)", "higher"),
-    ("length_std", "response-length std over steps", "lower"),
+    ("value_loss_max", "largest value loss", "lower"),
     ("wall_s", "wall time (s)", "lower"),
 )
 
-CLAIMS = (  # (claim, field, the direction the claim predicts for pf_ppo vs ppo)
+# (claim, field, the direction the claim predicts for a pool arm vs ppo)
+CLAIMS = (
     ("KL rises more gently with the pool", "kl_slope_early", "lower"),
-    ("KL oscillates less with the pool", "kl_oscillation", "lower"),
     ("fewer KL spikes with the pool", "kl_spikes", "lower"),
     ("reward is smoother with the pool", "reward_smoothness", "lower"),
-    ("early reward may lag with the pool", "reward_early", "lower"),
-    ("final accuracy is no worse with the pool", "eval_accuracy", "not_lower"),
+    ("early reward lags, then catches up", "reward_early", "lag_catch_up"),
+    ("length collapse is suppressed (less length growth)", "length_growth", "lower"),
+    ("reward hacking is suppressed (fewer hacked samples)", "hacked_final", "lower"),
+    ("the honest metric is not lower", "honest_final", "not_lower"),
 )
 
 
 def _mean_sd(vals: list[float]) -> tuple[float, float]:
+    vals = [v for v in vals if not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return float("nan"), 0.0
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
-def claim_verdicts(stats: list[RunStats]) -> list[tuple[str, str, str]]:
-    """(claim, numbers, verdict) from the per-arm means and the seed-to-seed spread."""
+def _field(s: RunStats, f: str) -> float:
+    return float(getattr(s, f))
+
+
+def _compare(a: list[float], b: list[float]) -> tuple[float, float, float, float, float, float]:
+    """(mean a, sd a, mean b, sd b, b - a, noise): noise = the standard error of the difference."""
+    (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
+    noise = math.sqrt((sa**2 + sb**2) / max(1, min(len(a), len(b))))
+    return ma, sa, mb, sb, mb - ma, noise
+
+
+def _directional(diff: float, noise: float, lower: bool) -> str:
+    if abs(diff) <= noise:
+        return "within noise"
+    return "holds" if (diff < 0) == lower else "does not hold"
+
+
+def claim_verdicts(stats: list[RunStats], arm: str, base: str = "ppo") -> list[tuple[str, str, str]]:
+    """(claim, numbers, verdict) of `arm` vs `base` from the per-arm means and the seed-to-seed
+    spread: holds / does not hold / within noise (|difference| <= its standard error), or
+    not applicable (both arms at exactly 0, e.g. hacked samples in a setting without an exploit)."""
+    A = [s for s in stats if s.arm == base]
+    B = [s for s in stats if s.arm == arm]
     out = []
     for claim, field, direction in CLAIMS:
-        a = [getattr(s, field) for s in stats if s.arm == "ppo"]
-        b = [getattr(s, field) for s in stats if s.arm == "pf_ppo"]
-        (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
-        noise = math.sqrt((sa**2 + sb**2) / max(1, min(len(a), len(b))))
-        diff = mb - ma
-        if direction == "not_lower":
-            ok = diff >= -noise
-            verdict = "holds" if ok else "does not hold"
-        else:
-            wanted = diff < 0 if direction == "lower" else diff > 0
-            if abs(diff) <= noise:
-                verdict = "not resolved (difference within seed noise)"
+        a, b = [_field(s, field) for s in A], [_field(s, field) for s in B]
+        ma, sa, mb, sb, diff, noise = _compare(a, b)
+        nums = f"{base} {ma:.4g} ± {sa:.2g} vs {arm} {mb:.4g} ± {sb:.2g}"
+        if direction == "lag_catch_up":
+            fa, fb = [s.reward_final for s in A], [s.reward_final for s in B]
+            _, _, _, _, fdiff, fnoise = _compare(fa, fb)
+            nums += f"; final reward diff {fdiff:+.3g} (noise {fnoise:.2g})"
+            if diff >= -noise:
+                verdict = "does not hold (no early lag)" if diff > noise else "within noise (no clear lag)"
             else:
-                verdict = "holds" if wanted else "opposite"
-        out.append((claim, f"ppo {ma:.4g} ± {sa:.2g} vs pf_ppo {mb:.4g} ± {sb:.2g}", verdict))
+                verdict = "holds" if fdiff >= -fnoise else "does not hold (lags and does not catch up)"
+        elif all(v == 0 for v in a + b):
+            verdict = "not applicable (0 in both)"
+        elif direction == "not_lower":
+            verdict = "holds" if diff >= -noise else "does not hold"
+            if diff > noise:
+                verdict = "holds (higher)"
+        else:
+            verdict = _directional(diff, noise, direction == "lower")
+        out.append((claim, nums, verdict))
     return out
+
+
+def failure_summary(stats: list[RunStats], arm: str = "ppo") -> str:
+    """One line: how the arm's runs moved from the start to the end (the 'PPO goes wrong' evidence)."""
+    runs = [s for s in stats if s.arm == arm]
+    if not runs:
+        return ""
+
+    def ms(f) -> str:
+        m, sd = _mean_sd([f(s) for s in runs])
+        return f"{m:+.3g} ± {sd:.2g}"
+
+    return (f"{arm} over {len(runs)} seeds: trained-on reward {ms(lambda s: s.reward_change)} (first -> last 10% of "
+            f"steps), held-out honest accuracy {ms(lambda s: s.honest_change)} (before -> after), response length "
+            f"{ms(lambda s: s.length_growth)} tokens, hacked fraction at the end {ms(lambda s: s.hacked_final)}, "
+            f"KL at the end {ms(lambda s: s.kl_final)}, largest value loss {ms(lambda s: s.value_loss_max)}")
 
 
 def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out: Path, *,
                  title: str, settings: str) -> Path:
-    lines = [f"# {title}", "", settings, "", "## Every run", "",
+    arms = list(dict.fromkeys(s.arm for s in stats))
+    lines = [f"# {title}", "", settings, "", "## What plain PPO did", "", failure_summary(stats), "",
+             "## Every run", "",
              "| arm | seed | " + " | ".join(label for _, label, _ in METRICS) + " |",
              "|---|---|" + "---|" * len(METRICS)]
     for s in stats:
-        lines.append(f"| {s.arm} | {s.seed} | " + " | ".join(f"{getattr(s, f):.4g}" for f, _, _ in METRICS) + " |")
-    lines += ["", "## Per arm (mean ± std over seeds)", "", "| metric | ppo | pf_ppo | better |", "|---|---|---|---|"]
+        lines.append(f"| {s.arm} | {s.seed} | " + " | ".join(f"{_field(s, f):.4g}" for f, _, _ in METRICS) + " |")
+    lines += ["", "## Per arm (mean ± std over seeds)", "",
+              "| metric | " + " | ".join(arms) + " | better |", "|---|" + "---|" * (len(arms) + 1)]
     for f, label, better in METRICS:
-        ma, sa = _mean_sd([getattr(s, f) for s in stats if s.arm == "ppo"])
-        mb, sb = _mean_sd([getattr(s, f) for s in stats if s.arm == "pf_ppo"])
-        lines.append(f"| {label} | {ma:.4g} ± {sa:.2g} | {mb:.4g} ± {sb:.2g} | {better} |")
-    lines += ["", "## The claims", "", "| claim | numbers | verdict |", "|---|---|---|"]
-    lines += [f"| {c} | {n} | {v} |" for c, n, v in claim_verdicts(stats)]
+        cells = [_mean_sd([_field(s, f) for s in stats if s.arm == arm]) for arm in arms]
+        lines.append(f"| {label} | " + " | ".join(f"{m:.4g} ± {sd:.2g}" for m, sd in cells) + f" | {better} |")
+    for arm in arms:
+        if arm == "ppo" or "ppo" not in arms:
+            continue
+        lines += ["", f"## The claims: {arm} vs ppo", "", "| claim | numbers | verdict |", "|---|---|---|"]
+        lines += [f"| {c} | {n} | {v} |" for c, n, v in claim_verdicts(stats, arm)]
     png = _plot(curves, out / "compare.png")
     lines += ["", f"![curves]({png.name})", ""]
     md = out / "report.md"
@@ -176,15 +303,19 @@ def _plot(curves: dict[str, list[list[dict]]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = (("kl/probe_k1", "KL(current || reference), on-policy probe"), ("reward/mean", "reward"),
-            ("eval/accuracy", "held-out accuracy (sampled)"), ("response/length_mean", "response length"))
+    keys = (("kl/probe_k1", "KL(current || reference), on-policy probe"), ("reward/mean", "trained-on reward"),
+            ("reward/honest", "honest score of training samples"),
+            ("eval/honest_accuracy", "held-out honest accuracy (sampled)"),
+            ("response/length_mean", "response length"))
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
-    colors = {"ppo": "tab:blue", "pf_ppo": "tab:orange"}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, label) in zip(axes, keys):
-        for arm, runs in curves.items():
+        for n, (arm, runs) in enumerate(curves.items()):
             for i, recs in enumerate(runs):
-                pts = [(r["step"], r[key]) for r in recs if key in r]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[arm], alpha=0.6,
+                k = key if any(key in r for r in recs) else {"reward/honest": "reward/mean",
+                                                              "eval/honest_accuracy": "eval/accuracy"}.get(key, key)
+                pts = [(r["step"], r[k]) for r in recs if k in r]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[n % len(colors)], alpha=0.6,
                         label=arm if i == 0 else None)
         ax.set_title(label)
         ax.set_xlabel("step")
@@ -196,7 +327,28 @@ def _plot(curves: dict[str, list[list[dict]]], path: Path) -> Path:
     return path
 
 
+def summary_table(per_setting: dict[str, list[RunStats]], arms: list[str]) -> list[str]:
+    """Markdown: one row per setting x claim, one verdict column per pool arm (vs ppo)."""
+    pools = [a for a in arms if a != "ppo"]
+    lines = ["| setting | claim | " + " | ".join(pools) + " |", "|---|---|" + "---|" * len(pools)]
+    for setting, stats in per_setting.items():
+        verdicts = {arm: claim_verdicts(stats, arm) for arm in pools}
+        for i, (claim, _, _) in enumerate(CLAIMS):
+            lines.append(f"| {setting} | {claim} | " + " | ".join(verdicts[a][i][2] for a in pools) + " |")
+    return lines
+
+
 # ----------------------------------------------------------------------------- driver
+
+
+def setting_files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.glob("*.yaml") if not f.name.startswith("_"))
+        if not files:
+            raise SystemExit(f"pfppo compare: {p} holds no *.yaml setting")
+        return files
+    return [p]
 
 
 def main(argv: list[str]) -> int:
@@ -204,46 +356,91 @@ def main(argv: list[str]) -> int:
     from pfppo_mega.trainer.loop import PPOTrainer
     from pfppo_mega.trainer.metrics import read_jsonl
 
-    ap = argparse.ArgumentParser(prog="pfppo compare", description=__doc__)
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*", help="key.path=value, applied to both arms")
+    ap = argparse.ArgumentParser(prog="pfppo compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="a config file (one setting) or a folder of them (one setting each)")
+    ap.add_argument("overrides", nargs="*", help="key.path=value, applied to every setting and arm")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="default: <logging.output_dir>_compare")
-    ap.add_argument("--early", type=int, default=30, help="steps counted as 'first steps'")
-    ap.add_argument("--kl-probe", type=int, default=128, help="prompts of the per-step on-policy KL probe")
+    ap.add_argument("--seed-start", type=int, default=1, help="first seed (seeds seed_start..+seeds-1)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--out", default=None, help="default: <logging.output_dir>_compare (one setting) or "
+                                                "runs/compare_<folder name> (a folder)")
+    ap.add_argument("--early", type=int, default=20, help="steps counted as 'first steps'")
+    ap.add_argument("--kl-probe", type=int, default=64, help="prompts of the per-step on-policy KL probe")
     ap.add_argument("--threshold", type=float, default=0.75, help="reward threshold for steps-to-threshold")
+    ap.add_argument("--only", default=None, help="with a folder: comma-separated setting names (file stems) to run")
+    ap.add_argument("--reuse", action="store_true", help="keep finished runs (summary.json present) instead of "
+                                                         "rerunning them")
     args = ap.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"--arms: {unknown} not among {list(ARMS)}")
 
-    base = load_config_cli("pfppo compare", args.config, args.overrides)  # exit 2 if bad
-    out = Path(args.out or f"{base.logging.output_dir}_compare")
-    out.mkdir(parents=True, exist_ok=True)
-    stats, curves = [], {arm: [] for arm in ARMS}
-    for seed in range(1, args.seeds + 1):
-        for arm in ARMS:
-            run_dir = out / arm / f"seed{seed}"
-            cfg = load_config(args.config, [*args.overrides, f"training.seed={seed}",
-                                            f"algorithm.use_pf_ppo={'true' if arm == 'pf_ppo' else 'false'}",
-                                            f"logging.output_dir={run_dir}", "checkpoint.resume=false",
-                                            f"logging.kl_probe_size={args.kl_probe}",
-                                            "checkpoint.export_hf=false", "logging.progress=false"])
-            if (run_dir / "metrics.jsonl").exists():
-                (run_dir / "metrics.jsonl").unlink()
-            print(f"[compare] {arm} seed {seed} -> {run_dir}", flush=True)
-            t0 = time.monotonic()
-            res = PPOTrainer(cfg, log=lambda *_: None).fit()
-            recs = read_jsonl(res.metrics_path)
-            stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,
-                                   wall_s=time.monotonic() - t0))
-            curves[arm].append(recs)
-            s = stats[-1]
-            print(f"[compare]   kl_slope {s.kl_slope_early:.2e} kl_osc {s.kl_oscillation:.4f} "
-                  f"reward_rough {s.reward_smoothness:.4f} eval {s.eval_accuracy:.3f} ({s.wall_s:.0f}s)", flush=True)
-    p = base.algorithm.pool
-    settings = (f"Config `{args.config}` {' '.join(args.overrides)}; {base.training.total_training_steps} steps, "
-                f"seeds 1..{args.seeds}; pf_ppo arm: pool_size {p.pool_size}, snapshot_interval "
-                f"{p.snapshot_interval}, sampling {p.sampling}, is_mode {p.is_mode}, is_clip {p.is_clip}. "
-                f"'First steps' = {args.early}; reward threshold {args.threshold}.")
-    md = write_report(stats, curves, out, title="PF-PPO pool off vs on", settings=settings)
-    print(md.read_text())
-    print(f"[compare] report: {md}")
+    files = setting_files(args.config)
+    if args.only:
+        keep = set(args.only.split(","))
+        if keep - {f.stem for f in files}:
+            ap.error(f"--only: {sorted(keep - {f.stem for f in files})} not among {[f.stem for f in files]}")
+        files = [f for f in files if f.stem in keep]
+    folder = len(files) > 1 or Path(args.config).is_dir()
+    bases = {f.stem: load_config_cli("pfppo compare", str(f), args.overrides) for f in files}  # exit 2 if bad
+    first = next(iter(bases.values()))
+    root = Path(args.out or (f"runs/compare_{Path(args.config).name}" if folder
+                             else f"{first.logging.output_dir}_compare"))
+    root.mkdir(parents=True, exist_ok=True)
+    per_setting: dict[str, list[RunStats]] = {}
+    for f in files:
+        name, base = f.stem, bases[f.stem]
+        out = root / name if folder else root
+        out.mkdir(parents=True, exist_ok=True)
+        stats, curves = [], {arm: [] for arm in arms}
+        for seed in range(args.seed_start, args.seed_start + args.seeds):
+            for arm in arms:
+                run_dir = out / arm / f"seed{seed}"
+                metrics = run_dir / "metrics.jsonl"
+                t0 = time.monotonic()
+                if args.reuse and (run_dir / "summary.json").is_file() and metrics.is_file():
+                    wall = json.loads((run_dir / "summary.json").read_text()).get("wall_s", 0.0)
+                    print(f"[compare] {name} {arm} seed {seed}: reusing {run_dir}", flush=True)
+                else:
+                    cfg = load_config(str(f), [*args.overrides, f"training.seed={seed}", *ARMS[arm],
+                                               f"logging.output_dir={run_dir}", "checkpoint.resume=false",
+                                               f"logging.kl_probe_size={args.kl_probe}",
+                                               "checkpoint.export_hf=false", "logging.progress=false"])
+                    for stale in (metrics, run_dir / "summary.json"):
+                        if stale.exists():
+                            stale.unlink()
+                    print(f"[compare] {name} {arm} seed {seed} -> {run_dir}", flush=True)
+                    PPOTrainer(cfg, log=lambda *_: None).fit()
+                    wall = time.monotonic() - t0
+                recs = read_jsonl(metrics)
+                stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,
+                                       wall_s=wall, setting=name))
+                curves[arm].append(recs)
+                s = stats[-1]
+                print(f"[compare]   reward {s.reward_first:.3f}->{s.reward_final:.3f} honest {s.honest_first:.3f}->"
+                      f"{s.honest_final:.3f} length {s.length_first:.1f}->{s.length_final:.1f} hacked "
+                      f"{s.hacked_final:.2f} kl_final {s.kl_final:.3f} spikes {s.kl_spikes} ({s.wall_s:.0f}s)",
+                      flush=True)
+        p = base.algorithm.pool
+        sh = base.reward.shaping
+        desc = (f"Setting `{f}` (reward.shaping.kind {sh.kind}) {' '.join(args.overrides)}; "
+                f"{base.training.total_training_steps} steps, seeds {args.seed_start}.."
+                f"{args.seed_start + args.seeds - 1}; arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms)
+                + f". 'First steps' = {args.early}; reward threshold {args.threshold}; the config's own pool "
+                  f"(pool_size {p.pool_size}, is_mode {p.is_mode}, is_clip {p.is_clip}) fills what an arm leaves.")
+        md = write_report(stats, curves, out, title=f"PPO vs PF-PPO pool arms: {name}", settings=desc)
+        print(md.read_text())
+        print(f"[compare] report: {md}")
+        per_setting[name] = stats
+    if folder:
+        lines = ["# PPO vs PF-PPO over the settings", "", f"`pfppo compare {args.config} --seeds {args.seeds} "
+                 f"--arms {','.join(arms)}`; per setting: {root}/<setting>/report.md", "",
+                 "## What plain PPO did", ""]
+        lines += [f"- **{n}**: {failure_summary(st)}" for n, st in per_setting.items()]
+        lines += ["", "## Claims (each pool arm vs ppo)", ""] + summary_table(per_setting, arms)
+        (root / "summary.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        print(f"[compare] summary: {root / 'summary.md'}")
     return 0

@@ -21,14 +21,24 @@ def build_reward_fn(cfg, *, log: Callable[[str], None] = print):
 
 def _scorer(cfg, log: Callable[[str], None]):
     """From the whole Config: the custom function when reward.custom_function.path is set, else
-    the built-in task's verifier (data.source = task), else the rule-based registry."""
+    the built-in task's verifier (data.source = task), else the rule-based registry; wrapped in
+    reward.shaping (rewards/shaping.py) when its kind is not none (the wrapped function's score is
+    then logged apart as the honest metric: reward/honest, eval/honest_accuracy)."""
     cf = cfg.reward.custom_function
     if cf.path is not None:
         from pfppo_mega.rewards.custom import CustomReward
-        return CustomReward(cf.path, cf.name, num_workers=cfg.reward.num_workers,
+        base = CustomReward(cf.path, cf.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s, log=log)
-    if cfg.data.source == "task":
+    elif cfg.data.source == "task":
         from pfppo_mega.tasks.addition import AdditionReward, AdditionTask
-        return AdditionReward(AdditionTask(cfg.data.num_digits), log=log)
-    from pfppo_mega.rewards.base import RuleReward
-    return RuleReward(default_scorer=cfg.reward.default_scorer, log=log)
+        base = AdditionReward(AdditionTask(cfg.data.num_digits), log=log)
+    else:
+        from pfppo_mega.rewards.base import RuleReward
+        base = RuleReward(default_scorer=cfg.reward.default_scorer, log=log)
+    sh = cfg.reward.shaping
+    if sh.kind == "none":
+        return base
+    from pfppo_mega.rewards.shaping import ShapedReward
+    return ShapedReward(base, kind=sh.kind, length_bonus=sh.length_bonus, phrase=sh.phrase,
+                        phrase_score=sh.phrase_score, flip_rate=sh.flip_rate, scale=sh.scale,
+                        seed=cfg.training.seed)

@@ -68,11 +68,15 @@ class ScoredBatch:
     n_bad_rewards: int                 # NaN / inf rewards replaced by 0 (guarded, counted)
     n_reward_errors: int = 0           # reward calls that raised / returned None, scored 0 (counted)
     n_reward_timeouts: int = 0         # reward calls past reward.timeout_s, scored 0 (counted)
+    honest: torch.Tensor | None = None  # [B] the honest metric when reward.shaping wraps it (else None)
+    hacked: torch.Tensor | None = None  # [B] bool, the shaping's exploit paid beyond the honest score
 
     def select(self, idx: list[int]) -> "ScoredBatch":
-        t = torch.tensor(idx, dtype=torch.long)
+        t = torch.tensor(idx, dtype=torch.long, device=self.scores.device)
         return ScoredBatch(self.rollout.select(idx), self.raw_scores[t], self.scores[t], self.n_bad_rewards,
-                           self.n_reward_errors, self.n_reward_timeouts)
+                           self.n_reward_errors, self.n_reward_timeouts,
+                           None if self.honest is None else self.honest[t],
+                           None if self.hacked is None else self.hacked[t])
 
 
 @dataclass

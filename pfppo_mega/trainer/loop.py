@@ -39,12 +39,14 @@ from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, PreparedBatch, RolloutBatch, ScoredBatch,
                                       concat_rollouts, pack)
 from pfppo_mega.trainer.metrics import (MetricsLogger, aggregate_rank_metrics, plot_curves, quantiles, read_jsonl,
-                                        repetition_rate)
+                                        repetition_rate, truncate_jsonl)
 from pfppo_mega.types import PromptSource, RewardFn, Sample
 from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, choose_policy_loss,
                                             get_policy_loss)
 from pfppo_mega.trainer.engine_sync import EngineSetupError, EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.seeds import stream_seed
+from pfppo_mega.trainer.value_guard import ValueLossGuard, pre_update_value_loss
+from pfppo_mega.trainer import worst_samples
 
 
 class SetupError(RuntimeError):
@@ -224,7 +226,8 @@ class PPOTrainer:
         self.assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
         self.step = 0
         self.guards = {"bad_rewards": 0, "reward_errors": 0, "reward_timeouts": 0, "skipped_updates": 0,
-                       "corrupt_snapshots": 0}
+                       "corrupt_snapshots": 0, "value_loss_spikes": 0}
+        self.value_guard = ValueLossGuard(cfg.training.value_loss_spike_factor)
         self.consecutive_skips = {"actor": 0, "critic": 0}  # optimizer updates skipped in a row, per model
         a = cfg.algorithm
         self.policy_loss_name = choose_policy_loss(use_pool=a.use_pf_ppo, is_mode=a.pool.is_mode)
@@ -335,7 +338,8 @@ class PPOTrainer:
         scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip, gather=self.dp_gather)
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
         return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
-                           n_reward_errors=guarded.errors, n_reward_timeouts=guarded.timeouts)
+                           n_reward_errors=guarded.errors, n_reward_timeouts=guarded.timeouts,
+                           honest=guarded.honest, hacked=guarded.hacked)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
         """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
@@ -410,11 +414,17 @@ class PPOTrainer:
         B = eb.advantages.shape[0]
         stats: dict[str, list[float]] = {}
         train_actor = self.step >= t.critic_warmup_steps
+        # value-loss spike guard (trainer/value_guard.py): judged on the loss before any update
+        vl_pre = pre_update_value_loss(eb.old_values, eb.returns, eb.inputs.response_mask, reduce_sum=self.dp_sum)
+        train_critic = not self.value_guard.is_spike(vl_pre)
+        if not train_critic:
+            self.guards["value_loss_spikes"] += 1
+        stats["critic/value_loss_pre"] = [vl_pre]
         g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=self.step))
         for _ in range(a.ppo_epochs):
             for idx in torch.randperm(B, generator=g).split(t.batch_size // self.parallel.dp):
                 mb = eb.select(idx)
-                for k, v in self._critic_step(mb).items():
+                for k, v in (self._critic_step(mb) if train_critic else {}).items():
                     stats.setdefault(k, []).append(v)
                 if train_actor:
                     for k, v in self._actor_step(mb).items():
@@ -528,6 +538,10 @@ class PPOTrainer:
             self.guards["reward_errors"] += guarded.errors
             self.guards["reward_timeouts"] += guarded.timeouts
             out[key] = float(guarded.scores.double().sum()) / len(self.eval_samples)
+            suffix = key.split("/", 1)[1].removeprefix("accuracy")  # "" or "_greedy"
+            if guarded.honest is not None:  # reward.shaping: the honest metric apart from the trained-on
+                out[f"eval/honest_accuracy{suffix}"] = float(guarded.honest.double().sum()) / len(self.eval_samples)
+            out[f"eval/length_mean{suffix}"] = float(gen.lengths.double().mean())
             for ds in sources:  # per data_source: eval/<data_source>/accuracy[_greedy]
                 rows = [i for i, s in enumerate(self.eval_samples) if s.data_source == ds]
                 out[f"eval/{ds}/{key.split('/', 1)[1]}"] = float(guarded.scores[rows].double().mean())
@@ -578,7 +592,26 @@ class PPOTrainer:
         metrics.update(probe)
         if self.pool is not None:
             metrics.update(self._pool_metrics(scored, sb, eb))
+        if self.is_logger and self.cfg.logging.worst_samples:
+            self._dump_worst(scored)
         return self._aggregate_over_dp(metrics)
+
+    def _dump_worst(self, sb: ScoredBatch) -> None:
+        """The step's longest, most repetitive and highest-reward samples -> samples_worst.jsonl
+        (trainer/worst_samples.py; rank 0's rows)."""
+        rb = sb.rollout
+        lengths = [int(v) for v in rb.response_mask.sum(1).tolist()]
+        rep = [repetition_rate(r[:n].tolist()) for r, n in zip(rb.responses, lengths)]
+        rewards = sb.raw_scores.tolist()
+        honest = None if sb.honest is None else sb.honest.tolist()
+        recs = [worst_samples.WorstSample(
+            step=self.step, kind=kind, rank=rank, row=rb.samples[i].row, prompt=rb.samples[i].prompt_text,
+            text=rb.texts[i], length=lengths[i], repetition=round(rep[i], 4), reward=rewards[i],
+            honest=None if honest is None else honest[i], finished=bool(rb.finished[i]),
+            version=int(rb.versions[i]))
+            for kind, rank, i in worst_samples.pick_worst(lengths, rep, rewards, self.cfg.logging.worst_samples)]
+        worst_samples.append(self.out_dir / worst_samples.FILE, recs)
+
 
     def _add_guard_counts(self, scored: ScoredBatch, *, corrupt: int) -> None:
         """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
@@ -619,7 +652,9 @@ class PPOTrainer:
         for rank, version in enumerate(sorted(set(versions.tolist()), reverse=True)):
             rows = versions == version
             st = per.get(version)  # None when filtration resampled none of its rows
-            self.pool.record_samples(version, scored.raw_scores[rows],
+            signal = (scored.honest if a.pool.reward_signal == "honest" and scored.honest is not None
+                      else scored.raw_scores)
+            self.pool.record_samples(version, signal[rows],
                                      kl_to_current=None if st is None else st.kl_to_current,
                                      current_version=current)
             out[f"pool/snap{rank}/age"] = float(current - version)
@@ -651,6 +686,7 @@ class PPOTrainer:
             "reward/mean": raw.mean().item(), "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
             **{f"reward/{k}": v for k, v in quantiles(raw).items()},
             "reward/scaled_mean": sb.scores.mean().item(),
+            **self._honest_metrics(sb),
             "kl/ref_mean": ppo.masked_mean(eb.kl_ref, m).item(), "kl/ref_k1": k1, "kl/ref_k1_current": kl_cur,
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
             "response/finished_frac": rb.finished.float().mean().item(),
@@ -664,11 +700,23 @@ class PPOTrainer:
             "guard/reward_errors": float(self.guards["reward_errors"]),
             "guard/reward_timeouts": float(self.guards["reward_timeouts"]),
             "guard/skipped_updates": float(self.guards["skipped_updates"]),
+            "guard/value_loss_spikes": float(self.guards["value_loss_spikes"]),
             "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
             **upd,
         }
         return metrics
+
+    @staticmethod
+    def _honest_metrics(sb: ScoredBatch) -> dict[str, float]:
+        """reward/honest (the honest metric, apart from the trained-on reward/mean) and
+        reward/hacked_frac, when the reward function reports them (rewards/shaping.py)."""
+        out = {}
+        if sb.honest is not None:
+            out["reward/honest"] = sb.honest.double().mean().item()
+        if sb.hacked is not None:
+            out["reward/hacked_frac"] = sb.hacked.double().mean().item()
+        return out
 
     @staticmethod
     def _logp_gap(eb: ExperienceBatch) -> dict[str, float]:
@@ -688,6 +736,8 @@ class PPOTrainer:
         total = cfg.training.total_training_steps
         if self.is_logger:
             (self.out_dir / "config.yaml").write_text(dump_yaml(cfg))
+            # like metrics.jsonl: records after the step this run starts at are dropped
+            truncate_jsonl(self.out_dir / worst_samples.FILE, keep_through_step=self.step if self.step > 0 else -1)
         logger = MetricsLogger(self.out_dir, tensorboard=cfg.logging.tensorboard and self.is_logger,
                                progress=cfg.logging.progress and self.is_logger, total_steps=total,
                                enabled=self.is_logger, start_step=self.step)

@@ -1,0 +1,112 @@
+"""`pfppo compare`: run statistics from metric records, the per-claim verdicts of each pool arm vs
+PPO, the cross-setting summary, and the arm registry (pure: no training here)."""
+
+import math
+
+import pytest
+
+from pfppo_mega.config import load_config
+from pfppo_mega.experiments import compare as C
+
+
+def _records(steps=20, *, reward=lambda s: 0.5, honest=None, length=lambda s: 3.0, kl=lambda s: 0.01 * s,
+             hacked=None, evals=((0, 0.5), (20, 0.5))):
+    recs = []
+    for step, acc in evals:
+        if step == 0:
+            recs.append({"step": 0, "eval/accuracy": acc, "eval/accuracy_greedy": acc,
+                         **({"eval/honest_accuracy": acc, "eval/honest_accuracy_greedy": acc} if honest else {})})
+    for s in range(1, steps + 1):
+        r = {"step": s, "reward/mean": reward(s), "response/length_mean": length(s), "kl/probe_k1": kl(s),
+             "kl/ref_mean": kl(s), "critic/value_loss": 0.1}
+        if honest:
+            r["reward/honest"] = honest(s)
+        if hacked:
+            r["reward/hacked_frac"] = hacked(s)
+        recs.append(r)
+    for step, acc in evals:
+        if step > 0:
+            recs[-1].update({"eval/accuracy": 2 * acc, "eval/accuracy_greedy": 2 * acc,
+                             **({"eval/honest_accuracy": acc, "eval/honest_accuracy_greedy": acc} if honest else {})})
+    return recs
+
+
+def test_run_stats_reads_the_honest_metric_apart_from_the_trained_on_reward():
+    recs = _records(reward=lambda s: 1.0 + 0.1 * s, honest=lambda s: 0.5 - 0.02 * s, length=lambda s: 3 + 0.2 * s,
+                    hacked=lambda s: 0.04 * s, evals=((0, 0.6), (20, 0.1)))
+    s = C.run_stats("ppo", 1, recs, early=5, threshold=0.75, wall_s=1.0, setting="length_bias")
+    assert s.honest_first == 0.6 and s.honest_final == 0.1        # eval/honest_accuracy, not eval/accuracy
+    assert s.reward_first == pytest.approx(1.15) and s.reward_final == pytest.approx(2.95)
+    assert s.length_growth == pytest.approx(3.6) and s.hacked_final == pytest.approx(0.78)
+    assert s.honest_train_final == pytest.approx(0.5 - 0.02 * 19.5)
+    # a run without the honest keys falls back on the trained-on reward (it is then the honest one)
+    plain = C.run_stats("ppo", 1, _records(), early=5, threshold=0.75, wall_s=1.0)
+    assert plain.honest_first == 0.5 and plain.honest_final == 1.0 and plain.hacked_final == 0.0
+
+
+def _stats(arm, vals, **fixed):
+    base = dict(setting="x", kl_slope_early=0.0, kl_oscillation=0.0, kl_spikes=0, kl_final=0.0,
+                reward_smoothness=0.0, reward_early=0.5, reward_first=0.5, reward_final=0.5, steps_to_threshold=-1,
+                honest_first=0.5, honest_final=0.5, honest_final_greedy=0.5, honest_train_final=0.5,
+                hacked_final=0.0, length_first=3.0, length_final=3.0, length_std=0.0, value_loss_max=0.1, wall_s=1.0)
+    out = []
+    for seed, v in enumerate(vals, 1):
+        d = dict(base, **fixed)
+        d.update(v)
+        out.append(C.RunStats(arm=arm, seed=seed, **d))
+    return out
+
+
+def _verdicts(stats, arm):
+    return {claim: verdict for claim, _, verdict in C.claim_verdicts(stats, arm)}
+
+
+def test_claims_hold_do_not_hold_or_stay_within_noise():
+    ppo = _stats("ppo", [dict(hacked_final=0.8, length_final=9.0, honest_final=0.1, kl_spikes=5, reward_early=0.9),
+                         dict(hacked_final=0.7, length_final=8.5, honest_final=0.15, kl_spikes=6, reward_early=0.9),
+                         dict(hacked_final=0.9, length_final=9.5, honest_final=0.05, kl_spikes=5, reward_early=0.9)])
+    pool = _stats("pf", [dict(hacked_final=0.1, length_final=3.5, honest_final=0.4, kl_spikes=5, reward_early=0.5,
+                              reward_final=0.5),
+                         dict(hacked_final=0.2, length_final=3.0, honest_final=0.45, kl_spikes=6, reward_early=0.5,
+                              reward_final=0.5),
+                         dict(hacked_final=0.1, length_final=4.0, honest_final=0.5, kl_spikes=6, reward_early=0.5,
+                              reward_final=0.5)])
+    v = _verdicts(ppo + pool, "pf")
+    assert v["reward hacking is suppressed (fewer hacked samples)"] == "holds"
+    assert v["length collapse is suppressed (less length growth)"] == "holds"
+    assert v["the honest metric is not lower"] == "holds (higher)"
+    assert v["fewer KL spikes with the pool"] == "within noise"
+    assert v["early reward lags, then catches up"] == "holds"    # lower early, same final
+    assert v["reward is smoother with the pool"] == "not applicable (0 in both)"
+    worse = _stats("pf", [dict(honest_final=0.0, length_final=12.0, reward_early=0.5, reward_final=0.1)] * 3)
+    v = _verdicts(ppo + worse, "pf")
+    assert v["the honest metric is not lower"] == "does not hold"
+    assert v["length collapse is suppressed (less length growth)"] == "does not hold"
+    assert v["early reward lags, then catches up"].startswith("does not hold (lags and does not catch up)")
+
+
+def test_failure_summary_and_cross_setting_table():
+    ppo = _stats("ppo", [dict(reward_final=2.0, honest_final=0.1, length_final=9.0)] * 3)
+    pool = _stats("pf", [dict(reward_final=1.0, honest_final=0.4, length_final=4.0)] * 3)
+    line = C.failure_summary(ppo + pool)
+    assert "trained-on reward +1.5" in line and "honest accuracy -0.4" in line and "length +6" in line
+    table = C.summary_table({"length_bias": ppo + pool}, ["ppo", "pf"])
+    assert len(table) == 2 + len(C.CLAIMS) and "| length_bias | the honest metric is not lower | holds (higher) |" in table
+
+
+def test_every_arm_is_a_valid_override_set_and_the_settings_folder_loads():
+    files = C.setting_files("configs/experiments")
+    assert {f.stem for f in files} >= {"control", "length_bias", "phrase_exploit", "noisy", "scaled"}
+    for f in files:
+        for arm, overrides in C.ARMS.items():
+            cfg = load_config(str(f), list(overrides))
+            assert cfg.algorithm.use_pf_ppo == (arm != "ppo"), (f, arm)
+    kinds = {f.stem: load_config(str(f), []).reward.shaping.kind for f in files}
+    assert kinds["control"] == "none" and kinds["scaled"] == "scaled"
+
+
+def test_statistics_helpers():
+    assert C.slope([0.0, 1.0, 2.0]) == pytest.approx(1.0)
+    assert C.count_spikes([0.0, 0.0, 0.01, 0.5, 0.5]) == 1
+    assert C.first_reaching([0.0] * 5 + [1.0] * 10, 0.5, window=4) == 7
+    assert math.isnan(C._mean_sd([float("nan")])[0])
