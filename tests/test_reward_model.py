@@ -307,3 +307,42 @@ def test_ppo_steps_with_a_reward_model(world, setup, tmp_path):
         assert all(r["guard/reward_errors"] == 0 and r["guard/bad_rewards"] == 0 for r in steps)
     finally:
         tr.reward_fn.close()
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+
+def test_plan_counts_the_reward_model_weights(tmp_path, capsys):
+    """`pfppo plan` with reward.model_path: each training-phase stage holds 2 B x the reward model's
+    params on that rank (the critic's layout: trunk + [1, H] head) more, counted as a trainer state
+    (it stays beside the engine without offload); a model the layout cannot split is refused."""
+    from pfppo_mega.config.loader import load_config
+    from pfppo_mega.planning.cli import main as plan_main, reward_model_shape
+    from pfppo_mega.planning.memory import BYTES_WEIGHT, Hardware, Knobs, RunShape, make_plan
+    from pfppo_mega.planning.shapes import stage_param_count
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "70b_llama33_pfppo.yaml"
+    rm = tmp_path / "rm8b"
+    rm.mkdir()
+    hf = {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "hidden_size": 4096,
+          "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "id2label": {"0": "LABEL_0"}}
+    (rm / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(config, [f"reward.model_path={rm}"])
+    shape, line = reward_model_shape(cfg)
+    assert "reward model: llama" in line and "7,504,928,768 params" in line  # 8B trunk without LM head + [1, H]
+    hw, knobs = Hardware.preset("h200", nodes=8, gpus_per_node=8), Knobs()
+    without = make_plan(RunShape.from_config(cfg), hw, knobs)
+    with_rm = make_plan(RunShape.from_config(cfg, None, shape), hw, knobs)
+    lay = with_rm.layout
+    for k, (a, b) in enumerate(zip(without.stages, with_rm.stages)):
+        extra = BYTES_WEIGHT * stage_param_count(shape, lay.tp, lay.pp, k, "value")
+        assert b.train.total - a.train.total == extra > 0
+        assert [c.name for c in b.train.components if c.name.startswith("reward model")] == ["reward model weights (bf16)"]
+    assert plan_main([str(config), f"reward.model_path={rm}", "--gpu", "h200"]) in (0, 2)
+    assert "reward model: llama from" in capsys.readouterr().out
+    (rm / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 31}))  # 31 layers over pp 2
+    odd, _ = reward_model_shape(load_config(config, [f"reward.model_path={rm}"]))
+    with pytest.raises(ValueError, match="does not divide the reward model"):
+        make_plan(RunShape.from_config(cfg, None, odd), hw, knobs)

@@ -23,6 +23,7 @@ from pathlib import Path
 from pfppo_mega.planning.memory import (
     GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
 )
+from pfppo_mega.planning.shapes import ModelShape, total_param_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,6 +140,25 @@ def checkpoint_architecture(cfg):
     return arch, f"family: {arch.family} from {path}/config.json ({arch})"
 
 
+def reward_model_shape(cfg):
+    """(ModelShape, source line) of ``reward.model_path``'s config.json when it is on this machine;
+    (None, line) without a reward model, or with one whose config.json is elsewhere (then not counted)."""
+    path = cfg.reward.model_path
+    if path is None:
+        return None, None
+    if not (Path(path) / "config.json").is_file():
+        return None, f"reward model: {path!r} has no config.json here: its weights are NOT counted"
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.families import architecture_from_hf
+    from pfppo_mega.models.hf_io import model_config_from_hf, read_hf_config
+
+    hf = read_hf_config(path)
+    arch = architecture_from_hf(hf)
+    shape = ModelShape.from_model_config(model_config_from_hf(hf, ModelConfig()), arch)
+    return shape, (f"reward model: {arch.family} from {path}/config.json, {total_param_count(shape, 'value'):,} "
+                   f"params (bf16 weights on the actor's ranks)")
+
+
 def main(argv: list[str]) -> int:
     ap = build_parser()
     try:
@@ -172,7 +192,8 @@ def main(argv: list[str]) -> int:
         hw = Hardware.preset(args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
         arch, arch_line = checkpoint_architecture(cfg)
-        plan = make_plan(RunShape.from_config(cfg, arch), hw, knobs)
+        rm_shape, rm_line = reward_model_shape(cfg)
+        plan = make_plan(RunShape.from_config(cfg, arch, rm_shape), hw, knobs)
         ranks = _ranks(args.dry_run_rank, hw.world_size)
     except ValueError as e:
         print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
@@ -180,6 +201,8 @@ def main(argv: list[str]) -> int:
 
     print(format_plan(plan, args.config))
     print(arch_line)
+    if rm_line:
+        print(rm_line)
     report = plan.to_json()
     status = 0 if plan.fits() else 2
     if ranks:

@@ -4,8 +4,8 @@ What lives where (the colocation this planner assumes, as verl's "hybrid engine"
 GPU of the job holds a shard of each of the four models and the run alternates two phases.
 
 - Training phase (reference / critic forwards, actor and critic updates): the actor and critic
-  train states (bf16 weights, fp32 grads, fp32 Adam states), the reference policy's bf16 weights,
-  all in the megatron layout tp x pp x dp; the activations of the one update running (the actor's
+  train states (bf16 weights, fp32 grads, fp32 Adam states), the reference policy's bf16 weights
+  and a reward model's (``reward.model_path``, scalar head), all in the megatron layout tp x pp x dp; the activations of the one update running (the actor's
   and the critic's updates are sequential, so the larger counts). The rollout engine sleeps:
   KV cache freed and weights discarded (vLLM sleep level 2); the next weight sync refills them.
 - Rollout phase: the rollout engine, one replica per ``rollout_tp`` GPUs (default: one node),
@@ -159,11 +159,13 @@ class RunShape:
     use_pf_ppo: bool
     pool_size: int
     reference: bool              # a reference policy is kept (kl_coeff > 0)
+    reward_model: Optional[ModelShape] = None  # reward.model_path's shape: forward-only weights on the actor's ranks
 
     @classmethod
-    def from_config(cls, cfg, arch=None) -> "RunShape":
+    def from_config(cls, cfg, arch=None, reward_model: Optional[ModelShape] = None) -> "RunShape":
         """From a ``pfppo_mega.config.Config`` and the checkpoint's ``pfppo_mega.families.Architecture``
-        (head_dim, q/k norms; None: Llama shaped by the config alone)."""
+        (head_dim, q/k norms; None: Llama shaped by the config alone). ``reward_model``: the shape
+        of reward.model_path's checkpoint (None: no reward model, or none to read here)."""
         m = cfg.model
         return cls(
             model=ModelShape.from_model_config(m, arch),
@@ -180,6 +182,7 @@ class RunShape:
             use_pf_ppo=cfg.algorithm.use_pf_ppo,
             pool_size=cfg.algorithm.pool.pool_size,
             reference=cfg.algorithm.kl_coeff > 0,
+            reward_model=reward_model,
         )
 
 
@@ -431,6 +434,9 @@ def _check_inputs(run: RunShape, hw: Hardware, knobs: Knobs) -> tuple[Layout, in
     shape_errors = layout_problems(sh, layout)
     if shape_errors:
         raise ValueError("layout does not divide the model: " + "; ".join(shape_errors))
+    rm_errors = [] if run.reward_model is None else layout_problems(run.reward_model, layout)
+    if rm_errors:  # it is built on the actor's ranks with the actor's layout
+        raise ValueError("layout does not divide the reward model (reward.model_path): " + "; ".join(rm_errors))
     if knobs.micro_batch is not None and knobs.micro_batch < 1:
         raise ValueError(f"micro_batch({knobs.micro_batch}) must be >= 1")
     for key, value, allowed in (("recompute", knobs.recompute, RECOMPUTE), ("layer", knobs.layer, LAYERS),
@@ -445,7 +451,7 @@ def _check_inputs(run: RunShape, hw: Hardware, knobs: Knobs) -> tuple[Layout, in
 
 
 def _is_trainer_state(c: Component) -> bool:
-    return c.name.startswith(("actor", "critic", "reference"))
+    return c.name.startswith(("actor", "critic", "reference", "reward model"))
 
 
 def _training_phase(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, b: int, m: int,
@@ -460,6 +466,10 @@ def _training_phase(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, b
         if run.reference:
             comps.append(Component("reference weights (bf16)", BYTES_WEIGHT * na,
                                    "2 B x actor params on this rank (forward only)"))
+        if run.reward_model is not None:  # scalar head, same layout as the actor (rewards/model.py)
+            nr = stage_param_count(run.reward_model, layout.tp, layout.pp, k, "value")
+            comps.append(Component("reward model weights (bf16)", BYTES_WEIGHT * nr,
+                                   "2 B x reward-model params on this rank (forward only)"))
         act_a, f_a = _activations(run, knobs, layout, k, b, m, logits=True)
         act_c, f_c = _activations(run, knobs, layout, k, b, m, logits=False)
         which, act, formula = ("actor", act_a, f_a) if act_a >= act_c else ("critic", act_c, f_c)
