@@ -272,6 +272,17 @@ def test_bad_reward_models_are_refused_at_start_by_name(world, setup, tmp_path):
         print(f"[refused {case}] {msg[:160]}")
 
 
+def test_pfppo_train_refuses_another_vocabulary_without_a_traceback(world, setup, tmp_path, capsys):
+    from pfppo_mega.cli import _train
+
+    p = _copy(setup[2], tmp_path / "vocab")
+    _edit_config(p, vocab_size=setup[3].vocab_size + 7)
+    assert _train(_cfg(setup, tmp_path / "out", reward={"model_path": str(p)})) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pfppo: cannot start: the reward model's vocabulary differs from the policy's") \
+        and "Traceback" not in err and f"vocab_size = {setup[3].vocab_size + 7}" in err
+
+
 def test_a_context_shorter_than_prompt_plus_response_is_refused(world, setup, tmp_path):
     p = _copy(setup[2], tmp_path / "short")
     _edit_config(p, max_position_embeddings=64)
