@@ -163,3 +163,24 @@ def test_value_guard_skips_the_critic_update_and_counts_it(sft_dir, tmp_path):
     tr.value_guard.history.clear()  # too little history for a verdict: the critic updates
     m = tr.train_step()
     assert m["guard/value_loss_spikes"] == 1.0 and "critic/value_loss" in m
+
+
+def test_doctor_quotes_the_dumped_samples_of_a_kl_spike_step(tmp_path):
+    from pfppo_mega.doctor.report import diagnose, read_run, to_json
+
+    recs = [{"step": s, "kl/ref_mean": 0.02 + 0.001 * (s % 3), "reward/mean": 0.5} for s in range(1, 21)]
+    recs[11]["kl/ref_mean"] = 0.5                                    # step 12: a spike
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    dumps = [worst_samples.WorstSample(step=12, kind=k, rank=0, row="addition 12+34=", prompt="12+34=",
+                                       text="4699999999", length=10, repetition=0.75, reward=3.0, honest=0.0,
+                                       finished=False, version=11) for k in worst_samples.KINDS]
+    worst_samples.append(tmp_path / worst_samples.FILE, dumps)
+    run = read_run(tmp_path)
+    rule = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "kl_spike")
+    assert rule["status"] == "finding" and rule["steps"] == [12]
+    quoted = [e for e in rule["evidence"] if e.startswith("samples at step 12:")]
+    assert len(quoted) == 1 and "longest 12+34='4699999999' (length 10, repetition 0.75, reward 3" in quoted[0]
+    assert "honest 0, version 11" in quoted[0]
+    (tmp_path / worst_samples.FILE).unlink()  # without the dump: the evidence is the metrics alone
+    rule = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "kl_spike")
+    assert not any(e.startswith("samples at step") for e in rule["evidence"])
