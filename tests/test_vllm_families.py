@@ -5,7 +5,8 @@ tests/vllm_families_run.py): Llama (plain RoPE), Llama with llama3 RoPE scaling 
 tokens, original context 24), Llama with linear RoPE scaling (tied), Qwen2 (q/k/v biases, tied),
 Qwen3 (q/k RMSNorm, head_dim 32 != 64 / 4, tied), Mistral (head_dim 32 != 96 / 4, no sliding
 window). Each engine is started from checkpoint A and then refitted, by EngineSync.refit_live
-from a megatron actor holding checkpoint B: what it generates must be B's distribution.
+from a megatron actor holding checkpoint B: what it generates must be B's distribution. Last, the
+PPO trainer itself runs two steps with ``actor_rollout.engine: vllm`` on a tied Qwen3.
 
 All families run in one subprocess (vLLM's in-process distributed state is process-global and
 must not meet the megatron worlds other test modules create here); its figures are checked here.
@@ -39,7 +40,7 @@ def results(tmp_path_factory) -> dict:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
-    print(f"\n[vllm families] {len(FAMILIES)} families in {data['_total_s']:.0f} s (after imports)")
+    print(f"\n[vllm families] {len(FAMILIES)} families and the trainer in {data['_total_s']:.0f} s (after imports)")
     return data
 
 
@@ -125,3 +126,15 @@ def test_unsupported_checkpoint_is_refused_before_vllm_starts(tmp_path, change, 
         pytest.skip(rvllm.unavailable_reason())
     with pytest.raises(CheckpointError, match=key.replace("(", r"\(")):
         rvllm.VLLMEngine(tmp_path, pad_token_id=0)
+
+
+@NEEDS_VLLM
+def test_trainer_with_vllm_engine_on_tied_qwen3(results):
+    """The PPO trainer with actor_rollout.engine: vllm on a tied Qwen3 (q/k RMSNorm, head_dim 32 !=
+    64 / 4): two steps, the engine's sampling log-probs match the trainer's recomputation after
+    each refit (rollout/logp_gap_max, on-policy rows)."""
+    res = results["trainer_qwen3"]
+    assert "error" not in res, f"{res.get('error')}\n{res.get('traceback', '')}"
+    print(f"\n[trainer, qwen3, engine vllm] logp gap per step: max {res['logp_gap_max']} mean {res['logp_gap_mean']}")
+    assert res["steps"] == 2
+    assert all(0 <= g < LOGP_TOL for g in res["logp_gap_max"])

