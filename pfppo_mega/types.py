@@ -96,10 +96,16 @@ class PackedInputs:
 
 
 def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor,
-         *, pad_id: int) -> PackedInputs:
-    """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row."""
+         *, pad_id: int, device: torch.device | None = None) -> PackedInputs:
+    """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row.
+
+    The rows are assembled on the host from Python lists (a per-row loop) and moved to ``device``
+    (the model's; None: the responses' device) in one copy per tensor."""
     B, T = responses.shape
+    if device is None and responses.device.type != "cpu":
+        device = responses.device
     lengths = response_mask.sum(1).long().tolist()
+    responses, response_mask = responses.cpu(), response_mask.cpu()
     rows = [p + responses[i, : lengths[i]].tolist() for i, p in enumerate(prompt_ids)]
     S = max(len(r) for r in rows)
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -110,4 +116,5 @@ def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: to
     plen = torch.tensor([len(p) for p in prompt_ids])                       # [B]
     resp_pos = (plen[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=S - 1)  # [B, T]
     labels = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
-    return PackedInputs(input_ids, attention_mask, resp_pos, labels, response_mask.float())
+    out = (input_ids, attention_mask, resp_pos, labels, response_mask.float())
+    return PackedInputs(*(t if device is None else t.to(device) for t in out))

@@ -6,8 +6,12 @@
 #      bandwidth; log-prob+entropy bf16 [16384, 152064] >= 5x eager  (<= 60 s)
 #      (python -m pfppo_mega.bench.gpu_check kernels)
 #   4. PPO, PF-PPO on, of a random-init ~1B Llama (configs/gpu_check_1b.yaml, bf16): the policy
-#      written by `pfppo sft` (1 step), then 10 PPO steps printing the step time, the pool switch
-#      time and the peak GPU memory against the planner's prediction for the same config
+#      written by `pfppo sft` (1 step), then 10 PPO steps, colocated: the trainer's states
+#      offloaded to pinned host memory while the engine generates and the engine put to sleep
+#      after it (training.offload_during_rollout=true); step 1 in the device-check mode
+#      (PFPPO_DEVICE_CHECK's session). Prints the step time, the pool switch time, offload /
+#      reload time, the trainer's bytes on the GPU during generation and the peak GPU memory
+#      against the planner's training- and rollout-phase predictions for the same config
 #      (python -m pfppo_mega.bench.gpu_check ppo)                    (the time left, >= 60 s)
 # Logs and JSON go to $OUT (default build/gpu_check); summary.txt lists every step's status.
 # Exit status: 0 all passed, 1 something failed (see summary.txt), 2 not a GPU machine.

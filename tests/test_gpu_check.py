@@ -76,4 +76,7 @@ def test_ppo_config_is_a_1b_llama_the_planner_fits_on_one_h200(tmp_path):
     plan = json.loads(report.read_text())
     assert 0.9e9 <= plan["params"]["actor_total"] <= 1.1e9, plan["params"]
     assert plan["knobs"]["recompute"] == "none" and plan["run"]  # features from the config
-    assert 0 < gpu_check.planned_training_gib(gpu_check.CONFIG_1B, []) < 140
+    train, in_rollout = gpu_check.planned_gib(gpu_check.CONFIG_1B, ["training.offload_during_rollout=true"])
+    assert 0 < train < 140 and in_rollout == 0  # offloaded: no trainer state on the GPU while generating
+    _, kept = gpu_check.planned_gib(gpu_check.CONFIG_1B, ["training.offload_during_rollout=false"])
+    assert kept > 1  # GiB: bf16 weights + fp32 grads + Adam of actor and critic, reference weights

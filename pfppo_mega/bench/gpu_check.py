@@ -5,8 +5,12 @@
         device-to-device copy bandwidth; log-prob + entropy bf16 at [16384, 152064]: >= 5x eager.
     python -m pfppo_mega.bench.gpu_check ppo --model-dir DIR [--steps 10] [--json PATH]
         PPO (PF-PPO on) of a random-init ~1B Llama (configs/gpu_check_1b.yaml), one process, one
-        GPU: seconds per step, pool switch time, peak GPU memory, and the planner's training-phase
-        prediction for the same config on 1 x 1 H200 (`pfppo plan`).
+        GPU, colocated: the trainer's states offloaded to pinned host memory while the engine
+        generates (training.offload_during_rollout=true) and the engine put to sleep after it.
+        Prints seconds per step, pool switch time, offload / reload time, the trainer's bytes on
+        the GPU during generation and the GPU memory allocated then, peak GPU memory, and the
+        planner's training- and rollout-phase predictions for the same config on 1 x 1 H200
+        (`pfppo plan`). The first step runs in the device-check mode (trainer/devicecheck.py).
 
 Exit status: 0 every target met / the run finished; 1 a target missed or the run failed; 2 bad
 arguments (also: no CUDA device). Nothing here runs without a GPU; the CPU tests check only that
@@ -92,8 +96,9 @@ def run_kernels(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def planned_training_gib(config: Path, overrides: list[str]) -> float:
-    """The planner's training-phase GPU total (worst stage) for this config on 1 x 1 H200."""
+def planned_gib(config: Path, overrides: list[str]) -> tuple[float, float]:
+    """The planner's training-phase GPU total (worst stage) and its rollout-phase trainer states
+    (0 with training.offload_during_rollout on) for this config on 1 x 1 H200, in GiB."""
     import contextlib
     import io
     import tempfile
@@ -106,41 +111,68 @@ def planned_training_gib(config: Path, overrides: list[str]) -> float:
             plan_main([str(config), *overrides, "--gpu", "h200", "--nodes", "1", "--gpus-per-node", "1",
                        "--json", str(path)])
         plan = json.loads(path.read_text())
-    return max(b["total_gib"] for b in plan["gpu_train_phase"])
+    trainer_in_rollout = sum(c["gib"] for c in plan["gpu_rollout_phase"]["components"]
+                             if c["name"].startswith("trainer states"))
+    return max(b["total_gib"] for b in plan["gpu_train_phase"]), trainer_in_rollout
 
 
 def run_ppo(args: argparse.Namespace) -> int:
     import torch
 
     from pfppo_mega.config import load_config
+    from pfppo_mega.trainer import devicecheck
     from pfppo_mega.trainer.loop import PPOTrainer
 
     _need_cuda()
     overrides = [f"actor_rollout.model_path={args.model_dir}", f"logging.output_dir={args.out_dir}",
-                 f"training.total_training_steps={args.steps}", *args.overrides]
+                 f"training.total_training_steps={args.steps}", "training.offload_during_rollout=true",
+                 *args.overrides]
     cfg = load_config(args.config, overrides)
-    planned = planned_training_gib(args.config, overrides)
+    planned, planned_rollout = planned_gib(args.config, overrides)
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
-    print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.parallel.device}")
+    print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.parallel.device}; offload during "
+          f"rollout {trainer.offload.enabled}; engine {type(trainer.engine).__name__}")
+    # GPU memory allocated while the engine generates (the trainer's states offloaded by then)
+    in_rollout: list[float] = []
+    rollout, sleep, slept = trainer.rollout, trainer.engine.sleep, []
+    trainer.rollout = lambda samples: (in_rollout.append(torch.cuda.memory_allocated() / 2**30), rollout(samples))[1]
+    trainer.engine.sleep = lambda: (slept.append(trainer.step), sleep())[1]
     torch.cuda.reset_peak_memory_stats()
     steps = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
         t = time.perf_counter()
-        m = trainer.train_step()
+        if i == 0:  # the device rule, checked on the real device: every loss, boundary and collective
+            with devicecheck.session(trainer.device) as chk:
+                m = trainer.train_step()
+            print(f"device check (step 1): {chk.checks} checks at {chk.where}, {chk.collectives} collectives, "
+                  f"no violation")
+        else:
+            m = trainer.train_step()
         torch.cuda.synchronize()
         steps.append({"step": trainer.step, "step_s": time.perf_counter() - t,
                       "switch_s": m.get("pool/switch_s"), "reward": m.get("reward/mean"),
+                      "offload_s": m.get("time/offload_s"), "reload_s": m.get("time/reload_s"),
+                      "trainer_bytes_in_rollout": trainer.rollout_trainer_bytes,
+                      "allocated_in_rollout_gib": in_rollout[-1],
                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
         s = steps[-1]
-        print(f"step {s['step']}: {s['step_s']:.2f}s, pool switch {s['switch_s']}, reward {s['reward']}, "
+        print(f"step {s['step']}: {s['step_s']:.2f}s, pool switch {s['switch_s']}, offload {s['offload_s']}s, "
+              f"reload {s['reload_s']}s, trainer bytes on the GPU during rollout {s['trainer_bytes_in_rollout']}, "
+              f"allocated then {s['allocated_in_rollout_gib']:.2f} GiB, reward {s['reward']}, "
               f"peak {s['peak_gib']:.2f} GiB", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30
     steady = sorted(s["step_s"] for s in steps[1:]) or [steps[0]["step_s"]]
     print(f"median step (after the first): {steady[len(steady) // 2]:.2f}s; peak GPU memory {peak:.2f} GiB "
-          f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200)")
+          f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200); trainer states on the "
+          f"GPU during rollout: measured {steps[-1]['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
+          f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
+          f"({type(trainer.engine).__name__}: {'frees its KV cache' if getattr(trainer.engine, 'sleep_supported', False) else 'a logged no-op'})")
     if args.json:
-        args.json.write_text(json.dumps({"steps": steps, "peak_gib": peak, "planned_train_gib": planned}, indent=1))
+        args.json.write_text(json.dumps({"steps": steps, "peak_gib": peak, "planned_train_gib": planned,
+                                         "planned_rollout_trainer_gib": planned_rollout, "slept_at": slept,
+                                         "device_check": {"checks": chk.checks, "collectives": chk.collectives}},
+                                        indent=1))
     return 0
 
 

@@ -541,6 +541,12 @@ class TrainingConfig(Section):
         "none", "Activation recomputation in the backward pass: none, selective (megatron's core-attention "
                 "recompute: drops the s^2 attention terms) or full (each layer keeps only its input and "
                 "recomputes the rest).")
+    offload_during_rollout: Optional[bool] = opt(
+        None, "Colocation: while the rollout engine generates, the actor's and critic's parameters, gradient "
+              "buffers and optimizer states and the reference's parameters wait in host memory (pinned) and "
+              "come back bit-identical before they are needed (pfppo_mega/trainer/offload.py); the engine "
+              "sleeps during the update. null = on for GPUs, off on CPU (host and device are one memory). "
+              "`pfppo plan` reads the same key (null: on).")
     value_loss_spike_factor: float = opt(
         0.0, "Value-loss spike guard: skip the critic's update of a step whose value loss before the update "
              "exceeds this factor x the median of the 10 steps before it (needs 5 of them; counted in "

@@ -10,7 +10,8 @@ Hardware facts come from flags (--gpu, --nodes, --gpus-per-node, --gpu-memory-gi
 --host-memory-gib); the model, the layout and the training features (training.recompute,
 parallel.sequence_parallel, parallel.use_distributed_optimizer, model.layer_spec) from the config,
 as the trainer and scripts/slurm/70b_pfppo.sh read them; runtime choices the config tree does not
-hold (offload, engine TP, pool placement, reserves) from flags.
+hold (engine TP, pool placement, reserves) from flags. The offload of the trainer's states during
+rollout is the config's training.offload_during_rollout (null: on, as the trainer does on GPUs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from pfppo_mega.planning.memory import (
-    GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
+    GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan, offload_from_config,
 )
 from pfppo_mega.planning.shapes import ModelShape, total_param_count
 
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {"action": "store"} if takes_value else {"action": "store_const", "const": True}
         tr.add_argument(flag, dest="moved_" + flag.strip("-").replace("-", "_"), help=argparse.SUPPRESS, **kind)
     tr.add_argument("--no-offload", dest="offload_during_rollout", action="store_false",
-                    help="keep the trainer's states on the GPU during rollout")
+                    help="keep the trainer's states on the GPU during rollout (the same as the override "
+                         "training.offload_during_rollout=false, which the trainer reads)")
     tr.add_argument("--rollout-tp", type=int, default=None, help="rollout engine TP (default: GPUs per node)")
     tr.add_argument("--reserve-gib", type=float, default=d.reserve_gib)
     tr.add_argument("--rollout-workspace-gib", type=float, default=d.rollout_workspace_gib)
@@ -185,7 +187,8 @@ def main(argv: list[str]) -> int:
                   sequence_parallel=cfg.parallel.sequence_parallel,
                   layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
                   distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                  offload_during_rollout=args.offload_during_rollout, rollout_tp=args.rollout_tp,
+                  offload_during_rollout=offload_from_config(cfg) and args.offload_during_rollout,
+                  rollout_tp=args.rollout_tp,
                   reserve_gib=args.reserve_gib, rollout_workspace_gib=args.rollout_workspace_gib,
                   host_reserve_gib=args.host_reserve_gib, pool_placement=args.pool_placement)
     try:

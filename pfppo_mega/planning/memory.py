@@ -133,12 +133,18 @@ class Knobs:
     sequence_parallel: bool = True
     layer: str = "local"                # local: as pfppo_mega.models builds it; fused: flash + fused SwiGLU
     distributed_optimizer: bool = True
-    offload_during_rollout: bool = True
+    offload_during_rollout: bool = True  # training.offload_during_rollout (offload_from_config)
     rollout_tp: Optional[int] = None    # None: GPUs per node (one engine replica per node)
     reserve_gib: float = 4.0            # per GPU: CUDA context, NCCL buffers, allocator slack
     rollout_workspace_gib: float = 2.0  # per GPU: engine activations / sampler (vLLM profiles it)
     host_reserve_gib: float = 64.0      # per node: OS, Python processes, data, pinned buffers
     pool_placement: str = "node"
+
+
+def offload_from_config(cfg) -> bool:
+    """training.offload_during_rollout as the trainer applies it on GPUs (null: on): the rollout
+    phase then keeps none of the trainer's states on the GPU (pfppo_mega.trainer.offload)."""
+    return cfg.training.offload_during_rollout is not False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""The typed batches that flow between the training phases (no dicts of string keys)."""
+"""The typed batches that flow between the training phases (no dicts of string keys).
+
+Where they live (the device rule, docs/scaling.md): a RolloutBatch leaves the rollout phase on
+the model's device (``RolloutBatch.to``; an engine returns its rows wherever it generated them),
+and every later batch is made there: ``pack(..., device=)`` builds the rows on the host from
+Python lists and moves them in one copy. Only lists (prompt ids, texts, samples) stay host-side.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +31,15 @@ class RolloutBatch:
     texts: list[str]                   # [B] decoded responses
 
 
+    def to(self, device: torch.device) -> "RolloutBatch":
+        """The same rows with every tensor on ``device`` (one copy each; none when already there)."""
+        return RolloutBatch(samples=self.samples, prompt_ids=self.prompt_ids,
+                            responses=self.responses.to(device), response_mask=self.response_mask.to(device),
+                            behav_logp=self.behav_logp.to(device), finished=self.finished.to(device),
+                            versions=self.versions.to(device), texts=self.texts)
+
     def select(self, idx: list[int]) -> "RolloutBatch":
-        t = torch.tensor(idx, dtype=torch.long)
+        t = torch.tensor(idx, dtype=torch.long, device=self.responses.device)
         return RolloutBatch(samples=[self.samples[i] for i in idx],
                             prompt_ids=[self.prompt_ids[i] for i in idx],
                             responses=self.responses[t], response_mask=self.response_mask[t],
@@ -110,6 +123,8 @@ class ExperienceBatch:
     is_stats: ISStats | None = None    # IS weight stats of the whole batch (not carried by select)
 
     def select(self, idx: torch.Tensor) -> "ExperienceBatch":
+        idx = idx.to(self.advantages.device)
+
         def take(t):
             return t[idx]
         inp = self.inputs

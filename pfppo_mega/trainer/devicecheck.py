@@ -85,6 +85,7 @@ class Session:
 
 _active: Optional[Session] = None
 _paused = False
+TOTALS = {"sessions": 0, "checks": 0, "collectives": 0}  # over every session of this process
 
 
 def active() -> Optional[Session]:
@@ -238,8 +239,10 @@ class _HostTags(TorchFunctionMode):
 
 # ----------------------------------------------------------------------------- collectives
 
+# isend / irecv stay unwrapped: P2POp(op, ...) accepts only the original functions; their tensors are
+# checked where megatron's pipeline sends them, in batch_isend_irecv (or send / recv).
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "reduce_scatter", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
+                "reduce_scatter", "reduce", "gather", "scatter", "send", "recv",
                 "all_to_all_single", "all_to_all", "batch_isend_irecv")
 
 
@@ -298,6 +301,9 @@ def session(device: torch.device, *, expect: Optional[torch.device] = None) -> I
         for n, fn in saved.items():
             setattr(dist, n, fn)
         _active = None
+        TOTALS["sessions"] += 1
+        TOTALS["checks"] += s.checks
+        TOTALS["collectives"] += s.collectives
 
 
 @contextlib.contextmanager

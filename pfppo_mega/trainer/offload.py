@@ -1,0 +1,181 @@
+"""Colocation: the trainer's states leave the device while the rollout engine generates.
+
+While the engine generates, the actor's and critic's parameters, gradient buffers and optimizer
+states (fp32 main weights, Adam moments) and the reference policy's parameters are not needed on
+the device; the engine's KV cache is. ``TrainerOffload.offloaded()`` copies every such storage to
+a host buffer (pinned on a GPU machine, so the copies are DMA) and frees the device storage with
+``storage.resize_(0)`` -- the same mechanism megatron's ``_ParamAndGradBuffer.offload_to_cpu``
+uses. Every tensor viewing a storage (a parameter, ``param.main_grad`` into DDP's grad buffer, a
+distributed-optimizer shard) stays the same Python object; on reload the storage is re-allocated
+at its old size and the bytes copied back, so the values come back bit-identical and no
+reference held by megatron, the optimizer or the trainer goes stale. An offloaded tensor must not
+be touched (its storage is empty: a CPU op on it crashes the process); ``on_device()`` brings
+the states back for the one thing the rollout phase may need them for, a live refit.
+
+On a CPU the host and the device are the same memory: the code path is identical (a separate
+host buffer, the original storage freed) and tested, it just saves nothing; the config default
+(``training.offload_during_rollout: null``) therefore turns it on only for CUDA devices.
+
+``device_bytes()`` counts the bytes of those storages that are allocated on the device: what
+the planner's rollout-phase figure (pfppo_mega.planning.memory, "trainer states") predicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+
+def offload_enabled(setting: Optional[bool], device: torch.device) -> bool:
+    """training.offload_during_rollout: null -> on for CUDA devices (the planner's assumption for
+    GPUs), off on CPU (host == device: only copies); true / false as given."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
+    """The tensors a megatron optimizer (chained or not) keeps: its parameters (the fp32 main
+    copies under mixed precision, the model's own parameters in fp32), their .grad, and the
+    per-parameter state (exp_avg, exp_avg_sq, step)."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+        for state in inner.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Parameters and their gradients (megatron DDP's ``main_grad`` views into its grad buffer)."""
+    for p in module.parameters():
+        yield p
+        for g in (getattr(p, "main_grad", None), p.grad):
+            if isinstance(g, torch.Tensor):
+                yield g
+
+
+@dataclass
+class _Held:
+    storage: torch.UntypedStorage  # the device storage; size 0 while offloaded
+    nbytes: int
+    host: torch.Tensor             # [nbytes] uint8 on the host (pinned on GPU machines)
+
+
+def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
+    """The distinct allocated storages behind ``tensors`` that live on ``device``."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.device.type != device.type or (device.index is not None and st.device.index != device.index):
+            continue
+        if st.nbytes() > 0:
+            seen.setdefault(st.data_ptr(), st)
+    return list(seen.values())
+
+
+class TrainerOffload:
+    """Moves the named modules' and optimizers' storages to the host and back.
+
+    ``sources`` is called at each offload (optimizer states appear after the first step), and
+    returns the tensors to move; storages are deduplicated (a distributed-optimizer parameter and
+    its bucket share one)."""
+
+    def __init__(self, sources, *, device: torch.device, enabled: bool, log=print):
+        self._sources = sources
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.pin = self.device.type == "cuda"
+        self._held: list[_Held] = []
+        self._host: list[torch.Tensor] = []  # host buffers, reused in storage order (pinning is slow)
+        self.last_offload_s = 0.0
+        self.last_reload_s = 0.0
+        self.temporary_reloads = 0  # on_device() round trips (a live refit inside the rollout phase)
+        self.log = log
+
+    @property
+    def is_offloaded(self) -> bool:
+        return bool(self._held)
+
+    def device_bytes(self) -> int:
+        """Bytes of the trainer's parameter / gradient / optimizer storages allocated on the device now."""
+        return sum(st.nbytes() for st in unique_storages(self._sources(), self.device))
+
+    def offload(self) -> int:
+        """Copy every storage to the host and free it on the device; returns the bytes moved."""
+        if self._held:
+            raise RuntimeError("TrainerOffload.offload(): already offloaded (reload() first)")
+        import time
+
+        t0 = time.perf_counter()
+        moved = 0
+        for i, st in enumerate(unique_storages(self._sources(), self.device)):
+            if not st.resizable():
+                raise RuntimeError(f"trainer storage of {st.nbytes()} bytes on {st.device} cannot be freed "
+                                   f"(not resizable); set training.offload_during_rollout=false")
+            n = st.nbytes()
+            if i == len(self._host):
+                self._host.append(torch.empty(0, dtype=torch.uint8))
+            host = self._host[i]
+            if host.numel() != n:
+                host = self._host[i] = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            host.copy_(_whole(st), non_blocking=self.pin)
+            self._held.append(_Held(st, n, host))
+            moved += n
+        if self.pin:
+            torch.cuda.synchronize(self.device)  # the copies must land before the storages go
+        for h in self._held:
+            h.storage.resize_(0)
+        if self.pin:
+            torch.cuda.empty_cache()
+        self.last_offload_s = time.perf_counter() - t0
+        return moved
+
+    def reload(self) -> None:
+        """Re-allocate every offloaded storage at its size and copy its bytes back."""
+        import time
+
+        t0 = time.perf_counter()
+        for h in self._held:
+            h.storage.resize_(h.nbytes)
+            _whole(h.storage).copy_(h.host, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize(self.device)
+        self._held = []
+        self.last_reload_s = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def offloaded(self) -> Iterator[None]:
+        """The trainer's states off the device inside (a no-op when disabled); back on exit, also
+        when the body raises."""
+        if not self.enabled:
+            yield
+            return
+        self.offload()
+        try:
+            yield
+        finally:
+            self.reload()
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Temporarily back on the device inside an ``offloaded()`` block (e.g. a live refit when a
+        snapshot was refused); offloaded again on exit."""
+        if not self._held:
+            yield
+            return
+        self.temporary_reloads += 1
+        self.reload()
+        try:
+            yield
+        finally:
+            self.offload()
