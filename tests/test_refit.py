@@ -62,6 +62,10 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
 
     pool = sync.new_pool(2)
     sync.capture(pool, 2)
+    copied = sync.new_pool(2)  # the copying capture of any stream keeps the same bytes and checksums
+    copied.capture(2, sync._live(2).buckets(sync.plan))
+    assert copied._producer_checksums == pool._producer_checksums and copied.stream_checksums == pool.stream_checksums
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied.snapshots[0].tensors, pool.snapshots[0].tensors))
     params = SamplingParams(1.0, 1.0, 10, None, seed=3)
     before = engine.generate([[1, 2, 3], [4]], params)
     with torch.no_grad():  # the actor moves on
@@ -116,3 +120,30 @@ def test_vllm_missing_is_named(setup, monkeypatch):
     path, _, _, _, hf_cfg = setup
     with pytest.raises(EngineSetupError, match="actor_rollout.engine = 'vllm': vllm is not installed"):
         build_engine(_cfg(engine="vllm"), path, hf_cfg, pad_token_id=0, world_size=1, log=print)
+
+
+def test_fingerprint_native_equals_torch_and_catches_a_flipped_bit():
+    """The refit fingerprint has one definition: the C++ op (pfppo_mega._C) and the torch ops (any
+    device, the fallback) agree on every length, and the fused pack copies strided views exactly."""
+    from pfppo_mega.rollout import weights as W
+
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 128, 129, 1000, 4101):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert torch.equal(W.fingerprint(t), W._fingerprint_torch(t)), n
+        x = torch.randn(6, n // 24 + 1, 4, generator=g)[:, :, 1:3].transpose(0, 1)  # strided
+        y = torch.randn(n % 97 + 1, generator=g)
+        flat = torch.empty(x.numel() + y.numel())
+        fp = W.pack_fingerprint(flat, [x, y])
+        assert torch.equal(flat, torch.cat([x.reshape(-1), y])) and torch.equal(fp, W._fingerprint_torch(flat)), n
+    t = torch.randn(1000, generator=g)
+    base = W.fingerprint(t)
+    for word in (0, 333, 999):
+        for bit in (0, 17, 31):
+            bad = t.clone()
+            bad.view(torch.int32)[word] ^= 1 << bit
+            assert not torch.equal(W.fingerprint(bad), base), (word, bit)
+    swapped = t.clone()
+    swapped[[0, 32]] = swapped[[32, 0]]  # two words of the same lane, 128 bytes apart
+    assert not torch.equal(W.fingerprint(swapped), base)
+    print(f"pfppo_mega._C fingerprint ops: {W._native() is not None}")

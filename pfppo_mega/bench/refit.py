@@ -3,13 +3,16 @@
     pfppo bench refit [--json PATH] [--sizes small,medium] [--bucket-mb 4,64] [--vllm]
 
 For each model size (synthetic Llama shapes, fp32 on CPU) and bucket size:
-  memcpy       one flat copy of the model's bytes (the reference every GB/s is compared with)
-  capture      the trainer's weights -> a pool snapshot in the rollout layout: LiveWeights buckets
-               (q/k/v split out of linear_qkv, gate/up out of linear_fc1, one flat copy + checksum
-               per bucket) kept by the pool (one more host copy), at trainer TP 1
-  reshard      the same without the pool copy (LiveWeights.produce alone)
-  bcast        bucketed broadcast (header + bytes per bucket) vs ONE raw broadcast of the same
-               bytes, 2 ranks on gloo (two processes on this machine)
+  memcpy       one flat copy of the model's bytes into a preallocated buffer (warm pages: the
+               reference every fraction is taken against); memcpy_fresh: into new memory
+  capture      the trainer's weights -> a full pool's next snapshot in the rollout layout
+               (ShardedSnapshotPool.capture_from: q/k/v cut out of linear_qkv, gate/up out of
+               linear_fc1, packed into the buffers of the evicted snapshot and fingerprinted in the
+               same pass), at trainer TP 1; capture_fresh: into new memory (a pool not yet full)
+  reshard      LiveWeights.produce alone (into new memory)
+  bcast        the bucketed broadcast stream (broadcast_stream: one broadcast per bucket, header in
+               the bucket's trailer, one in flight ahead) vs ONE raw broadcast of the same bytes,
+               2 ranks on gloo (two processes on this machine), best of interleaved repeats
   reload       engine.update_weights of the whole stream (checksums verified, weights copied in);
                the built-in engine, and vLLM's reload path with --vllm when vLLM is installed
   switch       bcast + reload: the cost of moving the engines to another pool snapshot
@@ -43,8 +46,10 @@ class Row:
     bucket_mb: float
     buckets: int
     memcpy_gbps: float
+    memcpy_fresh_gbps: float
     capture_gbps: float
     capture_frac_memcpy: float
+    capture_fresh_frac_memcpy_fresh: float
     reshard_gbps: float
     bcast_bucketed_gbps: float
     bcast_raw_gbps: float
@@ -62,6 +67,12 @@ def _best(fn: Callable[[], object], reps: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _shape(size: str):
@@ -91,27 +102,37 @@ def _broadcast_worker(rank: int, world: int, store: str, numels: list[int], reps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from pfppo_mega.rollout.refit import broadcast_bucket, broadcast_flat
-    from pfppo_mega.rollout.weights import Bucket, BucketSpec
+    from pfppo_mega.rollout.refit import broadcast_flat
+    from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightSource
 
     specs = [BucketSpec(i, (f"b{i}",), ((n,),), torch.float32) for i, n in enumerate(numels)]
-    buckets = [Bucket.pack(s, 1, [torch.randn(s.numel)]) if rank == 0 else None for s in specs]
+
+    class Packed(WeightSource):  # rank 0 holds the packed buckets (a pool keeper's wire buffers)
+        version = 1
+
+        def __init__(self):
+            self.held = {s.index: Bucket.pack(s, 1, [torch.randn(s.numel)]) for s in specs} if rank == 0 else {}
+
+        def produce(self, spec, wire=None):
+            return self.held.get(spec.index)
+
+    source = Packed()
     raw = torch.randn(sum(numels)) if rank == 0 else torch.empty(sum(numels))
-    recv = torch.empty(max(numels))  # what WeightSource.buckets does: one reused receive buffer
 
     def bucketed():
-        for s, b in zip(specs, buckets):
-            broadcast_bucket(b, s, 1, src=0, group=None, out=recv[:s.numel])
+        for _ in source.buckets(specs, dist.group.WORLD):
+            pass
 
     def flat():
         broadcast_flat(raw, src=0, group=None)
 
-    res = {}
-    for name, fn in (("raw", flat), ("bucketed", bucketed), ("raw2", flat)):
-        dist.barrier()
-        res[name] = _best(lambda: (fn(), dist.barrier()), reps)
+    res = {"raw": [], "bucketed": []}
+    for _ in range(reps):  # interleaved, so both see the same load
+        for name, fn in (("raw", flat), ("bucketed", bucketed)):
+            dist.barrier()
+            res[name].append(_best(lambda: (fn(), dist.barrier()), 1))
     if rank == 0:
-        Path(out).write_text(json.dumps({"raw": min(res["raw"], res["raw2"]), "bucketed": res["bucketed"]}))
+        Path(out).write_text(json.dumps({k: min(v) for k, v in res.items()}))
     dist.destroy_process_group()
 
 
@@ -140,19 +161,29 @@ def measure(size: str, bucket_mb: float, *, reps: int, with_vllm: bool) -> Row:
     plan = live.plan(engine.bucket_bytes)
 
     flat = torch.randn(nbytes // 4)
-    memcpy_s = _best(lambda: torch.empty_like(flat).copy_(flat), reps)
-    reshard_s = _best(lambda: [live.produce(s) for s in plan], reps)
+    warm = torch.empty_like(flat)
     pool = ShardedSnapshotPool(1, layout, rank=0, node_ranks=[0], check_memory=False, log=lambda *_: None)
-    capture_s = _best(lambda: pool.capture(1, live.buckets(plan)), reps)
-    stream = list(pool.source(1).buckets(plan))
+    fresh = ShardedSnapshotPool(10 ** 6, layout, rank=0, node_ranks=[0], check_memory=False, log=lambda *_: None)
+    times: dict[str, list[float]] = {k: [] for k in ("memcpy", "capture", "memcpy_fresh", "capture_fresh")}
+    pool.capture_from(live, plan)  # the pool is full from here on: each capture reuses the evicted buffers
+    for _ in range(reps):  # interleaved: the reference and the capture see the same load
+        times["memcpy"].append(_best(lambda: warm.copy_(flat), 1))
+        times["capture"].append(_best(lambda: pool.capture_from(live, plan), 1))
+        times["memcpy_fresh"].append(_once(lambda: torch.empty_like(flat).copy_(flat)))
+        times["capture_fresh"].append(_once(lambda: fresh.capture_from(live, plan)))
+        fresh._snapshots.clear()
+    memcpy_s, capture_s, memcpy_fresh_s, capture_fresh_s = (min(times[k]) for k in times)
+    reshard_s = _best(lambda: [live.produce(s) for s in plan], reps)
+    stream = list(pool.source(pool.versions[0]).buckets(plan))
     reload_s = _best(lambda: engine.update_weights(stream, 1), reps)
     reload_vllm = _vllm_reload(size, stream, plan, reps) if with_vllm else None
     bucketed_s, raw_s = _broadcast_times([s.numel for s in plan], reps)
     # the one-process world stays up: a vLLM engine built in this process keeps using it
     gb = nbytes / 1e9
     return Row(size=size, params_m=nbytes / 4 / 1e6, model_mb=nbytes / 2 ** 20, bucket_mb=bucket_mb,
-               buckets=len(plan), memcpy_gbps=gb / memcpy_s, capture_gbps=gb / capture_s,
-               capture_frac_memcpy=memcpy_s / capture_s, reshard_gbps=gb / reshard_s,
+               buckets=len(plan), memcpy_gbps=gb / memcpy_s, memcpy_fresh_gbps=gb / memcpy_fresh_s,
+               capture_gbps=gb / capture_s, capture_frac_memcpy=memcpy_s / capture_s,
+               capture_fresh_frac_memcpy_fresh=memcpy_fresh_s / capture_fresh_s, reshard_gbps=gb / reshard_s,
                bcast_bucketed_gbps=gb / bucketed_s, bcast_raw_gbps=gb / raw_s, bcast_frac_raw=raw_s / bucketed_s,
                reload_builtin_s=reload_s, reload_vllm_s=reload_vllm,
                switch_s=bucketed_s + (reload_vllm if reload_vllm is not None else reload_s))
@@ -200,12 +231,14 @@ def model_70b(rows: list[Row]) -> str:
 
 
 def format_rows(rows: list[Row]) -> str:
-    head = (f"{'size':<7}{'MB':>7}{'bkt MB':>7}{'#bkt':>5}{'memcpy':>8}{'capture':>8}{'%mcp':>6}{'reshard':>8}"
-            f"{'bcast':>7}{'raw':>7}{'%raw':>6}{'reload':>8}{'vllm':>8}{'switch':>8}")
-    out = [head, "  (GB/s for memcpy..raw, seconds for reload, vllm and switch)"]
+    head = (f"{'size':<7}{'MB':>7}{'bkt MB':>7}{'#bkt':>5}{'memcpy':>8}{'capture':>8}{'%mcp':>6}{'%fresh':>7}"
+            f"{'reshard':>8}{'bcast':>7}{'raw':>7}{'%raw':>6}{'reload':>8}{'vllm':>8}{'switch':>8}")
+    out = [head, "  (GB/s for memcpy..raw, seconds for reload, vllm and switch; %fresh: capture into new "
+                 "memory vs memcpy into new memory)"]
     for r in rows:
         out.append(f"{r.size:<7}{r.model_mb:7.0f}{r.bucket_mb:7.1f}{r.buckets:5d}{r.memcpy_gbps:8.2f}"
-                   f"{r.capture_gbps:8.2f}{100 * r.capture_frac_memcpy:5.0f}%{r.reshard_gbps:8.2f}"
+                   f"{r.capture_gbps:8.2f}{100 * r.capture_frac_memcpy:5.0f}%"
+                   f"{100 * r.capture_fresh_frac_memcpy_fresh:6.0f}%{r.reshard_gbps:8.2f}"
                    f"{r.bcast_bucketed_gbps:7.2f}{r.bcast_raw_gbps:7.2f}{100 * r.bcast_frac_raw:5.0f}%"
                    f"{r.reload_builtin_s:8.3f}{'-' if r.reload_vllm_s is None else f'{r.reload_vllm_s:.3f}':>8}"
                    f"{r.switch_s:8.3f}")

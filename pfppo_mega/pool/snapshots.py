@@ -32,7 +32,7 @@ import psutil
 import torch
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-CHECKSUMS = ("crc32", "blake2b")
+CHECKSUMS = ("crc32", "blake2b", "fingerprint")
 
 
 class CorruptSnapshotError(RuntimeError):
@@ -120,20 +120,29 @@ def _tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def compute_checksum(tensors: NamedTensors, method: str = "crc32") -> str:
+def compute_checksum(tensors: NamedTensors, method: str = "crc32",
+                     fingerprints: list[torch.Tensor] | None = None) -> str:
     """Hash of (name, dtype, shape) headers and tensor bytes, in order; tensors contiguous CPU.
 
     crc32: a crc32 per tensor, the (header, crc) list then hashed with blake2b -- detects any
     single flipped bit and random corruption with probability 1 - 2**-32 per tensor.
     blake2b: one blake2b over headers and bytes (cryptographic, ~5x slower).
+    fingerprint: the refit fingerprint per tensor (pfppo_mega.rollout.weights.fingerprint: 16-lane
+    Fletcher sums, ~memory speed with pfppo_mega._C) -- any single flipped bit; ``fingerprints``
+    passes them when the caller computed them while copying the bytes.
     """
     if method not in CHECKSUMS:
         raise ValueError(f"checksum={method!r} must be one of {CHECKSUMS}")
+    if method == "fingerprint":
+        from pfppo_mega.rollout.weights import fingerprint
     digest = hashlib.blake2b(digest_size=16)
-    for name, t in tensors:
+    for i, (name, t) in enumerate(tensors):
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if method == "crc32":
             digest.update(zlib.crc32(_tensor_bytes(t)).to_bytes(4, "little"))
+        elif method == "fingerprint":
+            fp = fingerprints[i] if fingerprints is not None else fingerprint(t)
+            digest.update(fp.cpu().numpy().tobytes())
         else:
             digest.update(_tensor_bytes(t))
     return f"{method}:{digest.hexdigest()}"

@@ -147,21 +147,34 @@ class RolloutEngine(abc.ABC):
         Each bucket is checked (plan order, version, checksum) before it is applied; the stream
         must cover the whole plan. On any error the engine holds no valid version (weight_version
         -1, generate refuses) until a complete update succeeds: a refit interrupted half-way never
-        produces a silent mix of two versions.
+        produces a silent mix of two versions. After a bucket is refused the rest of the stream is
+        still consumed (not applied), so every rank of a broadcast stream takes part in every
+        broadcast whichever rank failed (no rank is left waiting); then the error is raised.
         """
         receiver = BucketReceiver(self.weight_layout(), version)
         self._version, self._checksum = -1, ""
         self._begin_update()
+        stream = iter(buckets)
+        error: Exception | None = None
         try:
-            for bucket in buckets:
+            for bucket in stream:
                 self._apply(receiver.accept(bucket))
             checksum = receiver.finish()
         except Exception as e:
+            error = e
+        if error is not None:
             self._abort_update()
-            if isinstance(e, WeightUpdateError):
-                raise
-            raise WeightUpdateError(f"update to version {version} failed after {len(receiver.checksums)} "
-                                    f"bucket(s): {type(e).__name__}: {e}") from e
+            if not isinstance(error, WeightUpdateError):
+                cause = error
+                error = WeightUpdateError(f"update to version {version} failed after {len(receiver.checksums)} "
+                                          f"bucket(s): {type(cause).__name__}: {cause}")
+                error.__cause__ = cause
+            try:
+                for _ in stream:  # drain: the other ranks' broadcasts must complete
+                    pass
+            except Exception:  # the stream's own error (e.g. an owner that produced nothing) ends it
+                pass
+            raise error
         self._commit()
         self._version, self._checksum = version, checksum
 
@@ -170,6 +183,10 @@ class RolloutEngine(abc.ABC):
         expected name exactly once, nothing else, exact shapes; checked before anything changes."""
         source = NamedTensorSource(named_tensors, version, layout=self.weight_layout())
         self.update_weights(source.buckets(self.bucket_plan()), version)
+
+    def invalidate(self) -> None:
+        """Hold no valid version (generate refuses) until the next complete update."""
+        self._version, self._checksum = -1, ""
 
     def _begin_update(self) -> None:
         """Called before the first bucket of an update."""

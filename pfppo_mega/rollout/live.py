@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pfppo_mega.models import reshard
-from pfppo_mega.models.hf_io import split_qkv
 from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightLayout, WeightSource, plan_buckets
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -111,7 +110,7 @@ class LiveWeights(WeightSource):
     def owner(self, spec: BucketSpec) -> int:
         return self.tp * self.dp * self.segment(spec.names[0])  # (pp = stage, tp = 0, dp = 0)
 
-    def produce(self, spec: BucketSpec) -> Optional[Bucket]:
+    def produce(self, spec: BucketSpec, wire: Optional[Tensor] = None) -> Optional[Bucket]:
         if self.dp_rank != 0 or self.segment(spec.names[0]) != self.stage.index:
             return None
         sources = [megatron_source(n, tied=self.tied) for n in spec.names]
@@ -120,7 +119,8 @@ class LiveWeights(WeightSource):
         if full is None:
             return None
         tensors = [self._cut(full[m], cut) for m, cut in sources]
-        return Bucket.pack(spec, self.version, [t.to(spec.dtype) for t in tensors], source_rank=self.rank)
+        # q/k/v arrive as strided views of linear_qkv: the pack copies them once, straight into the bucket
+        return Bucket.pack(spec, self.version, [t.to(spec.dtype) for t in tensors], source_rank=self.rank, wire=wire)
 
     def _gather(self, mnames: list[str]) -> Optional[dict[str, Tensor]]:
         """Full tensors of ``mnames`` on tp rank 0 (None on the other tp ranks)."""
@@ -148,6 +148,10 @@ class LiveWeights(WeightSource):
             return full[:self.vocab]
         if cut in ("gate", "up"):
             return full.chunk(2, dim=0)[0 if cut == "gate" else 1]
-        q, k, v = split_qkv(full, heads=self.heads, groups=self.groups)
+        # split_qkv's views before its reshape (which would copy): [groups, rows per group, ...]
+        rest = tuple(full.shape[1:])
+        d = full.shape[0] // (self.heads + 2 * self.groups)
+        per_group = full.reshape(self.groups, (self.heads // self.groups + 2) * d, *rest)
+        q, k, v = torch.split(per_group, [self.heads // self.groups * d, d, d], dim=1)
         return {"q": q, "k": k, "v": v}[cut]
 

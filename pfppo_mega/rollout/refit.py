@@ -1,20 +1,32 @@
-"""Broadcast refit: move a bucket from the rank that owns it to every rank of a process group.
+"""Broadcast refit: move buckets from the ranks that own them to every rank of a process group.
 
 Gloo on CPU, NCCL on GPUs (the group's backend decides; NCCL buckets live on the current CUDA
-device). Per bucket, two broadcasts from the owner: a small header (version + the producer's
-checksum, [1 + 32] int64) and the flat bytes. Receivers rebuild the Bucket with the producer's
-checksum, so the engine's verification catches bytes that were corrupt at the source (a pool
-shard) as well as in transit. Who sends what to whom is written out in docs/refit.md.
+device). Per bucket ONE broadcast from its owner: the bucket's wire buffer, i.e. its bytes and a
+32-byte trailer with the version and the producer's checksum (pfppo_mega.rollout.weights.new_wire).
+Receivers rebuild the Bucket with the producer's checksum, so the engine's verification catches
+bytes that were corrupt at the source (a pool shard) as well as in transit.
+
+``broadcast_stream`` pipelines a plan: bucket k+1 is produced and in flight (async broadcast)
+while the consumer applies bucket k (up to MAX_AHEAD buckets ahead within AHEAD_BYTES); a ring of
+stream buffers, kept between streams, takes them, and a receiver that gave a destination for a
+bucket (a pool keeping it) receives straight into it -- no unpack copy.
+Who sends what to whom is written out in docs/refit.md.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import deque
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from pfppo_mega.rollout.weights import CHECKSUM_BYTES, Bucket, BucketSpec
+from pfppo_mega.rollout.weights import (Bucket, BucketSpec, WeightSource, new_wire, read_trailer, wire_flat,
+                                        wire_nbytes, write_trailer)
+
+
+MAX_AHEAD = 3  # broadcasts in flight ahead of the bucket being used (latency hiding) ...
+AHEAD_BYTES = 64 << 20  # ... within this many bytes of stream buffers (at least one bucket ahead)
 
 
 def group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -24,38 +36,98 @@ def group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
-def _header(version: int, checksum: str) -> torch.Tensor:
-    return torch.tensor([version] + [ord(c) for c in checksum], dtype=torch.int64)
+def _send_wire(bucket: Optional[Bucket], spec: BucketSpec, slot: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The owner's wire for ``spec``: the bucket's own when it has one on the group's device, else
+    packed into ``slot``; a trailer flagged 'none' when the owner produced no (or another) bucket."""
+    if bucket is None or bucket.spec != spec:
+        write_trailer(slot, -1, "", ok=False)
+        return slot
+    if bucket.wire is not None and bucket.wire.device == device:
+        return bucket.wire
+    wire_flat(slot, spec).copy_(bucket.flat)
+    write_trailer(slot, bucket.version, bucket.checksum)
+    return slot
+
+
+def _received(wire: torch.Tensor, spec: BucketSpec, src: int, mine: Optional[Bucket], me: int) -> Bucket:
+    version, flag, checksum = read_trailer(wire)
+    if flag != 1:
+        raise RuntimeError(f"refit: rank {src} owns bucket {spec.index} ({spec.names[0]} ..) but produced none")
+    if me == src:  # the owner passes on its own bucket (fingerprint of its fresh bytes included)
+        return mine
+    return Bucket(spec, version, wire_flat(wire, spec), checksum, source_rank=src, wire=wire)
 
 
 def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *, src: int,
                      group: Optional[dist.ProcessGroup], out: Optional[torch.Tensor] = None) -> Bucket:
-    """Every rank of ``group`` gets rank ``src``'s bucket for ``spec`` (``bucket`` is read on src only).
-    out: [spec.numel] buffer the receivers write into (a fresh one when None).
-
-    The owner must hold a bucket; if it does not (a producer bug), it sends an all-zero header
-    that every receiver turns into a clear error instead of a hang.
-    """
+    """Every rank of ``group`` gets rank ``src``'s bucket for ``spec`` (``bucket`` is read on src only),
+    in one broadcast. out: uint8 wire buffer of at least wire_nbytes(spec.nbytes) the receivers
+    write into (a fresh one when None). The owner must hold a bucket; if it does not (a producer
+    bug), it sends a trailer flagged 'none' that every receiver turns into a clear error."""
     device = group_device(group)
     me = dist.get_rank()
-    if me == src:
-        ok = bucket is not None and bucket.spec == spec
-        header = _header(bucket.version, bucket.checksum) if ok else torch.zeros(1 + CHECKSUM_BYTES, dtype=torch.int64)
-        header[0] = header[0] if ok else -1
-        flat = bucket.flat.to(device) if ok else torch.zeros(spec.numel, dtype=spec.dtype, device=device)
-    else:
-        header = torch.empty(1 + CHECKSUM_BYTES, dtype=torch.int64)
-        flat = out if out is not None else torch.empty(spec.numel, dtype=spec.dtype, device=device)
-    header = header.to(device)
-    dist.broadcast(header, src=src, group=group)
-    dist.broadcast(flat, src=src, group=group)
-    header = header.cpu()
-    if int(header[0]) < 0:
-        raise RuntimeError(f"refit: rank {src} owns bucket {spec.index} ({spec.names[0]} ..) but produced none")
-    checksum = "".join(chr(int(c)) for c in header[1:])
-    if me == src:  # the owner passes on its own tensor (no copy) with the producer's checksum
-        return Bucket(spec, bucket.version, bucket.flat, bucket.checksum, source_rank=src)
-    return Bucket(spec, int(header[0]), flat, checksum, source_rank=src)
+    n = wire_nbytes(spec.nbytes)
+    slot = out[:n] if out is not None else new_wire(spec.nbytes, device)
+    wire = _send_wire(bucket, spec, slot, device) if me == src else slot
+    dist.broadcast(wire, src=src, group=group)
+    return _received(wire, spec, src, bucket, me)
+
+
+def broadcast_stream(source: WeightSource, plan: list[BucketSpec], group: dist.ProcessGroup,
+                     dest: Optional[Callable[[BucketSpec], Optional[torch.Tensor]]] = None) -> Iterator[Bucket]:
+    """Every bucket of ``plan`` from its owner to every rank of ``group``, in plan order, one async
+    broadcast each, a few buckets ahead (see the module docstring)."""
+    device = group_device(group)
+    me = dist.get_rank()
+    size = max(wire_nbytes(s.nbytes) for s in plan)
+    ahead = max(1, min(MAX_AHEAD, AHEAD_BYTES // size))  # buckets in flight beyond the one being used
+    slots = _take_slots(device, size, ahead + 1)
+    pending: deque = deque()
+
+    def launch(k: int) -> None:
+        spec = plan[k]
+        src = source.owner(spec)
+        target = dest(spec) if dest is not None else None
+        slot = target if target is not None and target.device == device else slots[k % len(slots)][:wire_nbytes(spec.nbytes)]
+        mine, error = None, None
+        try:  # a producer may take part in collectives (e.g. a TP gather): every rank calls it
+            mine = source.produce(spec, slot if me == src else None)
+        except Exception as e:  # the owner still sends (a 'none' trailer): no rank is left waiting
+            error = e
+        wire = _send_wire(mine, spec, slot, device) if me == src else slot
+        work = dist.broadcast(wire, src=src, group=group, async_op=True)
+        pending.append((spec, src, wire, mine, target, error, work))
+
+    try:
+        for k in range(min(ahead, len(plan))):
+            launch(k)
+        for k in range(len(plan)):
+            if k + ahead < len(plan):
+                launch(k + ahead)  # into the slot of bucket k - 1, which the consumer is done with
+            spec, src, wire, mine, target, error, work = pending.popleft()
+            work.wait()
+            if error is not None:
+                raise error
+            if target is not None and target is not wire:  # a dest on another device (pinned host pool)
+                target.copy_(wire)
+                wire = target
+            yield _received(wire, spec, src, mine, me)
+    finally:
+        for item in pending:  # never leave a broadcast half-done behind a consumer that stopped
+            item[-1].wait()
+        _SLOTS.setdefault(device, slots)  # back for the next stream
+
+
+# the stream buffers, kept between streams per device (fresh pages cost as much as the bytes): a
+# stream takes them and puts them back when it ends; a stream started inside another gets new ones
+_SLOTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _take_slots(device: torch.device, size: int, count: int) -> list[torch.Tensor]:
+    slots = _SLOTS.pop(device, None)
+    if slots is None or slots[0].numel() < size or len(slots) != count:
+        slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+    return slots
 
 
 def broadcast_flat(flat: torch.Tensor, *, src: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

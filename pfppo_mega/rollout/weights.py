@@ -7,9 +7,15 @@ splits a *fused group* -- q/k/v (weights and biases) of one layer, gate/up of on
 vLLM's loader fuses them into one parameter and must see the whole group in one call.
 
 Every bucket carries the weight version it belongs to and a checksum over its header (index,
-version, names, shapes, dtype) and bytes, taken where the bytes were produced (a pool snapshot's
-checksum is taken at capture time). The engine recomputes it on receipt: a bit flipped at rest or
-in transit, or a bucket of another version, is refused by name.
+version, names, shapes, dtype) and a *fingerprint* of its bytes, taken where the bytes were
+produced (a pool snapshot's checksum is taken at capture time). The engine recomputes it on
+receipt: a bit flipped at rest or in transit, or a bucket of another version, is refused by name.
+The fingerprint (``fingerprint``) is a 16-lane Fletcher-style sum over 64-bit words, computed in
+the same pass that packs the bytes (``pack_fingerprint``: the C++ op pfppo::pack_fingerprint when
+pfppo_mega._C is built, else the same definition in torch, which also runs on a GPU).
+
+On the wire a bucket is one uint8 buffer (``new_wire``): its bytes, padded to 8, then a 32-byte
+trailer (version, flag, 16-byte checksum), so one broadcast moves both.
 
 A *weight source* produces the buckets of one version for a bucket plan. Two producers matter:
 the live trainer (pfppo_mega.rollout.live.LiveWeights) and a pool snapshot
@@ -28,8 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -38,6 +43,8 @@ import torch.distributed as dist
 _QKV = re.compile(r"^(.*\.layers\.\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate|up)_proj\.weight$")
 CHECKSUM_BYTES = 32  # hex digits of the blake2b-128 digest
+TRAILER_BYTES = 32  # on the wire after a bucket's bytes: version, flag (1 ok, -1 none), 16-byte checksum
+FP_LANES = 16  # fingerprint lanes: rows of 16 x 8 = 128 bytes
 
 
 class WeightUpdateError(ValueError):
@@ -146,17 +153,110 @@ def _unzip(pairs):
     return tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
 
 
-def _host_bytes(flat: torch.Tensor):
-    # a zero-copy uint8 view of a contiguous CPU tensor (bf16 included); a host sync on CUDA
-    return flat.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+# ------------------------------------------------------------------------------- fingerprint
+_OPS: list = []  # [torch.ops.pfppo] once pfppo_mega._C imported with the fingerprint ops, [None] without
 
 
-def bucket_checksum(spec: BucketSpec, version: int, flat: torch.Tensor) -> str:
-    """blake2b-128 over the header (index, version, names, shapes, dtype) and a crc32 of the bytes."""
+def _native():
+    if not _OPS:
+        try:
+            import pfppo_mega._C  # noqa: F401  (registers the pfppo:: ops)
+
+            _OPS.append(torch.ops.pfppo if hasattr(torch.ops.pfppo, "pack_fingerprint") else None)
+        except (ImportError, OSError, RuntimeError, AttributeError):
+            _OPS.append(None)
+    return _OPS[0]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor as a flat uint8 tensor (no copy when contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _fingerprint_torch(t: torch.Tensor) -> torch.Tensor:
+    """The fingerprint in torch ops (any device): see csrc/cpu/fingerprint.cpp for the definition.
+    Row j of R contributes w_j to s1 and (R - j) w_j to s2 (int64 arithmetic wraps like uint64)."""
+    b = _byte_view(t)
+    row = 8 * FP_LANES
+    full, rest = divmod(b.numel(), row)
+    n_rows = full + (1 if rest else 0)
+    s1 = torch.zeros(FP_LANES, dtype=torch.int64, device=b.device)
+    s2 = torch.zeros(FP_LANES, dtype=torch.int64, device=b.device)
+    if full:
+        body = b[:full * row]
+        if body.storage_offset() % 8:
+            body = body.clone()
+        words = body.view(torch.int64).view(full, FP_LANES)
+        step = 1 << 16
+        for a in range(0, full, step):
+            w = words[a:a + step]
+            weight = torch.arange(n_rows - a, n_rows - a - w.shape[0], -1, dtype=torch.int64, device=b.device)
+            s1 += w.sum(0)
+            s2 += (w * weight[:, None]).sum(0)
+    if rest:
+        tail = torch.zeros(row, dtype=torch.uint8, device=b.device)
+        tail[:rest] = b[full * row:]
+        w = tail.view(torch.int64)
+        s1 += w
+        s2 += w  # the last row has weight 1
+    return torch.cat([s1, s2])
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """int64 [32] fingerprint of a tensor's bytes (same value on every device and path)."""
+    ops = _native()
+    if ops is not None and t.device.type == "cpu":
+        return ops.fingerprint(t.detach().contiguous())
+    return _fingerprint_torch(t)
+
+
+def pack_fingerprint(flat: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` (flattened, in order, flat's dtype) into the contiguous ``flat`` and return
+    the fingerprint of flat's bytes -- one pass over memory with the C++ op, two without it."""
+    ops = _native()
+    tensors = [t.detach() for t in tensors]
+    if ops is not None and flat.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+        return ops.pack_fingerprint(flat, tensors)
+    for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
+        piece.copy_(t.reshape(-1))
+    return fingerprint(flat)
+
+
+def bucket_checksum(spec: BucketSpec, version: int, flat: torch.Tensor, fp: Optional[torch.Tensor] = None) -> str:
+    """blake2b-128 over the header (index, version, names, shapes, dtype) and the fingerprint of the
+    bytes (``fp`` when the caller already has it, e.g. from pack_fingerprint)."""
     digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES // 2)
-    digest.update(f"{spec.index}|{version}|{spec.names}|{spec.shapes}|{spec.dtype}|".encode())
-    digest.update(zlib.crc32(_host_bytes(flat)).to_bytes(4, "little"))
+    digest.update(f"{spec.index}|{version}|{spec.names}|{spec.shapes}|{spec.dtype}|{spec.nbytes}|".encode())
+    digest.update((fingerprint(flat) if fp is None else fp).cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------- wire
+def wire_nbytes(nbytes: int) -> int:
+    """Bytes of a wire buffer for ``nbytes`` of weights: padded to 8, then the trailer."""
+    return -(-nbytes // 8) * 8 + TRAILER_BYTES
+
+
+def new_wire(nbytes: int, device: torch.device | str = "cpu", *, pin: bool = False) -> torch.Tensor:
+    return torch.empty(wire_nbytes(nbytes), dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+def wire_flat(wire: torch.Tensor, spec: BucketSpec) -> torch.Tensor:
+    """The typed [spec.numel] view of a wire buffer's bytes."""
+    return wire[:spec.nbytes].view(spec.dtype)
+
+
+def write_trailer(wire: torch.Tensor, version: int, checksum: str, *, ok: bool = True) -> None:
+    words = torch.tensor([version, 1 if ok else -1], dtype=torch.int64).view(torch.uint8)
+    cs = torch.frombuffer(bytearray(bytes.fromhex(checksum) if ok else bytes(16)), dtype=torch.uint8)
+    wire[-TRAILER_BYTES:].copy_(torch.cat([words, cs]))
+
+
+def read_trailer(wire: torch.Tensor) -> tuple[int, int, str]:
+    """(version, flag, checksum) from a received wire buffer."""
+    t = wire[-TRAILER_BYTES:].cpu()
+    version, flag = t[:16].clone().view(torch.int64).tolist()
+    return version, flag, t[16:].numpy().tobytes().hex()
 
 
 def stream_checksum(bucket_checksums: Iterable[str]) -> str:
@@ -176,18 +276,34 @@ class Bucket:
     flat: torch.Tensor  # [spec.numel] contiguous, spec.dtype
     checksum: str
     source_rank: int = 0  # the rank whose bytes these are (named in errors)
+    wire: Optional[torch.Tensor] = field(default=None, repr=False)  # uint8: flat's bytes + trailer (new_wire)
+    fingerprint: Optional[torch.Tensor] = field(default=None, repr=False)  # of freshly packed bytes (producer only)
 
     @classmethod
     def pack(cls, spec: BucketSpec, version: int, tensors: list[torch.Tensor], *,
-             source_rank: int = 0) -> "Bucket":
-        """A fresh contiguous flat copy of ``tensors`` (cast to spec.dtype) with its checksum."""
-        for name, shape, t in zip(spec.names, spec.shapes, tensors):
-            if tuple(t.shape) != shape:
+             source_rank: int = 0, wire: Optional[torch.Tensor] = None) -> "Bucket":
+        """``tensors`` (cast to spec.dtype) packed into ``wire`` (a fresh one when None), fingerprinted
+        in the same pass, with checksum and trailer written."""
+        for name, shape, t in zip(spec.names, spec.shapes, tensors):  # a strided view of the same numel
+            if tuple(t.shape) != shape and t.numel() != math.prod(shape):  # packs as its row-major flattening
                 raise WeightUpdateError(f"bucket {spec.index}: {name} has shape {tuple(t.shape)}, expected {shape}")
-        flat = torch.empty(spec.numel, dtype=spec.dtype, device=tensors[0].device)
-        for piece, t in zip(flat.split(spec.numels), tensors):
-            piece.copy_(t.detach().reshape(-1))
-        return cls(spec, version, flat, bucket_checksum(spec, version, flat), source_rank)
+        if len(tensors) != len(spec.names):
+            raise WeightUpdateError(f"bucket {spec.index}: {len(tensors)} tensors for {len(spec.names)} names")
+        if wire is None:
+            wire = new_wire(spec.nbytes, device=tensors[0].device)
+        flat = wire_flat(wire, spec)
+        fp = pack_fingerprint(flat, list(tensors))
+        checksum = bucket_checksum(spec, version, flat, fp)
+        write_trailer(wire, version, checksum)
+        return cls(spec, version, flat, checksum, source_rank, wire, fp)
+
+    def to_wire(self) -> torch.Tensor:
+        """This bucket as one wire buffer (its own when it has one, else a packed copy)."""
+        if self.wire is None:
+            self.wire = new_wire(self.spec.nbytes, device=self.flat.device)
+            wire_flat(self.wire, self.spec).copy_(self.flat)
+            write_trailer(self.wire, self.version, self.checksum)
+        return self.wire
 
     def verify(self, version: int) -> None:
         """Raise WeightUpdateError unless this bucket is of ``version`` and its bytes match."""
@@ -199,7 +315,7 @@ class Bucket:
             raise WeightUpdateError(
                 f"bucket {self.spec.index} from rank {self.source_rank} holds {self.flat.numel()} x {self.flat.dtype}, "
                 f"its spec says {self.spec.numel} x {self.spec.dtype}")
-        got = bucket_checksum(self.spec, self.version, self.flat)
+        got = bucket_checksum(self.spec, self.version, self.flat, self.fingerprint)
         if got != self.checksum:
             raise WeightUpdateError(
                 f"bucket {self.spec.index} ({self.spec.names[0]} ..) from rank {self.source_rank} failed its "
@@ -257,7 +373,9 @@ class BucketReceiver:
         self.checksums: list[str] = []
         self.cursor = 0  # tensors of the layout received so far
 
-    def accept(self, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    def accept(self, bucket: Bucket, *, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Check the bucket's place in the layout and (verify=True) its version and checksum; returns
+        its (name, view) pairs. verify=False: the caller checks the bytes itself (or keeps none)."""
         spec, specs = bucket.spec, self.layout.specs
         want = specs[self.cursor:self.cursor + len(spec.names)]
         got = tuple(zip(spec.names, spec.shapes))
@@ -270,7 +388,12 @@ class BucketReceiver:
             raise WeightUpdateError(
                 f"update to version {self.version}: bucket {spec.index} splits fused group "
                 f"{fused_group(spec.names[0])!r}; vLLM must see q/k/v and gate/up of a layer in one call")
-        bucket.verify(self.version)
+        if verify:
+            bucket.verify(self.version)
+        elif bucket.version != self.version:
+            raise WeightUpdateError(
+                f"bucket {spec.index} from rank {bucket.source_rank} is of weight version {bucket.version}, "
+                f"the update is to version {self.version}: stale bucket refused")
         self.checksums.append(bucket.checksum)
         self.cursor += len(spec.names)
         return spec.split(bucket.flat)
@@ -290,8 +413,14 @@ class WeightSource:
 
     Subclasses say which rank owns each bucket (``owner``) and make it there (``produce``,
     called on every rank of the group in plan order -- a producer may run collectives in it --
-    returning the bucket on the owner and None elsewhere). ``buckets`` delivers every bucket to
-    every rank: directly in one process, by broadcast from the owner over ``group`` otherwise.
+    returning the bucket on the owner and None elsewhere; ``wire``, when given, is the buffer to
+    pack into). ``buckets`` delivers every bucket to every rank: directly in one process, by
+    broadcast from the owner over ``group`` otherwise (pfppo_mega.rollout.refit.broadcast_stream:
+    one broadcast per bucket, the next one in flight while the current one is used).
+
+    dest(spec): where this rank wants bucket ``spec``'s wire bytes to land (a pool's own buffer of
+    wire_nbytes(spec.nbytes)), or None for a buffer of the stream's. A bucket in a stream buffer is
+    valid until the next bucket is requested; one in a dest buffer stays.
     """
 
     version: int
@@ -299,25 +428,21 @@ class WeightSource:
     def owner(self, spec: BucketSpec) -> int:
         return 0
 
-    def produce(self, spec: BucketSpec) -> Optional[Bucket]:
+    def produce(self, spec: BucketSpec, wire: Optional[torch.Tensor] = None) -> Optional[Bucket]:
         raise NotImplementedError
 
-    def buckets(self, plan: list[BucketSpec], group: Optional[dist.ProcessGroup] = None) -> Iterator[Bucket]:
+    def buckets(self, plan: list[BucketSpec], group: Optional[dist.ProcessGroup] = None,
+                dest: Optional[Callable[[BucketSpec], Optional[torch.Tensor]]] = None) -> Iterator[Bucket]:
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             for spec in plan:
-                bucket = self.produce(spec)
+                bucket = self.produce(spec, None if dest is None else dest(spec))
                 if bucket is None:
                     raise RuntimeError(f"{type(self).__name__} produced no bucket {spec.index} in one process")
                 yield bucket
             return
-        from pfppo_mega.rollout.refit import broadcast_bucket, group_device
+        from pfppo_mega.rollout.refit import broadcast_stream
 
-        # one receive buffer for the whole stream (fresh pages per bucket cost as much as the copy):
-        # on receiving ranks a bucket's bytes are valid until the next bucket is requested
-        recv = torch.empty(max(s.numel for s in plan), dtype=plan[0].dtype, device=group_device(group))
-        for spec in plan:
-            yield broadcast_bucket(self.produce(spec), spec, self.version, src=self.owner(spec), group=group,
-                                   out=recv[:spec.numel])
+        yield from broadcast_stream(self, plan, group, dest=dest)
 
 
 class NamedTensorSource(WeightSource):
@@ -334,8 +459,9 @@ class NamedTensorSource(WeightSource):
     def owner(self, spec: BucketSpec) -> int:
         return self.src or 0
 
-    def produce(self, spec: BucketSpec) -> Optional[Bucket]:
+    def produce(self, spec: BucketSpec, wire: Optional[torch.Tensor] = None) -> Optional[Bucket]:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if self.src is not None and rank != self.src:
             return None
-        return Bucket.pack(spec, self.version, [self.tensors[n] for n in spec.names], source_rank=rank)
+        return Bucket.pack(spec, self.version, [self.tensors[n].to(spec.dtype) for n in spec.names],
+                           source_rank=rank, wire=wire)

@@ -112,9 +112,49 @@ class EngineSync:
     def refit_live(self, version: int) -> float:
         """The actor's current weights into the engine as ``version``; returns the seconds taken."""
         t0 = time.perf_counter()
-        self.engine.update_weights(self._live(version).buckets(self.plan, self.world), version)
+        self._update_everywhere(lambda: self.engine.update_weights(self._live(version).buckets(self.plan, self.world),
+                                                                   version), f"refit to version {version}")
         self.last_refit_s = time.perf_counter() - t0
         return self.last_refit_s
+
+    def _update_everywhere(self, update: Callable[[], None], what: str) -> None:
+        """Run an engine update on every rank and agree on its outcome (one all-gather): when it
+        failed anywhere, every rank raises WeightUpdateError naming the ranks, so all of them take
+        the same recovery path (the stream itself never leaves a rank waiting: update_weights drains
+        it after an error)."""
+        error: Optional[WeightUpdateError] = None
+        try:
+            update()
+        except WeightUpdateError as e:
+            error = e
+        bad = self.failing_ranks(error is None)
+        if error is not None:
+            raise error
+        if bad:
+            self.engine.invalidate()  # this rank's update went through, but the step must not use it
+            raise WeightUpdateError(f"{what} refused on rank(s) {bad} (see their log); no engine keeps it")
+
+    def failing_ranks(self, ok: bool, group=None) -> list[int]:
+        """Global ranks of ``group`` (the world by default) whose ``ok`` is False (one all-gather)."""
+        if not self.distributed:
+            return [] if ok else [self.rank]
+        from pfppo_mega.rollout.refit import group_device
+
+        group = group or self.world
+        ranks = dist.get_process_group_ranks(group)
+        device = group_device(group)
+        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ranks]
+        dist.all_gather(flags, torch.tensor([0 if ok else 1], device=device), group=group)
+        return [r for r, f in zip(ranks, flags) if int(f)]
+
+    def reload(self, pool, version: int, step: int) -> None:
+        """Push ``version`` into every engine again, in full (after an engine failure): the live
+        weights when version is the current step, else pool snapshot ``version``; both verified."""
+        self.engine.invalidate()  # every rank takes the full update path (no 'already holds it' shortcut)
+        if pool is not None and version != step and version in pool.versions:
+            self.switch(pool, version)
+        else:
+            self.refit_live(step)
 
     def new_pool(self, pool_size: int):
         from pfppo_mega.pool.sharded import ShardedSnapshotPool
@@ -124,7 +164,7 @@ class EngineSync:
 
     def capture(self, pool, version: int) -> None:
         """Snapshot the actor's current weights into ``pool`` (each rank keeps its share)."""
-        pool.capture(version, self._live(version).buckets(self.plan, self.world))
+        pool.capture_from(self._live(version), self.plan, self.world)
 
     def switch(self, pool, version: int) -> float:
         """Pool snapshot ``version`` into the engine (raises WeightUpdateError on a corrupt shard,
@@ -134,24 +174,14 @@ class EngineSync:
         held = pool.stream_checksums.get(version)
         if held and self.engine.weight_version == version and self.engine.weight_checksum == held:
             # the bytes need not move, but a shard that rotted in host memory is still refused
-            bad = self._ranks_failing(pool.verify(pool.snapshots[pool.versions.index(version)]))
+            bad = self.failing_ranks(pool.verify(pool.snapshots[pool.versions.index(version)]))
             if bad:
                 raise WeightUpdateError(f"snapshot {version}: the shard kept by rank(s) {bad} failed its checksum; "
                                         f"corrupt bytes refused")
             return time.perf_counter() - t0
-        self.engine.update_weights(pool.source(version).buckets(self.plan, self.node_group), version)
+        self._update_everywhere(lambda: self.engine.update_weights(
+            pool.source(version).buckets(self.plan, self.node_group), version), f"switch to snapshot {version}")
         return time.perf_counter() - t0
-
-    def _ranks_failing(self, ok: bool) -> list[int]:
-        """Global ranks of the node whose local check failed (one all-gather on the node group)."""
-        if not self.distributed:
-            return [] if ok else [self.rank]
-        from pfppo_mega.rollout.refit import group_device
-
-        device = group_device(self.node_group)
-        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in self.node_ranks]
-        dist.all_gather(flags, torch.tensor([0 if ok else 1], device=device), group=self.node_group)
-        return [r for r, f in zip(self.node_ranks, flags) if int(f)]
 
     def check_versions(self, what: str) -> None:
         from pfppo_mega.pool.registry import check_engine_versions

@@ -76,7 +76,7 @@ def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     source, plan = _live_source(path, engine, version=3)
     pool = ShardedSnapshotPool(2, engine.weight_layout(), rank=rank, node_ranks=list(range(world)),
                                check_memory=False, log=lambda *_: None)
-    pool.capture(3, source.buckets(plan, group=dist.group.WORLD))
+    pool.capture_from(source, plan, dist.group.WORLD)  # kept buckets land straight in their keeper's buffers
     engine.update_weights(pool.source(3).buckets(plan, group=dist.group.WORLD), version=3)
     params = SamplingParams(1.0, 0.9, 12, None, seed=11)
     prompts = [[1, 2, 3], [7, 8], [4, 4, 4, 4, 9]]
