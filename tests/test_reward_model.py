@@ -75,6 +75,15 @@ def test_scores_match_transformers_at_tp1(world, family_ckpts, kind):
     assert float(ref.std()) > 0.1  # the rows score differently: a constant head would not pass by luck
 
 
+def test_weighted_reward_through_the_protocol_matches_transformers(world, family_ckpts):
+    """The RewardFn path the shared launch runs at TP2 / PP2 / DP2 (reward_fn_weighted), at TP1."""
+    root, paths = family_ckpts
+    got = rmc.weighted_scores(paths["llama3"], micro_batch_size=4).double()
+    want = rmc.weighted_reference(load_file(str(root / rmc.REFERENCES)))
+    print(f"[weighted reward llama3 tp1] max gap {(got - want).abs().max():.2e}")
+    assert (got - want).abs().max() <= rmc.MODEL_WEIGHT * rmc.SCORE_TOL
+
+
 def test_the_last_real_token_is_scored(world, family_ckpts):
     """A row's score depends on its last token only through the prefix: padding never counts, and
     scoring at another position (the first pad, or one token earlier) gives another value."""

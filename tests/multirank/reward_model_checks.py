@@ -9,7 +9,9 @@ in the pytest process; ``scores`` runs our reward model at the current layout on
 right-padded into one batch. tests/test_reward_model.py compares at TP1 in-process; ``run`` is
 called per layout inside the shared launches of checks.py (tests/test_parallel.py) and prints
 ``RESULT <layout> reward_model_vs_transformers[<kind>] PASS|FAIL max_diff=...`` (the gap over all
-ranks; every rank must hold the same scores). Imports only torch, safetensors and pfppo_mega at
+ranks; every rank must hold the same scores), and ``reward_fn_weighted[llama3]``: the trainer's
+path, through the RewardFn protocol (texts encoded, EOS appended when finished) and weighted with
+a rule-based scorer, equals 0.5 * rule + 2 * transformers. Imports only torch, safetensors and pfppo_mega at
 run time (transformers only in ``make_checkpoints``).
 """
 
@@ -22,7 +24,8 @@ import torch
 import common
 
 KINDS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
-CHECKS = tuple(f"reward_model_vs_transformers[{k}]" for k in KINDS)
+CHECKS = tuple(f"reward_model_vs_transformers[{k}]" for k in KINDS) + ("reward_fn_weighted[llama3]",)
+RULE_WEIGHT, MODEL_WEIGHT, EOS = 0.5, 2.0, common.VOCAB - 1
 REFERENCES = "reward_references.safetensors"
 SCORE_TOL = 2e-5  # fp32 megatron vs fp64 transformers (as the logits checks)
 LENGTHS = (common.FAMILY_SEQ, 5, common.ROPE_ORIG + 3, 1, 17, 40)  # uneven: padding and the last token matter
@@ -31,6 +34,28 @@ LENGTHS = (common.FAMILY_SEQ, 5, common.ROPE_ORIG + 3, 1, 17, 40)  # uneven: pad
 def rows() -> list[list[int]]:
     gen = torch.Generator().manual_seed(77)
     return [torch.randint(0, common.VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in for the policy tokenizer: one token per character."""
+    return [ord(c) % (common.VOCAB - 1) for c in text]
+
+
+def text_batch():
+    """(samples, texts, finished) for the RewardFn path; ground truths match rows 0 and 2."""
+    from pfppo_mega.types import Sample
+
+    prompts = [r[: max(1, len(r) // 2)] for r in rows()]
+    texts = ["so it is 42", "", "abc", "x" * 20, "the answer", "y" * 9]
+    truth = ["so it is 42", "no", "abc", "z", "nope", "no"]
+    samples = [Sample(prompt_ids=tuple(p), data_source="my/source", ground_truth=g, row=f"r{i}")
+               for i, (p, g) in enumerate(zip(prompts, truth))]
+    return samples, texts, [True, False, True, True, False, True]
+
+
+def text_sequences() -> list[list[int]]:
+    samples, texts, finished = text_batch()
+    return [list(s.prompt_ids) + encode(t) + ([EOS] if f else []) for s, t, f in zip(samples, texts, finished)]
 
 
 def hf_classifier(kind: str) -> torch.nn.Module:
@@ -79,6 +104,8 @@ def make_checkpoints(root: Path) -> dict[str, Path]:
         out[kind] = root / f"rm_{kind}"
         model.save_pretrained(out[kind])
         refs[f"scores/{kind}"] = hf_scores(model, rows())
+        if kind == "llama3":
+            refs[f"text_scores/{kind}"] = hf_scores(model, text_sequences())
     save_file(refs, str(root / REFERENCES))
     return out
 
@@ -106,3 +133,26 @@ def run(layout: str, data: Path, mbs: int, report, all_ranks_ok) -> None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         report(layout, f"reward_model_vs_transformers[{kind}]", all_ranks_ok(diff <= SCORE_TOL and same),
                float(worst), SCORE_TOL, f"same_on_all_ranks={same}")
+    got, want = weighted_scores(data / "rm_llama3", mbs), weighted_reference(refs)
+    diff = float((got.double() - want).abs().max())
+    report(layout, "reward_fn_weighted[llama3]", all_ranks_ok(diff <= MODEL_WEIGHT * SCORE_TOL), diff,
+           MODEL_WEIGHT * SCORE_TOL)
+
+
+def weighted_scores(path: Path, micro_batch_size: int) -> torch.Tensor:
+    """RULE_WEIGHT * exact_match + MODEL_WEIGHT * reward model on text_batch(), through RewardFn."""
+    from pfppo_mega.rewards.base import RuleReward
+    from pfppo_mega.rewards.model import RewardModel, WeightedReward
+
+    quiet = lambda *_: None  # noqa: E731
+    fn = WeightedReward([(RULE_WEIGHT, RuleReward(default_scorer="exact_match", log=quiet)),
+                         (MODEL_WEIGHT, RewardModel(path, encode=encode, eos_id=EOS, micro_batch_size=micro_batch_size,
+                                                    log=quiet))])
+    res = fn(*text_batch())
+    assert res.outcomes == ["ok"] * len(res.outcomes), res.outcomes
+    return res.scores
+
+
+def weighted_reference(refs: dict) -> torch.Tensor:
+    rule = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # exact matches of text_batch()
+    return RULE_WEIGHT * rule + MODEL_WEIGHT * refs["text_scores/llama3"]
