@@ -69,28 +69,41 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     cfg = _load(args.config, args.overrides, "sft.output_dir")  # before the slow torch import
-    from pfppo_mega.sft import SFTTimeout, run_sft
+    from pfppo_mega.sft import SFTTimeout, WarmStartTooWeak, run_sft
 
     try:
         run_sft(cfg)
     except SFTTimeout as e:
         print(f"pfppo: sft stopped: {e}", file=sys.stderr)
         return 3
+    except WarmStartTooWeak as e:
+        print(f"pfppo: sft: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
 def cmd_demo(args) -> int:
-    """Warm start once (reused when present), then PPO; both on the built-in default config."""
-    from pfppo_mega.sft import run_sft
+    """Warm start once (reused when present and made with the same settings), check its held-out
+    greedy accuracy against sft.min_accuracy, then PPO; all on the built-in default config."""
+    from pfppo_mega.sft import SFTTimeout, WarmStartTooWeak, check_warm_start, run_sft, stale_reason
 
     cfg = _load(str(DEMO_CONFIG), args.overrides, "sft.output_dir", "logging.output_dir")
     t0 = time.monotonic()
     sft_dir = Path(cfg.sft.output_dir)
-    if args.fresh or not (sft_dir / "model.safetensors").is_file():
-        print(f"[pfppo] SFT warm start -> {sft_dir}", flush=True)
-        run_sft(cfg)
-    else:
-        print(f"[pfppo] reusing SFT warm start in {sft_dir} (pfppo demo --fresh to redo it)")
+    stale = "--fresh" if args.fresh else stale_reason(cfg, sft_dir)
+    try:
+        if stale:
+            print(f"[pfppo] SFT warm start -> {sft_dir} ({stale})", flush=True)
+            run_sft(cfg)  # checks sft.min_accuracy itself
+        else:
+            print(f"[pfppo] reusing SFT warm start in {sft_dir} (pfppo demo --fresh to redo it)")
+            acc = check_warm_start(cfg, sft_dir)
+            if acc is not None:
+                print(f"[pfppo] warm start held-out greedy accuracy {acc.greedy:.3f} >= sft.min_accuracy "
+                      f"{cfg.sft.min_accuracy}")
+    except (SFTTimeout, WarmStartTooWeak) as e:
+        print(f"pfppo: demo stopped before PPO: {e}", file=sys.stderr)
+        return 3
     rc = _train(cfg)
     print(f"[pfppo] demo finished in {time.monotonic() - t0:.0f}s")
     return rc

@@ -14,6 +14,7 @@ ROLLOUT_ENGINES = ("builtin", "vllm")  # actor_rollout.engine
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels
 TASKS = ("addition",)  # data.task
+ADDITION_FORMATS = ("plain", "padded", "reversed")  # data.addition_format (tasks/addition.py)
 DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / Parquet prompt files
 OVERLONG_PROMPTS = ("filter", "error")  # data.overlong_prompts: drop (counted) or refuse at start
 # Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.

@@ -56,3 +56,66 @@ def test_sft_batch_masks_only_answer_tokens():
     assert tok.decode(tgt[0][mask[0].bool()].tolist()) == "17"
     assert tgt[0][mask[0].bool()].tolist()[-1] == tok.eos_id
     assert mask[1].sum() == len("198") + 1
+
+
+def test_written_forms_and_reward():
+    plain, rev = AdditionTask(3), AdditionTask(3, format="reversed")
+    p = Problem(123, 45)
+    assert (plain.prompt_text(p), plain.answer_text(p)) == ("123+45=", "168") == (p.prompt, p.answer)
+    assert (rev.prompt_text(p), rev.answer_text(p)) == REVERSED_123_45
+    pad = AdditionTask(3, format="padded")
+    assert (pad.prompt_text(p), pad.answer_text(p)) == PADDED_123_45 and pad.read("0168") == 168
+    assert pad.reward(p, "0168", True) == 1.0 and pad.reward(p, "168", True) == 0.0
+    assert rev.reward(p, rev.answer_text(p), True) == 1.0
+    assert rev.reward(p, "168", True) == 0.0 and rev.reward(p, rev.answer_text(p), False) == 0.0
+    assert rev.read(rev.answer_text(Problem(999, 1))) == 1000 and rev.read("12a") is None
+    # every prompt and answer of the reversed form has one length: digits sit at fixed positions
+    probs = rev.train_prompts(300, random.Random(0))
+    assert {len(rev.prompt_text(q)) for q in probs} == {8} and {len(rev.answer_text(q)) for q in probs} == {4}
+    with pytest.raises(ValueError, match="format = 'lsd'.*'plain', 'padded', 'reversed'"):
+        AdditionTask(3, format="lsd")
+
+
+def test_samples_carry_the_task_form():
+    from pfppo_mega.tasks.addition import AdditionPrompts
+    tok, rev = char_tokenizer(), AdditionTask(3, format="reversed")
+    src = AdditionPrompts(rev, tok, random.Random(0))
+    for s in src.next_batch(20) + src.eval_samples(20):
+        p = Problem(s.extra_info["a"], s.extra_info["b"])
+        assert tok.decode(list(s.prompt_ids)) == rev.prompt_text(p) and s.ground_truth == rev.answer_text(p)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "padded", "reversed"])
+def test_carry_drop_errs_exactly_where_and_as_often_as_configured(fmt):
+    """The systematic demonstrator: wrong only on problems that carry into carry_digit, there at
+    rate carry_drop, and then it writes exactly a + b - 10**carry_digit."""
+    task = AdditionTask(3, format=fmt)
+    rng = random.Random(7)
+    probs = task.train_prompts(20000, rng)
+    carry = [p for p in probs if task.carries_into(p, 2)]
+    other = [p for p in probs if not task.carries_into(p, 2)]
+    assert 0.35 < len(carry) / len(probs) < 0.55  # (a mod 100) + (b mod 100) >= 100
+    assert all(task.demonstration(p, rng, noise=0.0, carry_drop=0.7, carry_digit=2) == task.answer_text(p)
+               for p in other)
+    demos = [task.demonstration(p, rng, noise=0.0, carry_drop=0.7, carry_digit=2) for p in carry]
+    wrong = [(p, d) for p, d in zip(carry, demos) if d != task.answer_text(p)]
+    assert abs(len(wrong) / len(carry) - 0.7) < 0.02
+    assert all(task.read(d) == p.a + p.b - 100 for p, d in wrong)
+    # carry_digit 1: the tens; carry_drop 1: always; 0: never (and the rng stream is the old one)
+    p = Problem(15, 17)
+    assert task.read(task.demonstration(p, rng, noise=0.0, carry_drop=1.0, carry_digit=1)) == 22
+    a, b = random.Random(3), random.Random(3)
+    assert [task.demonstration(q, a, noise=0.3) for q in probs[:300]] == \
+           [task.demonstration(q, b, noise=0.3, carry_drop=0.0) for q in probs[:300]]
+    assert not task.carries_into(Problem(999, 999), 0)
+
+
+def test_sft_batch_uses_the_task_form():
+    tok, rev = char_tokenizer(), AdditionTask(2, format="reversed")
+    ids, tgt, mask = demo_batch(rev, tok, [Problem(12, 5)], random.Random(0), 0.0)
+    assert tok.decode(ids[0].tolist()) == "21+50=" + "710"  # 12 + 05 = 017, written backwards
+    assert tok.decode(tgt[0][mask[0].bool()].tolist()) == "710"
+
+
+REVERSED_123_45 = ("321+540=", "8610")
+PADDED_123_45 = ("123+045=", "0168")

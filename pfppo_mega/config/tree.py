@@ -612,9 +612,14 @@ class DataConfig(Section):
     overlong_prompts: str = opt("filter", "Prompts longer than max_prompt_length: filter (dropped, "
                                           "counted and reported at start) or error (refused at start).")
     shuffle: bool = opt(True, "Shuffle the training rows each epoch (seeded by training.seed).")
+    addition_format: str = opt(
+        "plain", "How the addition task writes problems: plain (123+45= -> 168), padded (every number "
+                 "zero-padded: 123+045= -> 0168; each digit at a fixed position) or reversed (padded and "
+                 "written least-significant digit first: 321+540= -> 8610).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"source": C.DATA_SOURCES, "task": C.TASKS,
-                                           "overlong_prompts": C.OVERLONG_PROMPTS}
+                                           "overlong_prompts": C.OVERLONG_PROMPTS,
+                                           "addition_format": C.ADDITION_FORMATS}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "num_digits", self.num_digits, ge=1, le=9)
@@ -686,6 +691,20 @@ class SFTConfig(Section):
     batch_size: int = opt(64, "Demonstrations per step.")
     lr: float = opt(3e-3, "AdamW learning rate, in (0, 1] (cosine decay to 10%).")
     noise: float = opt(0.3, "Fraction of demonstrations with one wrong digit (imperfect labels).")
+    carry_drop: float = opt(
+        0.0, "Systematic demonstrator error: in this fraction of the problems that carry into digit "
+             "carry_digit, the demonstration drops that carry (a + b - 10**carry_digit); the exact PPO "
+             "reward then has something to teach that the demonstrations do not. In [0, 1].")
+    carry_digit: int = opt(2, "The digit whose incoming carry carry_drop drops (1 = tens, 2 = hundreds, ...; "
+                              "at most data.num_digits).")
+    warmup_steps: int = opt(0, "Linear learning-rate warmup over this many steps (then cosine decay to 10%).")
+    init_gain: float = opt(
+        0.0, "Initialise every weight matrix from N(0, init_gain**2 / fan_in) instead of megatron's N(0, 0.02) "
+             "(too small for narrow models: a long loss plateau first); 0 = megatron's init.")
+    min_accuracy: float = opt(
+        0.0, "Held-out greedy accuracy (data.eval_size prompts, exact reward) the warm start must reach: "
+             "below it pfppo sft exits with an error (the checkpoint stays, for inspection) and pfppo demo "
+             "does not start PPO. 0 = no check.")
     max_seconds: float = opt(
         0.0, "Safety limit on wall time: SFT always runs sft.steps steps and fails with an error (writing "
              "nothing) if they take longer than this; 0 = no limit.")
@@ -695,6 +714,11 @@ class SFTConfig(Section):
         _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
         _range(p, "lr", self.lr, gt=0, le=1)
         _range(p, "noise", self.noise, ge=0, lt=1)
+        _range(p, "carry_drop", self.carry_drop, ge=0, le=1)
+        _range(p, "carry_digit", self.carry_digit, ge=1, le=9)
+        _range(p, "warmup_steps", self.warmup_steps, ge=0, le=C.MAX_STEPS)
+        _range(p, "init_gain", self.init_gain, ge=0, le=10)
+        _range(p, "min_accuracy", self.min_accuracy, ge=0, le=1)
         _range(p, "max_seconds", self.max_seconds, ge=0)
 
 
@@ -733,3 +757,10 @@ class Config(Section):
             missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(self.model, k) is None]
             p.append(Problem("model", "incomplete",
                              f"set actor_rollout.model_path or every shape field (missing: {', '.join(missing)})"))
+        if self.sft.carry_drop > 0 and isinstance(self.sft.carry_digit, int) and \
+                isinstance(self.data.num_digits, int) and self.sft.carry_digit > self.data.num_digits:
+            p.append(Problem("sft.carry_digit", self.sft.carry_digit,
+                             f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
+                             f"(no carry reaches a higher digit)"))
+        if self.sft.warmup_steps >= self.sft.steps >= 1:
+            p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))

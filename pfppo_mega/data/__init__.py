@@ -37,7 +37,7 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
     d = cfg.data
     if d.source == "task":
         from pfppo_mega.tasks.addition import AdditionPrompts, AdditionTask
-        src = AdditionPrompts(AdditionTask(d.num_digits), tokenizer, rng)
+        src = AdditionPrompts(AdditionTask.from_config(d), tokenizer, rng)
         return PromptData(train=src, val=src.eval_samples(d.eval_size), train_rows=[])
     template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
     keys = Keys(prompt=d.prompt_key, data_source=d.data_source_key, ground_truth=d.ground_truth_key,

@@ -31,7 +31,7 @@ def _scorer(cfg, log: Callable[[str], None]):
                             timeout_s=cfg.reward.timeout_s, log=log)
     elif cfg.data.source == "task":
         from pfppo_mega.tasks.addition import AdditionReward, AdditionTask
-        base = AdditionReward(AdditionTask(cfg.data.num_digits), log=log)
+        base = AdditionReward(AdditionTask.from_config(cfg.data), log=log)
     else:
         from pfppo_mega.rewards.base import RuleReward
         base = RuleReward(default_scorer=cfg.reward.default_scorer, log=log)
