@@ -5,8 +5,9 @@ GPU of the job holds a shard of each of the four models and the run alternates t
 
 - Training phase (reference / critic forwards, actor and critic updates): the actor and critic
   train states (bf16 weights, fp32 grads, fp32 Adam states), the reference policy's bf16 weights
-  and a reward model's (``reward.model_path``, scalar head), all in the megatron layout tp x pp x dp; the activations of the one update running (the actor's
-  and the critic's updates are sequential, so the larger counts). The rollout engine sleeps:
+  and a reward model's (``reward.model_path``, scalar head), all in the megatron layout
+  tp x pp x dp; the activations of the one update running (the actor's and the critic's updates
+  are sequential, so the larger counts). The rollout engine sleeps:
   KV cache freed and weights discarded (vLLM sleep level 2); the next weight sync refills them.
 - Rollout phase: the rollout engine, one replica per ``rollout_tp`` GPUs (default: one node),
   claims ``gpu_memory_utilization`` of each GPU for its bf16 weights, a workspace and the KV
