@@ -43,7 +43,8 @@ def setup(tmp_path_factory):
     path = root / "cfg.json"
     path.write_text(json.dumps(cfg))
     # Launch the 2-process run first; the serial reference runs here meanwhile.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    # every layout runs in the device-check mode (pfppo_mega.trainer.devicecheck; the serial run does not)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(HERE / "multirank" / "trainer_layouts.py"), str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -104,3 +105,15 @@ def test_distributed_optimizer_shards_survive_a_dp2_checkpoint(setup):
     # each rank holds a shard of its own (not the whole state, not the other rank's)
     assert a["n"] > 0 and b["n"] > 0 and a["sum"] != b["sum"], r
     assert a["numel"] + b["numel"] == a["model_numel"], r  # the shards partition the parameters
+
+
+def test_every_layout_passes_the_device_check(setup):
+    """TP2, PP2, DP2 and the DP2 distributed-optimizer run took every train_step inside a device-check
+    session: loss inputs, phase boundaries and every collective (p2p and TP all-reduces included)
+    on the expected device, nothing made on the host meeting a model. The metrics above equal the
+    serial run's, which ran without the mode."""
+    _, results = setup
+    r = results["device_check"]
+    assert r["requested"] and r["sessions"] >= 3 * 3 + 3 + 1
+    assert r["checks"] >= 4 * r["sessions"] and r["collectives"] > 0
+    print(f"device check over the 2-rank layouts: {r}")

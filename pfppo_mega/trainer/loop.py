@@ -45,6 +45,8 @@ from pfppo_mega.trainer.policy_loss import (PolicyLossInputs, PolicyLossParams, 
                                             get_policy_loss)
 from pfppo_mega.trainer.engine_sync import EngineSetupError, EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.seeds import stream_seed
+from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.value_guard import ValueLossGuard, pre_update_value_loss
 from pfppo_mega.trainer import worst_samples
 
@@ -173,6 +175,10 @@ class PPOTrainer:
 
         # --- parallel state (one place), then models and optimizers
         self.parallel = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed)
+        # The device rule (docs/scaling.md): everything that meets a model lives on the models' device;
+        # collectives run on their group's device (pfppo_mega.parallel). PFPPO_DEVICE_CHECK=1 checks it.
+        self.device = self.parallel.device
+        self.device_check = devicecheck.requested()
         self.is_logger = self.parallel.rank == 0
         gpt.check_features(self.model_cfg, self.features, device_type=self.parallel.device.type, tp=tp)
         self.log = log if self.is_logger else (lambda *_: None)
@@ -212,6 +218,14 @@ class PPOTrainer:
         self.critic_opt = gpt.build_optimizer(self.critic, lr=t.critic_lr, weight_decay=t.weight_decay,
                                               grad_clip=t.critic_grad_clip)
         self.kernels = get_backend(cfg.kernels)
+        # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
+        # generates; the engine sleeps from the end of generation until the next weight sync.
+        self.offload = TrainerOffload(
+            lambda: (t for src in (module_tensors(self.actor), module_tensors(self.critic), module_tensors(self.ref),
+                                   optimizer_tensors(self.actor_opt), optimizer_tensors(self.critic_opt))
+                     for t in src),
+            device=self.device, enabled=offload_enabled(t.offload_during_rollout, self.device), log=self.log)
+        self.rollout_trainer_bytes = -1  # trainer bytes on the device during the last generation
         self.running_reward = ppo.RunningMoments()
 
         # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
@@ -279,12 +293,27 @@ class PPOTrainer:
             stats[f"pool/slot{k}/prob"] = float(probs[k])
         return concat_rollouts(parts, order, pad_id=self.tokenizer.pad_id), stats
 
+    def _colocated_rollout(self, samples: list[Sample]) -> tuple[RolloutBatch, dict[str, float]]:
+        """The rollout phase with the trainer's states on the host (training.offload_during_rollout)
+        and the engine put to sleep once it has generated, before those states come back."""
+        self.engine.wake_up()
+        with self.offload.offloaded():
+            self.rollout_trainer_bytes = self.offload.device_bytes()
+            try:
+                rb, stats = self.rollout(samples)
+            finally:
+                self.engine.sleep()
+        if self.offload.enabled:
+            stats = {**stats, "time/offload_s": self.offload.last_offload_s, "time/reload_s": self.offload.last_reload_s}
+        return rb, stats
+
     def _load_behaviour(self, cand: "pfpool.Candidate") -> None:
         """Put a candidate behaviour policy into the engine (its rows then carry its version). A
         snapshot that fails its checksum is evicted (counted) and the current weights are used."""
         if cand.snapshot is not None:
             try:
-                self.sync.switch(self.pool, cand.version)
+                with devicecheck.paused():  # the engine seam: host wire buffers by design
+                    self.sync.switch(self.pool, cand.version)
                 return
             except WeightUpdateError as e:  # every rank's engine refuses the same bytes: all evict alike
                 self.pool.evict(cand.version)
@@ -293,7 +322,8 @@ class PPOTrainer:
                 self.log(f"[pfppo] snapshot {cand.version} refused ({e}); evicted, generating with the current "
                          f"weights instead")
                 if len(self.pool) == 0:  # never leave the pool empty: re-seed it with the current policy
-                    self.sync.capture(self.pool, self.step)
+                    with self.offload.on_device():  # the live weights, also while offloaded
+                        self.sync.capture(self.pool, self.step)
         self.sync_weights(self.step)
 
     def _generate(self, samples: list[Sample], n: int) -> RolloutBatch:
@@ -305,12 +335,14 @@ class PPOTrainer:
         params = SamplingParams(temperature=cfg.actor_rollout.temperature, top_p=cfg.actor_rollout.top_p,
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
-        out = self.engine.generate(prompt_ids, params)
+        with devicecheck.paused():  # the engine's own device world; its rows are host until moved
+            out = self.engine.generate(prompt_ids, params)
+        devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {self.step}")  # every engine, same version and checksum
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
         return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
-                            versions=torch.full((len(samples),), out.weight_version), texts=texts)
+                            versions=torch.full((len(samples),), out.weight_version), texts=texts).to(self.device)
 
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
         limit = self.cfg.data.max_prompt_length
@@ -325,8 +357,10 @@ class PPOTrainer:
         then the reward preprocessing. z-scores and quantiles use the global batch (every DP rank's
         rows)."""
         cfg = self.cfg.reward
-        guarded = self.reward_fn(rb.samples, rb.texts, rb.finished.tolist())
-        raw = guarded.scores                                                          # [B] finite
+        with devicecheck.paused():  # reward functions run on the host (texts in, scores out)
+            guarded = self.reward_fn(rb.samples, rb.texts, rb.finished.tolist())
+        devicecheck.mark_host(guarded.scores, guarded.honest, guarded.hacked)
+        raw = guarded.scores.to(self.device)                                          # [B] finite
         lengths = rb.response_mask.sum(1)
         scores = raw
         if cfg.length_penalty:
@@ -339,7 +373,8 @@ class PPOTrainer:
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
         return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
                            n_reward_errors=guarded.errors, n_reward_timeouts=guarded.timeouts,
-                           honest=guarded.honest, hacked=guarded.hacked)
+                           honest=None if guarded.honest is None else guarded.honest.to(self.device),
+                           hacked=None if guarded.hacked is None else guarded.hacked.to(self.device))
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
         """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
@@ -347,7 +382,8 @@ class PPOTrainer:
         if not f.enable:
             return sb
         w = ppo.filtration_weights(sb.raw_scores, method=f.reweight_method, weight_pow=f.weight_pow)
-        idx = ppo.resample_indices(w, num_samples=len(sb.raw_scores), generator=self.assign_gen)
+        # a host decision: assign_gen is a CPU generator (multinomial refuses it for CUDA weights)
+        idx = ppo.resample_indices(w.cpu(), num_samples=len(sb.raw_scores), generator=self.assign_gen)
         return sb.select(idx.tolist())
 
     # ------------------------------------------------------------------ phase: prepare
@@ -368,11 +404,13 @@ class PPOTrainer:
     @torch.no_grad()
     def prepare(self, sb: ScoredBatch) -> PreparedBatch:
         rb = sb.rollout
-        inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=self.tokenizer.pad_id)
+        inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=self.tokenizer.pad_id, device=self.device)
         old_logp, entropy = self._policy_logp(self.actor, inp)
         ref_logp, _ = self._policy_logp(self.ref, inp)
         values = self._values(inp)
         m = inp.response_mask
+        devicecheck.expect("prepare: model inputs and results", self.device, inputs=inp, old_logp=old_logp,
+                           ref_logp=ref_logp, values=values, scores=sb.scores)
         return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m, values=values * m,
                              entropy=entropy * m)
 
@@ -400,10 +438,12 @@ class PPOTrainer:
             is_weights, pg_mask, is_stats = pfpool.behaviour_is_weights(
                 old_logp, behav_logp, m, mode=a.pool.is_mode, is_clip=a.pool.is_clip, on_policy=on_policy,
                 reduce_sum=self.dp_sum, reduce_max=self.dp_max)  # is/* stats of the global batch
-        return ExperienceBatch(inputs=inp, old_logp=old_logp, behav_logp=behav_logp,
-                               ref_logp=ref_logp, old_values=values, token_rewards=token_rewards,
-                               advantages=adv, returns=returns, kl_ref=kl_ref, entropy=entropy,
-                               pg_mask=pg_mask, is_weights=is_weights, on_policy=on_policy, is_stats=is_stats)
+        eb = ExperienceBatch(inputs=inp, old_logp=old_logp, behav_logp=behav_logp,
+                             ref_logp=ref_logp, old_values=values, token_rewards=token_rewards,
+                             advantages=adv, returns=returns, kl_ref=kl_ref, entropy=entropy,
+                             pg_mask=pg_mask, is_weights=is_weights, on_policy=on_policy, is_stats=is_stats)
+        devicecheck.expect("advantages: experience batch", self.device, experience=eb)
+        return eb
 
     # ------------------------------------------------------------------ phase: update
 
@@ -443,13 +483,15 @@ class PPOTrainer:
         def loss_fn(logp, entropy, micro: mengine.MicroBatch):
             r = micro.rows
             m = micro.inputs.response_mask
-            pl = self.policy_loss(PolicyLossInputs(
+            pl_in = PolicyLossInputs(
                 logp=logp, old_logp=eb.old_logp[r], behav_logp=eb.behav_logp[r], advantages=eb.advantages[r],
                 mask=m, pg_mask=eb.pg_mask[r], is_weights=None if eb.is_weights is None else eb.is_weights[r],
-                on_policy=eb.on_policy[r]), self.policy_loss_params)
+                on_policy=eb.on_policy[r])
+            devicecheck.expect("policy loss", self.device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
+            pl = self.policy_loss(pl_in, self.policy_loss_params)
             share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=mode)
             resp_share = mengine.share_scale(m, micro.norm, mode=mode)
-            kl_loss = torch.zeros(())
+            kl_loss = logp.new_zeros(())
             if a.use_kl_loss and a.kl_coeff > 0:
                 kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode)
                 share = share + a.kl_coeff * kl_loss * resp_share
@@ -472,6 +514,8 @@ class PPOTrainer:
         def loss_fn(values, micro: mengine.MicroBatch):
             r = micro.rows
             m = micro.inputs.response_mask
+            devicecheck.expect("value loss", self.device, values=values, old_values=eb.old_values[r],
+                               returns=eb.returns[r], mask=m)
             out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
                                  loss_agg_mode=a.loss_agg_mode)
             share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode)
@@ -508,16 +552,22 @@ class PPOTrainer:
         if self.pool is None:
             self.sync_weights(self.step)
         elif pfpool.snapshot_due(self.step, self.cfg.algorithm.pool.snapshot_interval):
-            self.sync.capture(self.pool, self.step)
+            with devicecheck.paused():  # snapshots live in host memory by design
+                self.sync.capture(self.pool, self.step)
 
     def sync_weights(self, version: int) -> None:
-        self.sync.refit_live(version)
+        self.engine.wake_up()  # a sleeping engine takes no weights
+        # on_device: a live refit inside the rollout phase (PF-PPO's current policy) while offloaded;
+        # paused: the engine seam keeps host wire buffers by design
+        with self.offload.on_device(), devicecheck.paused():
+            self.sync.refit_live(version)
 
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy of the current weights: sampled at the rollout temperature (the
         policy's own success rate, seeded) and greedy."""
+        self.engine.wake_up()
         if self.engine.weight_version != self.step:  # the engine may hold a behaviour snapshot
             self.sync_weights(self.step)
         prompts = [list(s.prompt_ids) for s in self.eval_samples]
@@ -551,14 +601,18 @@ class PPOTrainer:
     def kl_probe(self) -> float:
         """KL(current || reference) per token on fresh samples of the current policy (held-out
         prompts, fixed seed): the same estimator whichever behaviour policies trained it."""
+        self.engine.wake_up()
         if self.engine.weight_version != self.step:
             self.sync_weights(self.step)
         ar = self.cfg.actor_rollout
         prompts = [list(s.prompt_ids) for s in self.eval_samples[: self.cfg.logging.kl_probe_size]]
-        out = self.engine.generate(prompts, SamplingParams(
-            temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=self.cfg.algorithm.max_response_length,
-            eos_token_id=self.tokenizer.eos_id, seed=stream_seed("kl_probe", self.cfg.training.seed, step=self.step)))
-        inp = pack(prompts, out.responses, out.response_mask, pad_id=self.tokenizer.pad_id)
+        with devicecheck.paused():
+            out = self.engine.generate(prompts, SamplingParams(
+                temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=self.cfg.algorithm.max_response_length,
+                eos_token_id=self.tokenizer.eos_id, seed=stream_seed("kl_probe", self.cfg.training.seed,
+                                                                     step=self.step)))
+        devicecheck.mark_host(out.responses, out.response_mask)
+        inp = pack(prompts, out.responses, out.response_mask, pad_id=self.tokenizer.pad_id, device=self.device)
         logp, _ = self._policy_logp(self.actor, inp)
         ref, _ = self._policy_logp(self.ref, inp)
         return ppo.masked_mean(logp - ref, inp.response_mask).item()
@@ -566,12 +620,19 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step, and the run
 
     def train_step(self) -> dict[str, float]:
+        """One step; with PFPPO_DEVICE_CHECK=1 inside a device-check session (trainer/devicecheck.py)."""
+        if not self.device_check:
+            return self._train_step()
+        with devicecheck.session(self.device):
+            return self._train_step()
+
+    def _train_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         samples = self.prompts.next_batch(self.cfg.training.rollout_batch_size // self.parallel.dp)
         corrupt_before = self.guards["corrupt_snapshots"]
         with timer("rollout"):
-            rb, pool_stats = self.rollout(samples)
+            rb, pool_stats = self._colocated_rollout(samples)
         with timer("score"):
             scored = self.score(rb)      # every generated row: rewards, responses and pool statistics
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)

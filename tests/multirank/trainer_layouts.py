@@ -20,6 +20,7 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.parallel import destroy_parallel
 from pfppo_mega.trainer.batch import PreparedBatch, ScoredBatch, concat_rollouts, pack
+from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.loop import PPOTrainer
 
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
@@ -157,6 +158,9 @@ def main(path: str) -> None:
     result = dp2_distributed_optimizer(base)
     if dist.get_rank() == 0:
         print("RESULT dp2_distopt", json.dumps(result), flush=True)
+        # PFPPO_DEVICE_CHECK=1 (set by the test): every train_step above ran in a device-check session
+        print("RESULT device_check", json.dumps({"requested": devicecheck.requested(), **devicecheck.TOTALS}),
+              flush=True)
     destroy_parallel()
     dist.destroy_process_group()
 

@@ -1,0 +1,118 @@
+"""Colocation (pfppo_mega.trainer.offload): the trainer's states leave the device during rollout and
+come back bit-identical; training with the offload equals training without it; the planner's
+rollout-phase figure is what the trainer really keeps on the device, with the offload and without."""
+
+import pytest
+import torch
+
+from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan, offload_from_config
+from pfppo_mega.trainer.loop import PPOTrainer
+from pfppo_mega.trainer.offload import (TrainerOffload, module_tensors, offload_enabled, optimizer_tensors,
+                                        unique_storages)
+
+from test_trainer import sft_dir, _cfg  # noqa: F401  (the shared tiny SFT checkpoint)
+
+QUIET = dict(logging={"eval_interval": 0, "tensorboard": False, "plots": False, "progress": False})
+BF16 = dict(model={"params_dtype": "bfloat16"})  # the planner's byte counts: bf16 weights, fp32 grads + Adam
+
+
+def _trainer(tmp_path, sft_dir, **sections):  # noqa: F811
+    return PPOTrainer(_cfg(tmp_path, sft_dir, **{**QUIET, **sections}), log=lambda *_: None)
+
+
+def _everything(tr) -> list[torch.Tensor]:
+    return [t for src in (module_tensors(tr.actor), module_tensors(tr.critic), module_tensors(tr.ref),
+                          optimizer_tensors(tr.actor_opt), optimizer_tensors(tr.critic_opt)) for t in src]
+
+
+def test_the_default_is_on_for_gpus_only():
+    assert offload_enabled(None, torch.device("cuda", 0)) and not offload_enabled(None, torch.device("cpu"))
+    assert offload_enabled(True, torch.device("cpu")) and not offload_enabled(False, torch.device("cuda", 0))
+
+
+def test_states_come_back_bit_identical(sft_dir, tmp_path):  # noqa: F811
+    """After a step (Adam states exist), offload frees every parameter, grad-buffer and optimizer
+    storage on the device; reload restores every byte into the same tensor objects."""
+    tr = _trainer(tmp_path, sft_dir, training={"total_training_steps": 2, "offload_during_rollout": True}, **BF16)
+    tr.train_step()
+    tensors = _everything(tr)
+    before = [t.detach().clone() for t in tensors]
+    held = tr.offload.device_bytes()
+    assert held > 0 and any(t.dtype == torch.bfloat16 for t in tensors)
+    moved = tr.offload.offload()
+    assert moved == held and tr.offload.device_bytes() == 0 and tr.offload.is_offloaded
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)  # freed, the tensors themselves kept
+    tr.offload.reload()
+    assert tr.offload.device_bytes() == held and not tr.offload.is_offloaded
+    for t, b in zip(_everything(tr), before):
+        assert t.dtype == b.dtype and torch.equal(t.detach().view(torch.uint8) if t.dim() else t.detach(),
+                                                  b.view(torch.uint8) if b.dim() else b)
+
+
+def test_training_with_offload_equals_training_without(sft_dir, tmp_path):  # noqa: F811
+    """PF-PPO with the current policy as a candidate between snapshots: its live refit happens while
+    the states are offloaded (brought back for it, then offloaded again). Metrics and final weights
+    are exactly those of the run without offload; the engine slept after every generation."""
+    feats = dict(training={"total_training_steps": 3}, **BF16,
+                 algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 2,
+                                                         "include_current": True}})
+    runs = {}
+    for on in (False, True):
+        f = {**feats, "training": {**feats["training"], "offload_during_rollout": on}}
+        tr = _trainer(tmp_path / str(on), sft_dir, **f)
+        slept = []
+        sleep = tr.engine.sleep
+        tr.engine.sleep = lambda: (slept.append(tr.step), sleep())[1]
+        metrics = [tr.train_step() for _ in range(3)]
+        runs[on] = (metrics, [p.detach().clone() for p in _everything(tr)], tr, slept)
+    (m_off, w_off, _, _), (m_on, w_on, tr, slept) = runs[False], runs[True]
+    keys = ("policy/pg_loss", "critic/value_loss", "policy/grad_norm", "reward/mean", "kl/ref_k1")
+    assert [[m[k] for k in keys] for m in m_off] == [[m[k] for k in keys] for m in m_on]
+    assert all(torch.equal(a, b) for a, b in zip(w_off, w_on))
+    assert tr.offload.enabled and tr.offload.temporary_reloads >= 1  # the current policy was refit while offloaded
+    assert "time/offload_s" in m_on[-1] and "time/offload_s" not in m_off[-1]
+    assert slept == [0, 1, 2]  # once per rollout phase, after generating
+    print(f"offload {m_on[-1]['time/offload_s'] * 1e3:.1f} ms, reload {m_on[-1]['time/reload_s'] * 1e3:.1f} ms "
+          f"(CPU: host == device), live refits while offloaded: {tr.offload.temporary_reloads}")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_planner_rollout_figure_is_what_the_trainer_keeps(sft_dir, tmp_path, offload):  # noqa: F811
+    """The planner's rollout-phase "trainer states" (offload off) against the bytes of parameter,
+    gradient and optimizer storage the trainer really holds on its device while the engine
+    generates (second step: Adam's states exist). Equal up to what the planner documents it leaves
+    out: the reference's RMSNorm weights kept in fp32 (counted at 2 B) and Adam's step counters.
+    Offload on: the planner counts none and the trainer holds none."""
+    tr = _trainer(tmp_path, sft_dir, training={"total_training_steps": 2, "offload_during_rollout": offload},
+                  **BF16)
+    for _ in range(2):
+        tr.train_step()
+    cfg = tr.cfg
+    plan = make_plan(RunShape.from_config(cfg, tr.arch), Hardware.preset("h200", nodes=1, gpus_per_node=1),
+                     Knobs(offload_during_rollout=offload_from_config(cfg),
+                           distributed_optimizer=cfg.parallel.use_distributed_optimizer))
+    planned = sum(c.bytes for c in plan.rollout.components if c.name.startswith("trainer states"))
+    measured = tr.rollout_trainer_bytes
+    if offload:
+        assert planned == 0 and measured == 0
+        return
+    fp32_norms = sum(p.numel() * (p.element_size() - 2) for p in tr.ref.parameters())
+    steps = sum(st["step"].untyped_storage().nbytes() for opt in (tr.actor_opt, tr.critic_opt)
+                for o in getattr(opt, "chained_optimizers", None) or [opt] for st in o.optimizer.state.values())
+    print(f"rollout phase, trainer bytes on the device: measured {measured}, planned {planned:.0f} "
+          f"(+ {fp32_norms} fp32 reference norms + {steps} Adam step counters)")
+    assert fp32_norms > 0 and measured == planned + fp32_norms + steps
+
+
+def test_offload_object_alone_round_trips_shared_storages():
+    """Two views of one storage (a parameter and its bucket) move once and both come back."""
+    flat = torch.arange(12, dtype=torch.float32)
+    a, b = flat[:6].view(2, 3), flat[6:]
+    off = TrainerOffload(lambda: [a, b, flat], device=torch.device("cpu"), enabled=True)
+    assert len(unique_storages([a, b, flat], torch.device("cpu"))) == 1
+    with off.offloaded():
+        assert off.device_bytes() == 0 and flat.untyped_storage().nbytes() == 0
+        with off.on_device():
+            assert float(a.sum()) == 15.0
+        assert off.device_bytes() == 0
+    assert torch.equal(flat, torch.arange(12, dtype=torch.float32)) and float(b[0]) == 6.0
