@@ -147,3 +147,65 @@ def test_fingerprint_native_equals_torch_and_catches_a_flipped_bit():
     swapped[[0, 32]] = swapped[[32, 0]]  # two words of the same lane, 128 bytes apart
     assert not torch.equal(W.fingerprint(swapped), base)
     print(f"pfppo_mega._C fingerprint ops: {W._native() is not None}")
+
+
+def test_trainer_recovers_from_a_dying_engine_and_an_interrupted_switch(tmp_path):
+    """Bad input / failure list (issue 9), in the trainer with the PF-PPO pool: an engine that raises
+    mid-generation once is refilled with the same verified weights and regenerates (counted in
+    guard/engine_failures); a switch interrupted half-way (a bucket that fails to apply) leaves no
+    version behind, the snapshot is evicted (guard/corrupt_snapshots) and the step generates with the
+    live weights; an engine that keeps failing stops the run with the rank and the cause."""
+    import json
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.sft import run_sft
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    from test_trainer import TINY
+
+    d = json.loads(json.dumps(TINY))
+    d["sft"].update(output_dir=str(tmp_path / "sft"), steps=10)
+    d["actor_rollout"] = {"model_path": str(tmp_path / "sft"), "refit_bucket_mb": 0.01}
+    run_sft(load_config_dict(d), log=lambda *_: None)
+    d["logging"]["output_dir"] = str(tmp_path / "run")
+    d["algorithm"].update(use_pf_ppo=True, pool={"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"})
+    lines: list[str] = []
+    tr = PPOTrainer(load_config_dict(d), log=lines.append)
+    tr.train_step()  # the pool holds versions 0 and 1 now
+
+    generate, calls = tr.engine.generate, []
+
+    def dies_once(prompts, params):
+        calls.append(tr.engine.weight_version)
+        if len(calls) == 1:
+            tr.engine.invalidate()  # what a dead engine leaves: no usable weights
+            raise RuntimeError("engine core died")
+        return generate(prompts, params)
+
+    tr.engine.generate = dies_once
+    m = tr.train_step()
+    assert m["guard/engine_failures"] == 1.0 and tr.guards["engine_failures"] == 1
+    assert calls[0] == calls[1] >= 0  # regenerated with the same version, pushed again
+    assert any("engine core died" in line and "pushing weight version" in line for line in lines)
+    tr.engine.generate = generate
+
+    apply, applied = tr.engine._apply, []
+
+    def interrupted(named):
+        applied.append(1)
+        if len(applied) == 3:
+            raise OSError("link reset")
+        apply(named)
+
+    tr.engine._apply = interrupted
+    tr.engine.invalidate()  # the next switch must move bytes
+    before = tr.guards["corrupt_snapshots"]
+    m = tr.train_step()
+    tr.engine._apply = apply
+    assert tr.guards["corrupt_snapshots"] == before + 1 and len(applied) >= 3
+    assert any("refused" in line and "link reset" in line for line in lines)
+    assert tr.engine.weight_version >= 0  # a complete, verified version generated the step
+
+    tr.engine.generate = lambda prompts, params: (_ for _ in ()).throw(RuntimeError("engine core died"))
+    with pytest.raises(RuntimeError, match=r"rollout engine failed on rank\(s\) \[0\] again .*engine core died"):
+        tr.train_step()

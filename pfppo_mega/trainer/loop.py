@@ -240,7 +240,7 @@ class PPOTrainer:
         self.assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
         self.step = 0
         self.guards = {"bad_rewards": 0, "reward_errors": 0, "reward_timeouts": 0, "skipped_updates": 0,
-                       "corrupt_snapshots": 0, "value_loss_spikes": 0}
+                       "corrupt_snapshots": 0, "value_loss_spikes": 0, "engine_failures": 0}
         self.value_guard = ValueLossGuard(cfg.training.value_loss_spike_factor)
         self.consecutive_skips = {"actor": 0, "critic": 0}  # optimizer updates skipped in a row, per model
         a = cfg.algorithm
@@ -281,7 +281,10 @@ class PPOTrainer:
         assign = pfpool.assign_snapshots(len(samples), probs, self.assign_gen)       # [groups]
         assign = broadcast_assignment(assign, len(assign), group=self.sync.world)  # rank 0 decides
         parts, order, switch_s = [], [], 0.0
-        for k, groups in pfpool.group_by_snapshot(assign).items():
+        used = pfpool.group_by_snapshot(assign)
+        held = [k for k in used if cands[k].version == self.engine.weight_version]  # first: no reload for it
+        for k in held + [k for k in used if k not in held]:
+            groups = used[k]
             t0 = time.perf_counter()
             self._load_behaviour(cands[k])
             switch_s += time.perf_counter() - t0
@@ -324,7 +327,8 @@ class PPOTrainer:
                 if len(self.pool) == 0:  # never leave the pool empty: re-seed it with the current policy
                     with self.offload.on_device():  # the live weights, also while offloaded
                         self.sync.capture(self.pool, self.step)
-        self.sync_weights(self.step)
+        if self.engine.weight_version != self.step:  # version == step: the engine holds the current weights
+            self.sync_weights(self.step)
 
     def _generate(self, samples: list[Sample], n: int) -> RolloutBatch:
         """n responses per prompt with whatever weights the engine holds (rows carry its version)."""
@@ -336,13 +340,40 @@ class PPOTrainer:
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         with devicecheck.paused():  # the engine's own device world; its rows are host until moved
-            out = self.engine.generate(prompt_ids, params)
+            out = self._guarded_generate(prompt_ids, params)
         devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {self.step}")  # every engine, same version and checksum
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
         return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
                             versions=torch.full((len(samples),), out.weight_version), texts=texts).to(self.device)
+
+    def _guarded_generate(self, prompt_ids: list[list[int]], params: SamplingParams):
+        """engine.generate, agreed on by every rank. When it fails anywhere (an engine that died or
+        raised mid-generation), every rank pushes the same verified weights again (the snapshot or
+        the live weights it was generating with) and generates once more, counted in
+        guard/engine_failures; a second failure stops the run with the ranks and the cause."""
+        version = self.engine.weight_version
+        for attempt in (1, 2):
+            out, error = None, None
+            try:
+                out = self.engine.generate(prompt_ids, params)
+            except Exception as e:  # any engine failure: agreed on below, so no rank is left waiting
+                error = e
+            bad = self.sync.failing_ranks(error is None)
+            if not bad:
+                return out
+            cause = f"{type(error).__name__}: {error}" if error is not None else f"see rank {bad[0]}'s log"
+            if attempt == 2:
+                raise RuntimeError(
+                    f"rollout at step {self.step}: the rollout engine failed on rank(s) {bad} again after its weights "
+                    f"(version {version}) were pushed again; stopping ({cause})") from error
+            self.guards["engine_failures"] += 1  # every rank agrees: no DP sum needed
+            self.log(f"[pfppo] step {self.step}: the rollout engine failed on rank(s) {bad} ({cause}); pushing "
+                     f"weight version {version} again and regenerating")
+            with self.offload.on_device():  # the live weights, also while offloaded
+                self.sync.reload(self.pool, version, self.step)
+        raise AssertionError("unreachable")
 
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
         limit = self.cfg.data.max_prompt_length
@@ -673,7 +704,6 @@ class PPOTrainer:
             for kind, rank, i in worst_samples.pick_worst(lengths, rep, rewards, self.cfg.logging.worst_samples)]
         worst_samples.append(self.out_dir / worst_samples.FILE, recs)
 
-
     def _add_guard_counts(self, scored: ScoredBatch, *, corrupt: int) -> None:
         """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
         this rank's corrupt snapshots of the step (`corrupt`, already counted) by every rank's.
@@ -761,6 +791,7 @@ class PPOTrainer:
             "guard/reward_errors": float(self.guards["reward_errors"]),
             "guard/reward_timeouts": float(self.guards["reward_timeouts"]),
             "guard/skipped_updates": float(self.guards["skipped_updates"]),
+            "guard/engine_failures": float(self.guards["engine_failures"]),
             "guard/value_loss_spikes": float(self.guards["value_loss_spikes"]),
             "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
@@ -850,6 +881,11 @@ class PPOTrainer:
         p = self.parallel
         return root if p.tp * p.pp == 1 else root / f"mp-tp{p.tp_rank}-pp{p.pp_rank}"
 
+    def _pool_shard_dir(self, ckpt_dir: Path) -> Path:
+        """Where dp_rank > 0 keeps its own shards of the sharded PF-PPO pool (dp_rank 0's are in the
+        checkpoint itself): a checkpoint series of its own inside the model-parallel rank's dir."""
+        return ckpt_dir / f"pool-dp{self.parallel.dp_rank}"
+
     def save(self, root: Path) -> Path | None:
         """Checkpoint this step (once: a second call at the same step writes nothing)."""
         if self._saved_step == self.step:
@@ -859,6 +895,11 @@ class PPOTrainer:
         opt_states = {name: ckpt.optimizer_state(opt) for name, opt in (("actor_opt", self.actor_opt),
                                                                          ("critic_opt", self.critic_opt))}
         if self.parallel.dp_rank != 0:
+            if self.pool is not None:  # the node's pool is split across its ranks: each saves its own shards
+                ckpt.save_checkpoint(self._pool_shard_dir(self._ckpt_dir(root)), self.step,
+                                     {"pool": self.pool.state_tensors()},
+                                     {"step": self.step, "pool": self.pool.state_meta()},
+                                     keep_last=self.cfg.checkpoint.keep_last)
             return None
         state = {"step": self.step, "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),
                  "assign_rng": self.assign_gen.get_state(),
@@ -883,6 +924,12 @@ class PPOTrainer:
         root = self._ckpt_dir(self.out_dir / "checkpoints")
         refused: list[str] = []
         step = ckpt.latest_valid_step(root, log=lambda msg: (refused.append(msg), self.log(msg)))
+        if step is not None and self.pool is not None and self.parallel.dp_rank != 0:  # and its pool shards
+            shards = self._pool_shard_dir(root)
+            shard_step = ckpt.latest_valid_step(shards, log=lambda msg: (refused.append(msg), self.log(msg)))
+            if shard_step is None:
+                refused.append(f"dp_rank {self.parallel.dp_rank} finds no PF-PPO pool shards under {shards}")
+            step = None if shard_step is None else min(step, shard_step)
         if step is None and ckpt.step_dirs(root):
             step = -2  # there are checkpoints, none can be trusted
         step = self._min_over_world(-1 if step is None else step)
@@ -965,7 +1012,15 @@ class PPOTrainer:
         except (ValueError, KeyError, TypeError) as e:
             need(False, f"state data (the data position) refused: {e}")
         if has_pool:
-            self._load_pool(s["pool"], found.tensors["pool"], found.step, need)
+            meta, tensors = s["pool"], found.tensors["pool"]
+            if self.parallel.dp_rank != 0:  # this rank's own shards of the pool (save())
+                shards = ckpt.load_step(self._pool_shard_dir(found.path.parent), found.step)
+                need(set(shards.state) == {"step", "pool"} and shards.state["step"] == found.step
+                     and set(shards.tensors) == {"pool"},
+                     f"pool shards {shards.path}: state keys {sorted(shards.state)} must be ['pool', 'step'] of "
+                     f"step {found.step}, tensor files {sorted(shards.tensors)} must be ['pool']")
+                meta, tensors = shards.state["pool"], shards.tensors["pool"]
+            self._load_pool(meta, tensors, found.step, need)
         self.guards.update(s["guards"])
         self.consecutive_skips.update(s["consecutive_skips"])
         self.step = s["step"]
