@@ -700,7 +700,7 @@ class SFTConfig(Section):
     warmup_steps: int = opt(0, "Linear learning-rate warmup over this many steps (then cosine decay to 10%).")
     init_gain: float = opt(
         0.0, "Initialise every weight matrix from N(0, init_gain**2 / fan_in) instead of megatron's N(0, 0.02) "
-             "(too small for narrow models: a long loss plateau first); 0 = megatron's init.")
+             "(the demo's 128-wide model sat on a long loss plateau with the latter); 0 = megatron's init.")
     min_accuracy: float = opt(
         0.0, "Held-out greedy accuracy (data.eval_size prompts, exact reward) the warm start must reach: "
              "below it pfppo sft exits with an error (the checkpoint stays, for inspection) and pfppo demo "
