@@ -107,6 +107,18 @@ def test_distributed_optimizer_shards_survive_a_dp2_checkpoint(setup):
     assert a["numel"] + b["numel"] == a["model_numel"], r  # the shards partition the parameters
 
 
+def test_pf_ppo_pool_shards_survive_a_dp2_checkpoint(setup):
+    """PF-PPO at DP2: each rank keeps half of every snapshot; each saves its half, and the resumed
+    trainer holds exactly its own half again (versions and producer checksums), then trains on."""
+    _, results = setup
+    r = results["dp2_pf_resume"]
+    assert r["dp"] == 2 and r["step"] == 3 and r["next_loss_finite"], r
+    a, b = r["ranks"]
+    assert a["same"] and b["same"], r
+    assert a["versions"] == b["versions"] and len(a["versions"]) == 2, r
+    assert a["kept"] and b["kept"] and not set(a["kept"]) & set(b["kept"]), r  # two disjoint halves
+
+
 def test_every_layout_passes_the_device_check(setup):
     """TP2, PP2, DP2 and the DP2 distributed-optimizer run took every train_step inside a device-check
     session: loss inputs, phase boundaries and every collective (p2p and TP all-reduces included)

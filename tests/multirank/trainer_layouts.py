@@ -5,7 +5,8 @@ per layout for tests/test_trainer_parallel.py to compare with the single-process
 At DP2 it also checks DP-size invariance of the batch statistics: one rollout batch per rank goes
 through the trainer's score -> prepare -> advantages phases (reductions over the DP group), and
 rank 0 runs the same phases at DP1 on the two ranks' rows concatenated (`RESULT dp2_invariance`).
-Last, a DP2 run with the distributed optimizer checkpoints and resumes (`RESULT dp2_distopt`).
+Last, a DP2 run with the distributed optimizer checkpoints and resumes (`RESULT dp2_distopt`), and
+so does a DP2 PF-PPO run whose pool is split across the ranks (`RESULT dp2_pf_resume`).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
 """
@@ -117,6 +118,33 @@ def dp2_distributed_optimizer(base: dict) -> dict:
             "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
 
 
+def dp2_pf_ppo_resume(base: dict) -> dict:
+    """DP2 PF-PPO: each rank keeps half of every pool snapshot (the node's pool is split across its
+    ranks). A checkpoint saves both halves (dp_rank 0's in the checkpoint, dp_rank 1's in its own
+    pool-dp1 series); the resumed trainer holds, on every rank, exactly the shards it saved, and
+    switches to a restored snapshot (every rank broadcasting its half) in the next step."""
+    d = json.loads(json.dumps(base))
+    d["algorithm"]["use_pf_ppo"] = True
+    d["algorithm"]["pool"] = {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}
+    d["actor_rollout"]["refit_bucket_mb"] = 0.01  # many buckets, so each rank keeps some
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/dp2_pf"
+    d["checkpoint"] = {"save_interval": 0, "resume": False, "export_hf": False}
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    for _ in range(2):
+        tr.train_step()
+    tr.save(tr.out_dir / "checkpoints")
+    saved = (tr.pool.versions, tr.pool._producer_checksums)
+    d["checkpoint"]["resume"] = True
+    again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    restored = (again.pool.versions, again.pool._producer_checksums)
+    m = again.train_step()
+    mine = {"same": restored == saved, "kept": sorted(i for c in saved[1].values() for i in c),
+            "versions": saved[0], "used": m.get("pool/snapshots_used", 0.0)}
+    everyone = parallel.dp_gather_objects(mine, again.dp_group)
+    return {"dp": again.parallel.dp, "step": again.step, "ranks": everyone,
+            "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
+
+
 def main(path: str) -> None:
     base = json.load(open(path))
     torch.set_num_threads(1)
@@ -158,6 +186,10 @@ def main(path: str) -> None:
     result = dp2_distributed_optimizer(base)
     if dist.get_rank() == 0:
         print("RESULT dp2_distopt", json.dumps(result), flush=True)
+    destroy_parallel()
+    pf = dp2_pf_ppo_resume(base)
+    if dist.get_rank() == 0:
+        print("RESULT dp2_pf_resume", json.dumps(pf), flush=True)
         # PFPPO_DEVICE_CHECK=1 (set by the test): every train_step above ran in a device-check session
         print("RESULT device_check", json.dumps({"requested": devicecheck.requested(), **devicecheck.TOTALS}),
               flush=True)
