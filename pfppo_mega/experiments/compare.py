@@ -371,7 +371,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", default=None, help="with a folder: comma-separated setting names (file stems) to run")
     ap.add_argument("--reuse", action="store_true", help="keep finished runs (summary.json present) instead of "
                                                          "rerunning them")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
