@@ -23,29 +23,35 @@ namespace {
 constexpr int kLanes = 16;
 constexpr size_t kRow = kLanes * sizeof(uint64_t);  // 128 bytes
 
+// whole rows from src (copied to dst when dst is not null); an AVX2 clone is picked at load time
+// where the CPU has it (the extension itself is built for baseline x86-64)
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void fingerprint_rows(uint64_t* s1, uint64_t* s2, const uint8_t* src, uint8_t* dst, size_t nrows) {
+  uint64_t a[kLanes], b[kLanes];
+  std::memcpy(a, s1, sizeof(a));
+  std::memcpy(b, s2, sizeof(b));
+  for (size_t r = 0; r < nrows; ++r) {
+    uint64_t w[kLanes];
+    std::memcpy(w, src + r * kRow, kRow);
+    if (dst != nullptr) std::memcpy(dst + r * kRow, w, kRow);
+    for (int l = 0; l < kLanes; ++l) {
+      a[l] += w[l];
+      b[l] += a[l];
+    }
+  }
+  std::memcpy(s1, a, sizeof(a));
+  std::memcpy(s2, b, sizeof(b));
+}
+
 struct Fingerprint {
   uint64_t s1[kLanes] = {0};
   uint64_t s2[kLanes] = {0};
   uint8_t row[kRow];
   size_t fill = 0;
 
-  // whole rows from src (copied to dst when dst is not null)
-  void rows(const uint8_t* src, uint8_t* dst, size_t nrows) {
-    uint64_t a[kLanes], b[kLanes];
-    std::memcpy(a, s1, sizeof(a));
-    std::memcpy(b, s2, sizeof(b));
-    for (size_t r = 0; r < nrows; ++r) {
-      uint64_t w[kLanes];
-      std::memcpy(w, src + r * kRow, kRow);
-      if (dst != nullptr) std::memcpy(dst + r * kRow, w, kRow);
-      for (int l = 0; l < kLanes; ++l) {
-        a[l] += w[l];
-        b[l] += a[l];
-      }
-    }
-    std::memcpy(s1, a, sizeof(a));
-    std::memcpy(s2, b, sizeof(b));
-  }
+  void rows(const uint8_t* src, uint8_t* dst, size_t nrows) { fingerprint_rows(s1, s2, src, dst, nrows); }
 
   void feed(const uint8_t* src, uint8_t* dst, size_t n) {
     if (fill != 0) {
