@@ -185,3 +185,39 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
           f"snapshots used per step {[r.get('pool/snapshots_used') for r in steps]}")
     assert gap < 1e-3
     assert max(r["pool/snapshots_used"] for r in steps) >= 1
+
+
+@NEEDS_VLLM
+def test_compare_runs_with_the_vllm_engine(tmp_path):
+    """(Last too: its trainers build and drop vLLM engines.) `pfppo compare` with engine: vllm, two
+    seeds x plain PPO and a pool arm, two steps each: four trainers, each with its own in-process vLLM
+    engine, one after the other in one process; the report is written and every run logged its steps."""
+    import json
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.experiments import compare
+    from pfppo_mega.sft import run_sft
+
+    from test_trainer import TINY
+
+    d = json.loads(json.dumps(TINY))
+    d["sft"].update(output_dir=str(tmp_path / "sft"), steps=10)
+    d["actor_rollout"] = {"model_path": str(tmp_path / "sft")}
+    run_sft(load_config_dict(d), log=lambda *_: None)
+    d["actor_rollout"]["engine"] = "vllm"
+    d["training"]["total_training_steps"] = 2
+    d["data"]["eval_size"] = 16
+    d["logging"]["output_dir"] = str(tmp_path / "run")
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(json.dumps(d))  # JSON is YAML
+    out = tmp_path / "cmp"
+    assert compare.main([str(cfg), "--seeds", "2", "--arms", "ppo,pf_short", "--out", str(out), "--kl-probe", "8",
+                         "--early", "1"]) == 0
+    assert (out / "report.md").is_file()
+    for arm in ("ppo", "pf_short"):
+        for seed in (1, 2):
+            recs = [json.loads(line) for line in open(out / arm / f"seed{seed}" / "metrics.jsonl")]
+            steps = [r for r in recs if "reward/mean" in r]
+            assert len(steps) == 2, (arm, seed)
+            if arm == "pf_short":
+                assert all("pool/snapshots_used" in r for r in steps)
