@@ -28,6 +28,8 @@ POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
 IS_MODES = ("truncate", "mask", "tis")
 # Which score feeds a snapshot's mean reward (algorithm.pool.reward_signal).
 POOL_REWARD_SIGNALS = ("trained", "honest")
+# how often a behaviour snapshot is drawn: per prompt group, or once per rollout step
+POOL_ASSIGN = ("group", "step")
 # Per-token KL estimators (algorithm.kl_estimator, ppo/kl.py) and verl's names for them.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}

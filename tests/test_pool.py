@@ -314,6 +314,19 @@ def test_assignment_frequencies_match_probabilities():
         assign_snapshots(3, torch.zeros(2), torch.Generator())
 
 
+def test_step_assignment_draws_once_per_step_with_the_same_probabilities():
+    probs = torch.tensor([0.6, 0.1, 0.3], dtype=F64)
+    g = torch.Generator().manual_seed(7)
+    steps = [assign_snapshots(12, probs, g, per="step") for _ in range(6000)]
+    assert all(a.shape == (12,) and a.dtype == torch.int64 and bool((a == a[0]).all()) for a in steps)
+    counts = torch.bincount(torch.stack([a[0] for a in steps]), minlength=3).tolist()
+    for c, p in zip(counts, probs.tolist()):  # across steps the mixture is Categorical(probs)
+        assert abs(c - 6000 * p) <= 5 * math.sqrt(6000 * p * (1 - p)), (counts, probs)
+    assert assign_snapshots(0, probs, g, per="step").shape == (0,)
+    with pytest.raises(ValueError, match=r"per='batch' must be one of \('group', 'step'\)"):
+        assign_snapshots(3, probs, g, per="batch")
+
+
 def test_group_by_snapshot_covers_every_group_once():
     probs = torch.tensor([0.2, 0.0, 0.5, 0.3])
     assign = assign_snapshots(37, probs, torch.Generator().manual_seed(5))

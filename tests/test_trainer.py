@@ -115,6 +115,17 @@ def test_pool_mixes_behaviour_policies_and_logs_per_snapshot(sft_dir, tmp_path):
     assert any(last[k] > 0 for k in last if k.endswith("/age"))
 
 
+def test_step_assignment_generates_each_step_with_one_snapshot(sft_dir, tmp_path):
+    cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 5}, checkpoint={"resume": False},
+               algorithm={"use_pf_ppo": True, "pool": {"pool_size": 3, "snapshot_interval": 1,
+                                                        "sampling": "uniform", "assign": "step"}})
+    tr, metrics, _ = _run(cfg)
+    assert [m["pool/snapshots_used"] for m in metrics] == [1.0] * 5
+    per_step = [{k: m[k] for k in m if k.startswith("pool/snap") and k.endswith("/count")} for m in metrics]
+    assert all(sorted(c.values()) == [64] for c in per_step), per_step  # every row from one snapshot
+    assert tr.pool.versions == [3, 4, 5]
+
+
 def test_corrupt_snapshot_is_refused_and_counted(sft_dir, tmp_path):
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 2}, checkpoint={"resume": False},
                algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 100}})

@@ -294,6 +294,12 @@ class PoolConfig(Section):
     pool_size: int = opt(3, "Snapshots kept; the oldest is evicted first.")
     snapshot_interval: int = opt(2, "Training steps between two snapshots of the current policy.")
     sampling: str = opt("recency", "How each rollout request picks its snapshot.")
+    assign: str = opt(
+        "group",
+        "What a rollout request is: group (each prompt group draws its own snapshot; a step mixes "
+        "several, one engine switch and one generate call per snapshot used) or step (one draw for "
+        "the whole step: at most one switch per step; the mixture happens across steps). With the "
+        "vLLM engine, step keeps the pool's cost per step small (docs/refit.md).")
     sampling_temperature: float = opt(1.0, "Temperature of the kl / reward / recency weighting (> 0).")
     include_current: bool = opt(False, "Always keep the current policy in the candidate set.")
     is_mode: str = opt(
@@ -308,7 +314,8 @@ class PoolConfig(Section):
                    "reward.shaping is on: snapshots whose samples are not hacked are preferred).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"sampling": POOL_SAMPLING, "is_mode": IS_MODES,
-                                           "reward_signal": C.POOL_REWARD_SIGNALS}
+                                           "reward_signal": C.POOL_REWARD_SIGNALS,
+                                           "assign": C.POOL_ASSIGN}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "pool_size", self.pool_size, ge=1, le=C.MAX_COUNT)

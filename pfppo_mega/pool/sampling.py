@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from pfppo_mega.constants import POOL_ASSIGN
 from pfppo_mega.constants import POOL_SAMPLING as SAMPLING_METHODS
 
 
@@ -88,12 +89,17 @@ def snapshot_weights(
 
 
 def assign_snapshots(
-    num_groups: int, probs: torch.Tensor, generator: torch.Generator
+    num_groups: int, probs: torch.Tensor, generator: torch.Generator, *, per: str = "group"
 ) -> torch.Tensor:
-    """Index of the snapshot for each prompt group: [num_groups] int64, i.i.d. ~ Categorical(probs).
+    """Index of the snapshot for each prompt group: [num_groups] int64 ~ Categorical(probs).
 
+    per="group": one i.i.d. draw per group (a step mixes several snapshots);
+    per="step":  one draw for the whole batch, every group gets it (one engine switch per step;
+                 the mixture over snapshots then happens across steps).
     probs: [K] non-negative, finite, positive sum (need not be normalised).
     """
+    if per not in POOL_ASSIGN:
+        raise ValueError(f"assign_snapshots: per={per!r} must be one of {POOL_ASSIGN}")
     if num_groups < 0:
         raise ValueError(f"assign_snapshots: num_groups={num_groups} must be >= 0")
     if probs.dim() != 1 or probs.numel() == 0:
@@ -106,7 +112,9 @@ def assign_snapshots(
         )
     if num_groups == 0:
         return torch.empty(0, dtype=torch.int64)
-    return torch.multinomial(probs.double(), num_groups, replacement=True, generator=generator)
+    draws = num_groups if per == "group" else 1
+    drawn = torch.multinomial(probs.double(), draws, replacement=True, generator=generator)  # [draws]
+    return drawn if per == "group" else drawn.expand(num_groups).clone()
 
 
 def group_by_snapshot(assign: torch.Tensor) -> dict[int, list[int]]:

@@ -267,8 +267,9 @@ class PPOTrainer:
 
     def rollout(self, samples: list[Sample]) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate n samples per prompt. Plain PPO: with the current weights. PF-PPO: each
-        prompt group samples a behaviour snapshot; groups are generated per snapshot so the
-        engine switches weights at most once per snapshot used (from host memory, never disk)."""
+        prompt group (algorithm.pool.assign: group) or the whole step (step) samples a behaviour
+        snapshot; groups are generated per snapshot so the engine switches weights at most once
+        per snapshot used (from host memory, never disk)."""
         n = self.cfg.actor_rollout.n_samples_per_prompt
         if self.pool is None:
             return self._generate(samples, n), {}
@@ -278,7 +279,7 @@ class PPOTrainer:
                                         temperature=pc.sampling_temperature, current_version=self.step,
                                         kl=[c.kl_to_current for c in cands],
                                         mean_reward=[c.mean_reward for c in cands])
-        assign = pfpool.assign_snapshots(len(samples), probs, self.assign_gen)       # [groups]
+        assign = pfpool.assign_snapshots(len(samples), probs, self.assign_gen, per=pc.assign)  # [groups]
         assign = broadcast_assignment(assign, len(assign), group=self.sync.world)  # rank 0 decides
         parts, order, switch_s = [], [], 0.0
         used = pfpool.group_by_snapshot(assign)
