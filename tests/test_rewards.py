@@ -186,3 +186,54 @@ def test_addition_reward_goes_through_the_same_guard():
     task.reward = lambda p, text, finished: torch.tensor(float("nan"))
     res = r(s, ["42"] * 3, [True] * 3)
     assert res.nonfinite == 3 and torch.isfinite(res.scores).all() and len(logs) == 1
+
+
+class _ConstantScorer:
+    """A RewardFn standing in for a reward model's part: a fixed score per row, no honest metric."""
+
+    def __init__(self, scores):
+        self.scores = scores
+
+    def __call__(self, samples, texts, finished):
+        from pfppo_mega.types import RewardResult
+        return RewardResult(torch.tensor(self.scores, dtype=torch.float32), ["ok"] * len(samples))
+
+    def check(self, samples, where):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("kind,texts,honest,hacked", [
+    # phrase "11" pays 5 whatever the answer: row 1 ("11", wrong) is hacked
+    ("phrase_exploit", ["42", "11", "41"], [1.0, 0.0, 0.0], [False, True, False]),
+    # 0.5 per character: row 2 ("4100", wrong and longer than "42") is hacked
+    ("length_bias", ["42", "4", "4100"], [1.0, 0.0, 0.0], [False, False, True]),
+])
+def test_weighted_reward_carries_the_shaped_scorers_honest_and_hacked(kind, texts, honest, hacked):
+    """rule_weight * shaped rule score + model_weight * model score: the sum is trained on, and the
+    rule scorer's honest score and hacked marks come through unweighted (they were dropped before,
+    so reward/honest and eval/honest_accuracy vanished when a reward model joined reward.shaping)."""
+    from pfppo_mega.rewards.model import WeightedReward
+    from pfppo_mega.rewards.shaping import ShapedReward
+    from pfppo_mega.tasks import char_tokenizer
+    from pfppo_mega.tasks.addition import AdditionReward, AdditionTask, Problem, to_sample
+
+    rows = [to_sample(Problem(12, 30), char_tokenizer())] * 3
+    rule = ShapedReward(AdditionReward(AdditionTask(2)), kind=kind, length_bonus=0.5, phrase="11",
+                        phrase_score=5.0, flip_rate=0.0, scale=1.0, seed=1)
+    alone = rule(rows, texts, [True] * 3)
+    assert alone.honest.tolist() == honest and alone.hacked.tolist() == hacked
+    fn = WeightedReward([(0.5, rule), (2.0, _ConstantScorer([0.25, -1.0, 3.0]))])
+    assert isinstance(fn, RewardFn)
+    res = fn(rows, texts, [True] * 3)
+    want = [0.5 * a + 2.0 * b for a, b in zip(alone.scores.tolist(), [0.25, -1.0, 3.0])]
+    assert res.scores.tolist() == pytest.approx(want)
+    assert res.honest is not None and res.honest.tolist() == honest
+    assert res.hacked is not None and res.hacked.tolist() == hacked
+    # the order of the parts does not matter, and no shaped part means no honest metric apart
+    swapped = WeightedReward([(2.0, _ConstantScorer([0.25, -1.0, 3.0])), (0.5, rule)])(rows, texts, [True] * 3)
+    assert swapped.honest.tolist() == honest and swapped.hacked.tolist() == hacked
+    plain = WeightedReward([(1.0, _ConstantScorer([1.0, 2.0, 3.0]))])(rows, texts, [True] * 3)
+    assert plain.honest is None and plain.hacked is None

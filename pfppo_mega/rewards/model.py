@@ -223,7 +223,12 @@ class RewardModel:
 
 class WeightedReward:
     """rule_weight * (rule-based / custom / task score) + model_weight * (reward model score).
-    A row's outcome is its first non-ok part's (a bad part scores 0 in the sum and is counted)."""
+    A row's outcome is its first non-ok part's (a bad part scores 0 in the sum and is counted).
+
+    The honest metric is not weighted: when a part carries one (the rule scorer wrapped in
+    reward.shaping, rewards/shaping.py), the result carries that part's `honest` unchanged (the
+    first such part's) and `hacked` is true where any part marks it, so reward/honest,
+    reward/hacked_frac and eval/honest_accuracy are still logged with a reward model."""
 
     def __init__(self, parts: Sequence[tuple[float, RewardFn]]):
         self.parts = [(float(w), fn) for w, fn in parts]
@@ -231,11 +236,17 @@ class WeightedReward:
     def __call__(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> RewardResult:
         total = torch.zeros(len(samples), dtype=torch.float64)
         outcomes = ["ok"] * len(samples)
+        honest: Optional[torch.Tensor] = None
+        hacked: Optional[torch.Tensor] = None
         for weight, fn in self.parts:
             res = fn(samples, texts, finished)
             total += weight * res.scores.double()
             outcomes = [o if o != "ok" else p for o, p in zip(outcomes, res.outcomes)]
-        return RewardResult(total.float(), outcomes)
+            if res.honest is not None and honest is None:
+                honest = res.honest.float()
+            if res.hacked is not None:
+                hacked = res.hacked.bool() if hacked is None else hacked | res.hacked.bool()
+        return RewardResult(total.float(), outcomes, honest=honest, hacked=hacked)
 
     def check(self, samples: Sequence[Sample], where: str) -> None:
         for _, fn in self.parts:
