@@ -2,8 +2,8 @@
 does not; reading run directories (good, torn, unreadable); exit codes and --json; the remedies'
 config keys exist; docs/troubleshooting.md is generated from the rules.
 
-All series here are synthetic (hand-made curves written as metrics.jsonl). Tests on real runs
-that fail the way the article describes (issue 12, item 1) are still to come.
+Most series here are synthetic (hand-made curves written as metrics.jsonl); a few are copied from
+real runs (REAL_*: the run each comes from is named where it is defined).
 """
 
 import dataclasses
@@ -150,11 +150,23 @@ def hacking(recs):
     return recs
 
 
+def noisy(recs):
+    """Synthetic: the trained-on reward flat around 0.45; held-out accuracy 0.3 -> 0.15 (a reward
+    with flipped labels: the policy follows the noise)."""
+    acc = {0: 0.3, 10: 0.25, 20: 0.2, 30: 0.18, 40: 0.15}
+    for r in recs:
+        if "reward/mean" in r:
+            r["reward/mean"] = 0.45 + 0.01 * math.sin(r["step"])
+        if r["step"] in acc:
+            r["eval/accuracy"] = acc[r["step"]]
+    return recs
+
+
 SYMPTOMS = [
     ("kl_spike", kl_spike), ("reward_scale", reward_scale), ("length_collapse", length_growth),
     ("value_divergence", value_divergence), ("value_divergence", value_nan),
     ("pool_inconsistency", pool_disagree), ("pool_inconsistency", pool_corrupt),
-    ("reward_hacking", hacking),
+    ("reward_hacking", hacking), ("noisy_reward", noisy),
 ]
 
 
@@ -260,12 +272,81 @@ def test_hacking_needs_the_honest_metric_to_fall(tmp_path):
     assert verdicts(write_run(tmp_path, recs))["reward_hacking"] == "healthy"
 
 
+def test_noisy_reward_is_not_hacking_a_scale_problem_or_a_falling_reward(tmp_path):
+    """Synthetic: the same falling accuracy is reward_hacking's when the reward rises, neither rule's
+    when the reward falls with it (the reward still tracks the task), and not noisy_reward's when
+    samples are marked hacked or the reward's scale is the problem."""
+    def run(name, change, config=None):
+        recs = noisy(healthy_records())
+        for r in recs:
+            if "reward/mean" in r:
+                change(r)
+        return verdicts(write_run(tmp_path / name, recs, config))
+
+    assert run("flat", lambda r: None)["noisy_reward"] == "finding"
+    rising = run("rising", lambda r: r.update({"reward/mean": 0.2 + 0.02 * r["step"]}))
+    assert rising["noisy_reward"] == "healthy" and rising["reward_hacking"] == "finding"
+    falling = run("falling", lambda r: r.update({"reward/mean": 0.8 - 0.01 * r["step"]}))
+    assert falling["noisy_reward"] == falling["reward_hacking"] == "healthy"
+    assert run("hacked", lambda r: r.update({"reward/hacked_frac": 0.4}))["noisy_reward"] == "healthy"
+    scaled = run("scaled", lambda r: r.update({"reward/mean": 100 * (2 * r["reward/mean"] - 1), "reward/std": 99.0,
+                                               "reward/q10": -100.0, "reward/q90": 100.0}), default_config())
+    assert scaled["noisy_reward"] == "healthy" and scaled["reward_scale"] == "finding"
+    one_eval = noisy(healthy_records())
+    for r in one_eval:
+        if r["step"] not in (0, 40):
+            r.pop("eval/accuracy", None)
+    v = verdicts(write_run(tmp_path / "two_evals", one_eval))
+    assert v["noisy_reward"] == "not_checked"
+
+
+def test_noisy_reward_remedies_in_order(tmp_path):
+    run = read_run(write_run(tmp_path, noisy(healthy_records()), default_config(training__lr=1e-4)))
+    rep = next(r for r in to_json(run, diagnose(run))["rules"] if r["rule"] == "noisy_reward")
+    assert [r["key"] for r in rep["remedies"]] == ["reward.custom_function.path", "training.lr", "algorithm.kl_coeff",
+                                                   "reward.quantile_clip", "training.rollout_batch_size"]
+    assert rep["remedies"][1]["suggested"] == pytest.approx(5e-5)
+    assert rep["remedies"][4]["current"] * 2 == rep["remedies"][4]["suggested"]
+    assert "eval/accuracy 0.3 at step 0 -> 0.15 at step 40" in rep["evidence"][0]
+    assert rep["evidence"][1].startswith("reward/mean flat")
+
+
+# reward/mean and the held-out honest accuracy (eval/honest_accuracy, 128 prompts, sampled) of a
+# real run: runs/compare_all/noisy/ppo/seed2 (configs/experiments/noisy.yaml: 40% of the 0/1 labels
+# flipped, plain PPO, 60 steps); its reward/std stayed at ~0.498. The trained-on reward on the
+# held-out prompts (eval/accuracy) went 0.398 -> 0.453 meanwhile.
+REAL_NOISY_REWARD = [
+    0.5469, 0.5, 0.5156, 0.2969, 0.4844, 0.4219, 0.5625, 0.375, 0.4688, 0.4688, 0.3281, 0.3906, 0.3594, 0.6094,
+    0.4062, 0.4219, 0.4531, 0.4375, 0.3281, 0.5, 0.4219, 0.625, 0.4062, 0.3906, 0.5, 0.4062, 0.4062, 0.3125,
+    0.4375, 0.5, 0.4844, 0.375, 0.4531, 0.5312, 0.4219, 0.4375, 0.5156, 0.2031, 0.3125, 0.4375, 0.4688, 0.4062,
+    0.2812, 0.4062, 0.4531, 0.3281, 0.4219, 0.4062, 0.4844, 0.4062, 0.375, 0.3906, 0.3281, 0.4844, 0.5156,
+    0.3438, 0.4688, 0.2969, 0.4219, 0.4375]
+REAL_NOISY_HONEST = {0: 0.2422, 10: 0.1797, 20: 0.1406, 30: 0.1484, 40: 0.125, 50: 0.1172, 60: 0.1016}
+REAL_NOISY_ACC = {0: 0.3984, 10: 0.4141, 20: 0.3828, 30: 0.4375, 40: 0.3984, 50: 0.4062, 60: 0.4531}
+
+
+def real_series(rewards: list[float], honest: dict[int, float], acc: dict[int, float], std: float) -> list[dict]:
+    recs = healthy_records(len(rewards))
+    for r in recs:
+        if "reward/mean" in r:
+            r.update({"reward/mean": rewards[r["step"] - 1], "reward/std": std})
+        if r["step"] in honest:
+            r.update({"eval/honest_accuracy": honest[r["step"]], "eval/accuracy": acc[r["step"]]})
+    return recs
+
+
+def test_noisy_reward_on_a_real_noisy_run(tmp_path):
+    v = verdicts(write_run(tmp_path, real_series(REAL_NOISY_REWARD, REAL_NOISY_HONEST, REAL_NOISY_ACC, 0.498)))
+    assert v["noisy_reward"] == "finding", v
+    assert [k for k, s in v.items() if s == "finding"] == ["noisy_reward"], v
+
+
 def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path, capsys):
     v = verdicts(write_run(tmp_path, healthy_records(3)))
     assert v["kl_spike"] == v["length_collapse"] == v["value_divergence"] == "not_checked"
     assert v["pool_inconsistency"] == "not_checked"  # no pool/* metrics: plain PPO
     assert main([str(tmp_path)]) == 0
-    assert "3 training steps, no finding (5 of 6 rules not checked)" in capsys.readouterr().out
+    assert "3 training steps, no finding (6 of 7 rules not checked)" in capsys.readouterr().out
 
 
 def test_remedy_keys_exist_and_suggestions_are_valid_values():

@@ -124,7 +124,7 @@ def _remedies(rule: Rule, config: Optional[Mapping[str, Any]]) -> list[dict[str,
 
 
 # Rules whose finding steps are worth the dumped samples of (trainer/worst_samples.py).
-SAMPLE_EVIDENCE_RULES = ("kl_spike", "reward_hacking", "length_collapse")
+SAMPLE_EVIDENCE_RULES = ("kl_spike", "reward_hacking", "length_collapse", "noisy_reward")
 SAMPLE_EVIDENCE_STEPS = 3   # steps quoted per finding
 SAMPLE_TEXT_CHARS = 40
 

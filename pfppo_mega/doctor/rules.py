@@ -368,15 +368,91 @@ def detect_reward_hacking(series: Mapping[str, Series], config: Optional[Mapping
     return finding(lines, steps) if lines else HEALTHY
 
 
+# ----------------------------------------------------------------------------- noisy reward
+
+# The honest metric falls while the trained-on reward stays flat: the reward does not follow what
+# the task asks for (flipped labels, a noisy verifier or reward model). The reward is neither rising
+# (reward_hacking's symptom) nor falling with the honest metric (then the reward still tracks it),
+# no sample is marked hacked and the scale is O(1) (reward_scale's symptom). The sampled held-out
+# metric of ~100 prompts moves by a few points from one evaluation to the next, so the fall is
+# judged on a least-squares line through all evaluations AND on the last against the first.
+NOISY_EVALS = ("eval/honest_accuracy", "eval/accuracy")  # the sampled held-out metric, honest first
+NOISY_MIN_EVALS = 3       # evaluations needed (step 0 counts)
+NOISY_ACC_DROP = 0.05     # the line through the evaluations falls by >= 0.05 over the run, and the
+                          # last evaluation is >= 0.05 under the first
+NOISY_FLAT = 0.25         # |trained-on reward change| along its least-squares line over the run
+                          # <= 0.25 x the median reward/std (0.05 when reward/std is not logged)
+NOISY_HACKED_MAX = 0.05   # mean reward/hacked_frac over the last quarter above 0.05: hacking, not noise
+
+
+def _line_change(steps: Sequence[float], values: Sequence[float]) -> float:
+    """Change from the first to the last step along the least-squares line through the points."""
+    if len(values) < 2:
+        return 0.0
+    mx, my = _mean(steps), _mean(values)
+    sxx = math.fsum((x - mx) ** 2 for x in steps)
+    if sxx == 0:
+        return 0.0
+    return math.fsum((x - mx) * (y - my) for x, y in zip(steps, values)) / sxx * (steps[-1] - steps[0])
+
+
+def _scale_mismatch(series: Mapping[str, Series], config: Optional[Mapping[str, Any]]) -> bool:
+    return detect_reward_scale(series, config).status == "finding"
+
+
+def detect_noisy_reward(series: Mapping[str, Series], config: Optional[Mapping[str, Any]]) -> Verdict:
+    reward = series.get("reward/mean")
+    if reward is None or len(reward.finite()) < LEN_MIN_POINTS:
+        return not_checked(f"reward/mean needs {LEN_MIN_POINTS} steps")
+    reward = reward.finite()
+    key = next((k for k in NOISY_EVALS if k in series and len(series[k].finite()) >= NOISY_MIN_EVALS), None)
+    if key is None:
+        return not_checked(f"fewer than {NOISY_MIN_EVALS} held-out evaluations (logging.eval_interval)")
+    acc = series[key].finite()
+    fall = -_line_change(acc.steps, acc.values)
+    if fall < NOISY_ACC_DROP or acc.values[0] - acc.values[-1] < NOISY_ACC_DROP:
+        return HEALTHY
+    std = series.get("reward/std")
+    reward_std = _median(std.finite().values) if std is not None and len(std.finite()) else None
+    flat = NOISY_FLAT * reward_std if reward_std else REWARD_RISE_ABS
+    change = _line_change(reward.steps, reward.values)
+    if abs(change) > flat:
+        return HEALTHY  # rising: reward_hacking's symptom; falling with the honest metric: it tracks it
+    hacked = series.get("reward/hacked_frac")
+    if hacked is not None and len(hacked.finite()) and early_late(hacked.finite().values)[1] > NOISY_HACKED_MAX:
+        return HEALTHY
+    if _scale_mismatch(series, config):
+        return HEALTHY
+    lines = [f"{key} {_fmt(acc.values[0])} at step {acc.steps[0]} -> {_fmt(acc.values[-1])} at step "
+             f"{acc.steps[-1]} (least-squares line: -{_fmt(fall)} over the run, >= {NOISY_ACC_DROP:g})",
+             f"reward/mean flat: {_fmt(change)} along its line over steps {reward.steps[0]}-{reward.steps[-1]} "
+             f"(|change| <= {_fmt(flat)}" + (f" = {NOISY_FLAT:g} x median reward/std {_fmt(reward_std)})"
+                                           if reward_std else ")")]
+    honest = series.get("reward/honest")
+    if honest is not None and len(honest.finite()) >= LEN_MIN_POINTS:
+        e, l = early_late(honest.finite().values)
+        lines.append(f"reward/honest (training samples) {_fmt(e)} (first quarter) -> {_fmt(l)} (last quarter)")
+    if hacked is not None and len(hacked.finite()):
+        lines.append(f"reward/hacked_frac {_fmt(early_late(hacked.finite().values)[1])} in the last quarter: "
+                     f"no exploit paid")
+    worst = max(range(len(reward)), key=lambda i: reward.values[i])
+    return finding(lines, [acc.steps[-1], reward.steps[worst]])
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
 def _times(f: float) -> Callable[[Any], Any]:
-    return lambda v: round(v * f, 6) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    # 6 significant digits (not decimals: a learning rate of 1e-6 halved must not round to 0)
+    return lambda v: float(f"{v * f:.6g}") if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _fixed(value: Any) -> Callable[[Any], Any]:
     return lambda _v: value
+
+
+def _doubled(v: Any) -> Any:
+    return 2 * v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _shorter(v: Any) -> Any:
@@ -481,6 +557,30 @@ RULES: tuple[Rule, ...] = (
             Remedy("raise the KL coefficient by 30%", "algorithm.kl_coeff", _times(1.3), "x 1.3"),
             Remedy("if responses grew as well, add a length penalty", "reward.length_penalty",
                    _fixed(0.1), "0.1"),
+        ),
+    ),
+    Rule(
+        name="noisy_reward",
+        symptom="the held-out (honest) accuracy falls while the trained-on reward stays flat",
+        metrics=("reward/mean", "reward/std", *NOISY_EVALS, "reward/honest", "reward/hacked_frac"),
+        detect=detect_noisy_reward,
+        detects=f"the least-squares line through `{NOISY_EVALS[0]}` (else `{NOISY_EVALS[1]}`; >= "
+                f"{NOISY_MIN_EVALS} evaluations) falls by >= {NOISY_ACC_DROP:g} and the last evaluation is "
+                f">= {NOISY_ACC_DROP:g} under the first, while `reward/mean` changes by <= {NOISY_FLAT:g} x "
+                f"median `reward/std` along its line, no more than {NOISY_HACKED_MAX:g} of the last quarter's "
+                f"samples are marked hacked and the `reward_scale` rule does not fire",
+        cause="the reward does not follow the task (labels flipped or a noisy verifier / reward model): "
+              "the policy follows the noise, and the updates move it away from what was right",
+        remedies=(
+            Remedy("check the reward labels / the verifier on the run's highest-reward samples "
+                   "(samples_worst.jsonl: a wrong answer scored high, a right one low) and fix them first",
+                   "reward.custom_function.path"),
+            Remedy("take smaller steps: lower the learning rate", "training.lr", _times(0.5), "x 0.5"),
+            Remedy("raise the KL coefficient by 30%", "algorithm.kl_coeff", _times(1.3), "x 1.3"),
+            Remedy("clip rewards to their batch quantiles (outlier scores of a reward model)",
+                   "reward.quantile_clip", _fixed(0.95), "0.95"),
+            Remedy("average the noise over more samples: a larger rollout batch", "training.rollout_batch_size",
+                   _doubled, "x 2"),
         ),
     ),
 )
