@@ -90,6 +90,7 @@ def test_failure_summary_and_cross_setting_table():
     pool = _stats("pf", [dict(reward_final=1.0, honest_final=0.4, length_final=4.0)] * 3)
     line = C.failure_summary(ppo + pool)
     assert "trained-on reward +1.5" in line and "honest accuracy -0.4" in line and "length +6" in line
+    assert "(before -> after: 0.5 -> 0.1)" in line
     table = C.summary_table({"length_bias": ppo + pool}, ["ppo", "pf"])
     assert len(table) == 2 + len(C.CLAIMS) and "| length_bias | the honest metric is not lower | holds (higher) |" in table
 
@@ -110,3 +111,23 @@ def test_statistics_helpers():
     assert C.count_spikes([0.0, 0.0, 0.01, 0.5, 0.5]) == 1
     assert C.first_reaching([0.0] * 5 + [1.0] * 10, 0.5, window=4) == 7
     assert math.isnan(C._mean_sd([float("nan")])[0])
+
+
+def test_doctor_findings_per_run_and_their_table(tmp_path):
+    """A run whose held-out accuracy falls while its reward rises is reward_hacking's; a steady one
+    has no finding; the table counts each rule over the runs of a setting x arm."""
+    import json
+
+    def write(name, recs):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return d
+
+    hack = _records(40, reward=lambda s: 0.2 + 0.02 * s, evals=((0, 0.5), (40, 0.5)))
+    hack[-1].update({"eval/accuracy": 0.2})
+    hack[20].update({"eval/accuracy": 0.6})
+    calm = _records(40, kl=lambda s: 0.01)
+    found = {("length_bias", "ppo"): [C.doctor_findings(write("a", hack)), C.doctor_findings(write("b", calm))]}
+    assert found[("length_bias", "ppo")] == [["reward_hacking"], []]
+    assert C.doctor_table(found)[2] == "| length_bias | ppo | reward_hacking 1/2, no finding 1/2 |"

@@ -264,8 +264,10 @@ def failure_summary(stats: list[RunStats], arm: str = "ppo") -> str:
         m, sd = _mean_sd([f(s) for s in runs])
         return f"{m:+.3g} ± {sd:.2g}"
 
+    (hb, _), (ha, _) = _mean_sd([s.honest_first for s in runs]), _mean_sd([s.honest_final for s in runs])
     return (f"{arm} over {len(runs)} seeds: trained-on reward {ms(lambda s: s.reward_change)} (first -> last 10% of "
-            f"steps), held-out honest accuracy {ms(lambda s: s.honest_change)} (before -> after), response length "
+            f"steps), held-out honest accuracy {ms(lambda s: s.honest_change)} (before -> after: {hb:.3g} -> "
+            f"{ha:.3g}), response length "
             f"{ms(lambda s: s.length_growth)} tokens, hacked fraction at the end {ms(lambda s: s.hacked_final)}, "
             f"KL at the end {ms(lambda s: s.kl_final)}, largest value loss {ms(lambda s: s.value_loss_max)}")
 
@@ -338,6 +340,25 @@ def summary_table(per_setting: dict[str, list[RunStats]], arms: list[str]) -> li
     return lines
 
 
+def doctor_findings(run_dir: Path) -> list[str]:
+    """The names of the `pfppo doctor` rules that fire on a finished run (empty: no finding)."""
+    from pfppo_mega.doctor import diagnose, read_run
+
+    return [d.rule.name for d in diagnose(read_run(run_dir)) if d.verdict.status == "finding"]
+
+
+def doctor_table(found: dict[tuple[str, str], list[list[str]]]) -> list[str]:
+    """Markdown: per setting and arm, how many of its runs each rule fired on ('no finding' counted too)."""
+    lines = ["| setting | arm | findings (runs with it / runs) |", "|---|---|---|"]
+    for (setting, arm), runs in found.items():
+        counts: dict[str, int] = {}
+        for names in runs:
+            for n in names or ["no finding"]:
+                counts[n] = counts.get(n, 0) + 1
+        lines.append(f"| {setting} | {arm} | " + ", ".join(f"{n} {c}/{len(runs)}" for n, c in counts.items()) + " |")
+    return lines
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -390,6 +411,7 @@ def main(argv: list[str]) -> int:
                              else f"{first.logging.output_dir}_compare"))
     root.mkdir(parents=True, exist_ok=True)
     per_setting: dict[str, list[RunStats]] = {}
+    found: dict[tuple[str, str], list[list[str]]] = {}
     for f in files:
         name, base = f.stem, bases[f.stem]
         out = root / name if folder else root
@@ -418,6 +440,7 @@ def main(argv: list[str]) -> int:
                 stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,
                                        wall_s=wall, setting=name))
                 curves[arm].append(recs)
+                found.setdefault((name, arm), []).append(doctor_findings(run_dir))
                 s = stats[-1]
                 print(f"[compare]   reward {s.reward_first:.3f}->{s.reward_final:.3f} honest {s.honest_first:.3f}->"
                       f"{s.honest_final:.3f} length {s.length_first:.1f}->{s.length_final:.1f} hacked "
@@ -440,6 +463,7 @@ def main(argv: list[str]) -> int:
                  "## What plain PPO did", ""]
         lines += [f"- **{n}**: {failure_summary(st)}" for n, st in per_setting.items()]
         lines += ["", "## Claims (each pool arm vs ppo)", ""] + summary_table(per_setting, arms)
+        lines += ["", "## pfppo doctor on every run", ""] + doctor_table(found)
         (root / "summary.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         print(f"[compare] summary: {root / 'summary.md'}")
