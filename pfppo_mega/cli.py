@@ -10,6 +10,7 @@
     pfppo compare CONFIG --seeds 3      PF-PPO pool off vs on, same budget; markdown + PNG report
     pfppo bench kernels [--quick] [--json PATH]
     pfppo bench refit [--json PATH] [--vllm]   (refit / pool-switch costs, 70B model)
+    pfppo bench pool-step [--engine vllm] [--json PATH]   (what the PF-PPO pool adds per step)
 
 Overrides are `key.path=value` (YAML-parsed values), applied after the file.
 Every command that takes a config refuses a bad one (unreadable file, bad value, an output
@@ -19,6 +20,7 @@ directory that is a file) with the key, the value and the rule on stderr, and ex
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -129,17 +131,15 @@ def cmd_doctor(args) -> int:
     return main(args.rest)
 
 
+BENCHMARKS = {"kernels": "pfppo_mega.bench.kernels", "refit": "pfppo_mega.bench.refit",
+              "pool-step": "pfppo_mega.bench.pool_step"}
+
+
 def cmd_bench(args) -> int:
-    if args.what == "kernels":
-        from pfppo_mega.bench.kernels import main
-
-        return main(args.rest)
-    if args.what == "refit":
-        from pfppo_mega.bench.refit import main
-
-        return main(args.rest)
-    print(f"pfppo bench: unknown benchmark {args.what!r} (allowed: kernels, refit)", file=sys.stderr)
-    return 2
+    if args.what not in BENCHMARKS:
+        print(f"pfppo bench: unknown benchmark {args.what!r} (allowed: {', '.join(BENCHMARKS)})", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCHMARKS[args.what]).main(args.rest)
 
 
 def cmd_plan(args) -> int:
