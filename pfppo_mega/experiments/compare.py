@@ -32,6 +32,9 @@ ARMS: dict[str, tuple[str, ...]] = {
     # this project's default pool: 3 snapshots every 2 steps, recency-weighted
     "pf_default": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
                    "algorithm.pool.sampling=recency"),
+    # the default pool with one snapshot per rollout step (one engine switch per step; bench pool-step)
+    "pf_step": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
+                "algorithm.pool.sampling=recency", "algorithm.pool.assign=step"),
     "pf_kl": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
               "algorithm.pool.sampling=kl"),
     "pf_reward": (_POOL, "algorithm.pool.pool_size=3", "algorithm.pool.snapshot_interval=2",
