@@ -205,8 +205,13 @@ def world_group() -> Optional[dist.ProcessGroup]:
 
 
 def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live (nccl: the current CUDA device)."""
-    if group is not None and dist.get_backend(group) == "nccl":
+    """Where a tensor for a collective on ``group`` must live (nccl: the current CUDA device).
+    None is torch.distributed's default group (the world) when it is initialised, else CPU."""
+    if group is None:
+        if not dist.is_initialized():
+            return torch.device("cpu")
+        group = dist.group.WORLD
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

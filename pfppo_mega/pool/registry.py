@@ -30,7 +30,7 @@ def broadcast_assignment(assign: Optional[torch.Tensor], n_groups: int,
     """Rank 0's snapshot index per prompt group ([n_groups] int64) on every rank."""
     if not _distributed(group):
         return assign
-    from pfppo_mega.rollout.refit import group_device
+    from pfppo_mega.parallel import comm_device
 
     src = dist.get_global_rank(group, 0) if group is not None else 0
     if dist.get_rank() == src:
@@ -39,7 +39,7 @@ def broadcast_assignment(assign: Optional[torch.Tensor], n_groups: int,
             raise ValueError(f"assignment has shape {tuple(table.shape)}, expected ({n_groups},)")
     else:
         table = torch.empty(n_groups, dtype=torch.int64)
-    table = table.to(group_device(group))
+    table = table.to(comm_device(group))
     dist.broadcast(table, src=src, group=group)
     return table.cpu()
 
@@ -55,9 +55,9 @@ def check_engine_versions(version: int, checksum: str, *, what: str = "generatio
     raises VersionMismatchError on every rank when any rank differs from the group's first rank."""
     if not _distributed(group):
         return
-    from pfppo_mega.rollout.refit import group_device
+    from pfppo_mega.parallel import comm_device
 
-    device = group_device(group)
+    device = comm_device(group)
     mine = _encode(version, checksum).to(device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)

@@ -21,19 +21,13 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout.weights import (Bucket, BucketSpec, WeightSource, new_wire, read_trailer, wire_flat,
                                         wire_nbytes, write_trailer)
 
 
 MAX_AHEAD = 3  # broadcasts in flight ahead of the bucket being used (latency hiding) ...
 AHEAD_BYTES = 64 << 20  # ... within this many bytes of stream buffers (at least one bucket ahead)
-
-
-def group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where a group's collectives want their tensors: the current CUDA device for NCCL, else CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _send_wire(bucket: Optional[Bucket], spec: BucketSpec, slot: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -64,7 +58,7 @@ def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *
     in one broadcast. out: uint8 wire buffer of at least wire_nbytes(spec.nbytes) the receivers
     write into (a fresh one when None). The owner must hold a bucket; if it does not (a producer
     bug), it sends a trailer flagged 'none' that every receiver turns into a clear error."""
-    device = group_device(group)
+    device = comm_device(group)  # NCCL: the current CUDA device
     me = dist.get_rank()
     n = wire_nbytes(spec.nbytes)
     slot = out[:n] if out is not None else new_wire(spec.nbytes, device)
@@ -77,7 +71,7 @@ def broadcast_stream(source: WeightSource, plan: list[BucketSpec], group: dist.P
                      dest: Optional[Callable[[BucketSpec], Optional[torch.Tensor]]] = None) -> Iterator[Bucket]:
     """Every bucket of ``plan`` from its owner to every rank of ``group``, in plan order, one async
     broadcast each, a few buckets ahead (see the module docstring)."""
-    device = group_device(group)
+    device = comm_device(group)  # NCCL: the current CUDA device
     me = dist.get_rank()
     size = max(wire_nbytes(s.nbytes) for s in plan)
     ahead = max(1, min(MAX_AHEAD, AHEAD_BYTES // size))  # buckets in flight beyond the one being used
