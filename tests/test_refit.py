@@ -47,7 +47,7 @@ def setup(tmp_path_factory):
 
 def _cfg(engine="builtin", rtp=1, top_p=1.0, bucket_mb=0.02):
     ar = SimpleNamespace(engine=engine, tensor_model_parallel_size=rtp, top_p=top_p, refit_bucket_mb=bucket_mb,
-                         gpu_memory_utilization=0.5)
+                         gpu_memory_utilization=0.5, refit_timeout_s=60.0)
     return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0))
 
 

@@ -266,6 +266,12 @@ class ActorRolloutConfig(Section):
         64.0, "Size (MB) of the flat buckets weights travel in from the trainer or the pool to the engines; "
         "a fused group (q/k/v or gate/up of a layer) is never split."
     )
+    refit_timeout_s: float = opt(
+        C.REFIT_TIMEOUT_S, "Longest wait (s) of any collective of a refit or snapshot switch (the bucket broadcasts, the "
+        "trainer-TP gather, the agreement after it) before the ranks still alive stop with an error naming the "
+        "refit, the weight version and the bucket reached: a rank that died or stalled mid-refit never hangs the "
+        "job for the process group's 30-minute default. Raise it if a rank can legitimately lag that long."
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
@@ -278,6 +284,7 @@ class ActorRolloutConfig(Section):
         _range(p, "gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1)
         _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
         _range(p, "refit_bucket_mb", self.refit_bucket_mb, gt=0)
+        _range(p, "refit_timeout_s", self.refit_timeout_s, gt=0, le=C.MAX_REFIT_TIMEOUT_S)
         _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
 
 

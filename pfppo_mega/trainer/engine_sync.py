@@ -7,26 +7,174 @@ same call, ``engine.update_weights(source.buckets(plan, group), version)``:
   switch(pool, v)     a pool snapshot, broadcast from its keepers inside the node
 and checks, after each generation, that every engine generated with the same version and weight
 checksum (pfppo_mega.pool.registry). See docs/refit.md.
+
+Every collective of those movements runs on groups created here with their own bounded wait,
+``actor_rollout.refit_timeout_s`` (RefitGroups): a rank that dies or stalls mid-refit makes the
+others raise RefitTimeoutError (the refit, the weight version, the bucket reached, the key) after
+at most that long, instead of waiting out the process group's default (30 min).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from pfppo_mega import constants as C
+from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout.base import RolloutEngine
-from pfppo_mega.rollout.weights import BucketSpec, WeightUpdateError
+from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightSource, WeightUpdateError
 
 ENGINES = ("builtin", "vllm")
 
 
+TIMEOUT_KEY = "actor_rollout.refit_timeout_s"
+
+
 class EngineSetupError(ValueError):
     """The configured rollout engine cannot run in this job."""
+
+
+class RefitTimeoutError(RuntimeError):
+    """A collective of a refit or snapshot switch failed because a rank of its group died or stalled
+    (the backend's timeout after actor_rollout.refit_timeout_s, or a connection the dead rank
+    closed). Not a WeightUpdateError on purpose: no recovery (evict, push again) can run without
+    that rank, so the run stops with this error."""
+
+
+# what gloo / the TCP store / NCCL say when a peer is gone or silent (their errors are plain
+# RuntimeErrors, or torch.distributed.DistError subclasses)
+_LOST_PEER = re.compile(r"timed out|timeout|connection (?:reset|closed|refused)|read error|write error|broken pipe|"
+                        r"pair closure|socket closed", re.IGNORECASE)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """True when ``error`` is a collective failing because a rank of its group is gone or silent."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and bool(_LOST_PEER.search(str(error)))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+class RefitGroups:
+    """The process groups weights move over, each created with its own bounded wait
+    (``timeout_s``, actor_rollout.refit_timeout_s) -- collective: every rank builds them together.
+
+    world: every rank (live refit and capture streams; the agreement after an update);
+    node:  the node's local_world_size ranks (pool switches; ``world`` when the job is one node);
+    tp:    this rank's trainer tensor-parallel group (megatron's order: consecutive ranks), for the
+           live producer's gather, when tp > 1.
+    In a one-process world all are None (nothing is sent).
+    """
+
+    def __init__(self, timeout_s: float, *, local_world_size: int, tp: int = 1) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"{TIMEOUT_KEY} = {timeout_s}: must be > 0 (seconds)")
+        self.timeout_s = float(timeout_s)
+        self.world = self.node = self.tp = None
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        size, rank, L = dist.get_world_size(), dist.get_rank(), local_world_size
+        if size % L or size % tp:
+            raise EngineSetupError(f"LOCAL_WORLD_SIZE = {L} and trainer TP = {tp} must divide the world size ({size})")
+        timeout = timedelta(seconds=self.timeout_s)
+        self.world = dist.new_group(timeout=timeout)
+        self.node = self.world
+        if L < size:
+            nodes = [dist.new_group(list(range(s, s + L)), timeout=timeout) for s in range(0, size, L)]
+            self.node = nodes[rank // L]
+        if tp > 1:
+            tps = [dist.new_group(list(range(s, s + tp)), timeout=timeout) for s in range(0, size, tp)]
+            self.tp = tps[rank // tp]
+
+
+class WatchedSource(WeightSource):
+    """``source`` whose bucket stream turns a lost rank (lost_peer) into RefitTimeoutError naming
+    ``what``, the weight version, the bucket this rank was waiting for and the timeout key. Any
+    other error passes through unchanged."""
+
+    def __init__(self, source: WeightSource, what: str, timeout_s: float) -> None:
+        self.source, self.what, self.timeout_s = source, what, timeout_s
+        self.version = source.version
+
+    def owner(self, spec: BucketSpec) -> int:
+        return self.source.owner(spec)
+
+    def produce(self, spec: BucketSpec, wire: Optional[torch.Tensor] = None) -> Optional[Bucket]:
+        return self.source.produce(spec, wire)
+
+    def buckets(self, plan: list[BucketSpec], group: Optional[dist.ProcessGroup] = None, dest=None):
+        reached, t0 = 0, time.perf_counter()
+        try:
+            for bucket in self.source.buckets(plan, group, dest=dest):
+                yield bucket
+                reached += 1
+        except Exception as e:
+            if not lost_peer(e):
+                raise
+            spec = plan[reached] if reached < len(plan) else None
+            where = f"bucket {reached} of {len(plan)} ({spec.names[0]} ..)" if spec else f"after all {len(plan)} buckets"
+            raise RefitTimeoutError(
+                f"{self.what} (weight version {self.version}): a rank of the refit group died or stalled; this rank "
+                f"stopped at {where} after {time.perf_counter() - t0:.1f} s ({TIMEOUT_KEY} = {self.timeout_s:g} s: "
+                f"raise it if a rank can legitimately lag that long). Cause: {_first_line(e)}") from e
+
+
+def failing_ranks(ok: bool, group: Optional[dist.ProcessGroup], *, what: str = "",
+                  timeout_s: Optional[float] = None) -> list[int]:
+    """Global ranks of ``group`` whose ``ok`` is False (one all-gather; [] or [this rank] in one
+    process). On a bounded refit group (timeout_s given), a lost rank raises RefitTimeoutError."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [] if ok else [dist.get_rank() if dist.is_initialized() else 0]
+    ranks = dist.get_process_group_ranks(group)
+    device = comm_device(group)
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ranks]
+    t0 = time.perf_counter()
+    try:
+        dist.all_gather(flags, torch.tensor([0 if ok else 1], device=device), group=group)
+    except Exception as e:
+        if timeout_s is None or not lost_peer(e):
+            raise
+        raise RefitTimeoutError(
+            f"{what}: a rank of the refit group died or stalled before the ranks agreed on its outcome (this "
+            f"rank's part {'succeeded' if ok else 'failed'}; waited {time.perf_counter() - t0:.1f} s, "
+            f"{TIMEOUT_KEY} = {timeout_s:g} s: raise it if a rank can legitimately lag that long). "
+            f"Cause: {_first_line(e)}") from e
+    return [r for r, f in zip(ranks, flags) if int(f)]
+
+
+def update_everywhere(engine: RolloutEngine, source: WeightSource, plan: list[BucketSpec], version: int, *,
+                      stream_group: Optional[dist.ProcessGroup], groups: RefitGroups, what: str) -> None:
+    """``engine.update_weights`` with ``source``'s stream over ``stream_group`` on every rank, then
+    one agreement over ``groups.world``: when the update failed anywhere, every rank raises
+    WeightUpdateError naming the ranks, so all of them take the same recovery path (the stream never
+    leaves a rank waiting: update_weights drains it after an error). A lost rank -- in the stream or
+    in the agreement -- raises RefitTimeoutError within groups.timeout_s instead."""
+    watched = WatchedSource(source, what, groups.timeout_s)
+    error: Optional[WeightUpdateError] = None
+    try:
+        engine.update_weights(watched.buckets(plan, stream_group), version)
+    except WeightUpdateError as e:
+        lost = e.__cause__ if isinstance(e.__cause__, RefitTimeoutError) else None
+        if lost is not None:  # the group is broken: no agreement can follow, the run stops
+            raise lost
+        error = e
+    bad = failing_ranks(error is None, groups.world, what=what, timeout_s=groups.timeout_s)
+    if error is not None:
+        raise error
+    if bad:
+        engine.invalidate()  # this rank's update went through, but the step must not use it
+        raise WeightUpdateError(f"{what} refused on rank(s) {bad} (see their log); no engine keeps it")
 
 
 def check_engine_config(cfg, *, world_size: int) -> None:
@@ -57,37 +205,58 @@ def check_engine_config(cfg, *, world_size: int) -> None:
 
 def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
                  log: Callable[[str], None]) -> RolloutEngine:
-    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size of the config.
-    vLLM is imported only here, only when it is named."""
+    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size and refit timeout of
+    the config (EngineSync reads both from the engine). vLLM is imported only here, only when it is
+    named, with max_model_len = rollout_max_model_len(cfg, hf_cfg)."""
     check_engine_config(cfg, world_size=world_size)
     ar = cfg.actor_rollout
     bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
     if ar.engine == "builtin":
         from pfppo_mega.rollout import BuiltinEngine, LlamaShape
 
-        return BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
-                             bucket_bytes=bucket_bytes, log=log)
-    from pfppo_mega.rollout import vllm as rvllm
+        engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
+                               bucket_bytes=bucket_bytes, log=log)
+    else:
+        from pfppo_mega.rollout import vllm as rvllm
 
-    return rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=ar.tensor_model_parallel_size,
-                            seed=cfg.training.seed, bucket_bytes=bucket_bytes,
-                            gpu_memory_utilization=ar.gpu_memory_utilization, log=log)
+        engine = rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id,
+                                  tensor_parallel_size=ar.tensor_model_parallel_size, seed=cfg.training.seed,
+                                  bucket_bytes=bucket_bytes, gpu_memory_utilization=ar.gpu_memory_utilization,
+                                  max_model_len=rollout_max_model_len(cfg, hf_cfg), log=log)
+    engine.refit_timeout_s = float(ar.refit_timeout_s)
+    return engine
+
+
+def rollout_max_model_len(cfg, hf_cfg: dict) -> int:
+    """The longest sequence a rollout can reach, data.max_prompt_length + algorithm.max_response_length:
+    vLLM's max_model_len (its default, the model's max_position_embeddings -- 131072 for Llama-3.3 --
+    sizes the scheduler's limits and the CPU KV-cache bound for nothing). Refused when it exceeds the
+    model's context."""
+    prompt, response = cfg.data.max_prompt_length, cfg.algorithm.max_response_length
+    context = int(hf_cfg["max_position_embeddings"])
+    if prompt + response > context:
+        raise EngineSetupError(
+            f"data.max_prompt_length ({prompt}) + algorithm.max_response_length ({response}) = {prompt + response} "
+            f"exceeds the model's context (max_position_embeddings = {context} in its config.json): lower either key")
+    return prompt + response
 
 
 class EngineSync:
     """Weights into this rank's engine (see the module docstring).
 
     local_world_size: ranks per node (read before a vLLM engine is built: an in-process vLLM sets
-    LOCAL_WORLD_SIZE to 1). One process group per node is created here (collective).
+    LOCAL_WORLD_SIZE to 1). refit_timeout_s: the bounded wait of every refit collective (default:
+    the engine's, set by build_engine from actor_rollout.refit_timeout_s). The refit's process
+    groups (RefitGroups: world, node, trainer TP) are created here (collective).
     """
 
     def __init__(self, engine: RolloutEngine, actor, model_cfg, *, local_world_size: Optional[int] = None,
-                 log: Callable[[str], None] = print) -> None:
+                 refit_timeout_s: Optional[float] = None, log: Callable[[str], None] = print) -> None:
         from pfppo_mega.rollout.live import LiveWeights
 
         self.engine, self.actor, self.model_cfg, self.log = engine, actor, model_cfg, log
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.world = dist.group.WORLD if self.distributed else None
+        self.world = dist.group.WORLD if self.distributed else None  # generation's agreements (unbounded)
         world = dist.get_world_size() if self.distributed else 1
         rank = dist.get_rank() if self.distributed else 0
         L = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -95,57 +264,41 @@ class EngineSync:
             raise EngineSetupError(f"LOCAL_WORLD_SIZE = {L} does not divide the world size ({world})")
         self.rank = rank
         self.node_ranks = list(range(rank - rank % L, rank - rank % L + L))
-        self.node_group = self.world
-        if self.distributed and L < world:
-            groups = [dist.new_group(list(range(s, s + L))) for s in range(0, world, L)]  # collective
-            self.node_group = groups[rank // L]
         self.layout = engine.weight_layout()
+        live = LiveWeights(actor, model_cfg, self.layout, 0)
+        if refit_timeout_s is None:
+            refit_timeout_s = getattr(engine, "refit_timeout_s", C.REFIT_TIMEOUT_S)
+        self.groups = RefitGroups(refit_timeout_s, local_world_size=L, tp=live.tp)  # collective
+        if live.tp_group is not None and self.groups.tp is not None:
+            mine, theirs = dist.get_process_group_ranks(self.groups.tp), dist.get_process_group_ranks(live.tp_group)
+            if mine != theirs:
+                raise RuntimeError(f"rank {rank}: refit TP group {mine} differs from megatron's {theirs}")
+        self.node_group = self.groups.node
         # one plan for every stream: live, pool and switch (buckets never cross a pipeline stage)
-        self.plan: list[BucketSpec] = LiveWeights(actor, model_cfg, self.layout, 0).plan(engine.bucket_bytes)
+        self.plan: list[BucketSpec] = live.plan(engine.bucket_bytes)
         self.last_refit_s = 0.0
 
     def _live(self, version: int):
         from pfppo_mega.rollout.live import LiveWeights
 
-        return LiveWeights(self.actor, self.model_cfg, self.layout, version)
+        live = LiveWeights(self.actor, self.model_cfg, self.layout, version)
+        if self.groups.tp is not None:
+            live.tp_group = self.groups.tp  # the producer's gather waits at most refit_timeout_s too
+        return live
 
     def refit_live(self, version: int) -> float:
         """The actor's current weights into the engine as ``version``; returns the seconds taken."""
         t0 = time.perf_counter()
-        self._update_everywhere(lambda: self.engine.update_weights(self._live(version).buckets(self.plan, self.world),
-                                                                   version), f"refit to version {version}")
+        update_everywhere(self.engine, self._live(version), self.plan, version, stream_group=self.groups.world,
+                          groups=self.groups, what=f"refit to version {version}")
         self.last_refit_s = time.perf_counter() - t0
         return self.last_refit_s
-
-    def _update_everywhere(self, update: Callable[[], None], what: str) -> None:
-        """Run an engine update on every rank and agree on its outcome (one all-gather): when it
-        failed anywhere, every rank raises WeightUpdateError naming the ranks, so all of them take
-        the same recovery path (the stream itself never leaves a rank waiting: update_weights drains
-        it after an error)."""
-        error: Optional[WeightUpdateError] = None
-        try:
-            update()
-        except WeightUpdateError as e:
-            error = e
-        bad = self.failing_ranks(error is None)
-        if error is not None:
-            raise error
-        if bad:
-            self.engine.invalidate()  # this rank's update went through, but the step must not use it
-            raise WeightUpdateError(f"{what} refused on rank(s) {bad} (see their log); no engine keeps it")
 
     def failing_ranks(self, ok: bool, group=None) -> list[int]:
         """Global ranks of ``group`` (the world by default) whose ``ok`` is False (one all-gather)."""
         if not self.distributed:
             return [] if ok else [self.rank]
-        from pfppo_mega.rollout.refit import group_device
-
-        group = group or self.world
-        ranks = dist.get_process_group_ranks(group)
-        device = group_device(group)
-        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ranks]
-        dist.all_gather(flags, torch.tensor([0 if ok else 1], device=device), group=group)
-        return [r for r, f in zip(ranks, flags) if int(f)]
+        return failing_ranks(ok, group or self.world)
 
     def reload(self, pool, version: int, step: int) -> None:
         """Push ``version`` into every engine again, in full (after an engine failure): the live
@@ -164,7 +317,8 @@ class EngineSync:
 
     def capture(self, pool, version: int) -> None:
         """Snapshot the actor's current weights into ``pool`` (each rank keeps its share)."""
-        pool.capture_from(self._live(version), self.plan, self.world)
+        pool.capture_from(WatchedSource(self._live(version), f"pool capture of version {version}", self.groups.timeout_s),
+                          self.plan, self.groups.world)
 
     def switch(self, pool, version: int) -> float:
         """Pool snapshot ``version`` into the engine (raises WeightUpdateError on a corrupt shard,
@@ -174,13 +328,14 @@ class EngineSync:
         held = pool.stream_checksums.get(version)
         if held and self.engine.weight_version == version and self.engine.weight_checksum == held:
             # the bytes need not move, but a shard that rotted in host memory is still refused
-            bad = self.failing_ranks(pool.verify(pool.snapshots[pool.versions.index(version)]))
+            bad = failing_ranks(pool.verify(pool.snapshots[pool.versions.index(version)]), self.groups.world,
+                                what=f"check of snapshot {version}", timeout_s=self.groups.timeout_s)
             if bad:
                 raise WeightUpdateError(f"snapshot {version}: the shard kept by rank(s) {bad} failed its checksum; "
                                         f"corrupt bytes refused")
             return time.perf_counter() - t0
-        self._update_everywhere(lambda: self.engine.update_weights(
-            pool.source(version).buckets(self.plan, self.node_group), version), f"switch to snapshot {version}")
+        update_everywhere(self.engine, pool.source(version), self.plan, version, stream_group=self.node_group,
+                          groups=self.groups, what=f"switch to snapshot {version}")
         return time.perf_counter() - t0
 
     def check_versions(self, what: str) -> None:

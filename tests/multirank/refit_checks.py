@@ -11,6 +11,10 @@ what a vLLM engine would receive). Checks, per trainer layout (tp2, pp2, dp2 on 
                              switch naming that rank; the registry then names a rank whose
                              engine reports another version
   assignment_broadcast       rank 0's snapshot table reaches every rank unchanged
+  engine_sync_bounded        the trainer's EngineSync, whose refit groups (world, node, trainer TP
+                             for the producer's gather) carry actor_rollout.refit_timeout_s: live
+                             refit, pool capture and switch back after a foreign update are exact
+                             (a lost rank on those groups: tests/test_refit_timeout.py)
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 CHECKS = ("refit_live_exact[llama]", "refit_live_exact[qwen2]", "pool_switch_exact", "pool_corrupt_shard_refused",
-          "assignment_broadcast")
+          "assignment_broadcast", "engine_sync_bounded")
 BUCKET_BYTES = 20_000  # many buckets for the tiny model (whole fused groups each)
 
 
@@ -33,15 +37,21 @@ def _engine(path: Path):
                          bucket_bytes=BUCKET_BYTES, log=lambda *_: None)
 
 
-def _live_source(path: Path, engine, version: int):
+def _actor(path: Path):
     from pfppo_mega.models import gpt, hf_io
-    from pfppo_mega.rollout.live import LiveWeights
 
     import common
 
     cfg, arch = common.model_config(path)
     actor = gpt.build_actor(cfg, arch=arch)
     hf_io.load_actor_from_hf(actor, path)
+    return actor, cfg
+
+
+def _live_source(path: Path, engine, version: int):
+    from pfppo_mega.rollout.live import LiveWeights
+
+    actor, cfg = _actor(path)
     source = LiveWeights(actor, cfg, engine.weight_layout(), version)
     return source, source.plan(BUCKET_BYTES)
 
@@ -118,3 +128,23 @@ def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     got = broadcast_assignment(table if rank == 0 else None, 16)
     ref = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(100))
     report(layout, "assignment_broadcast", all_ranks_ok(torch.equal(got, ref)), 0.0, 0.0)
+
+    # ---- the trainer's EngineSync over its bounded refit groups
+    from megatron.core import parallel_state as ps
+
+    from pfppo_mega.trainer.engine_sync import EngineSync
+
+    engine = _engine(path)
+    actor, cfg = _actor(path)
+    sync = EngineSync(engine, actor, cfg, local_world_size=world, refit_timeout_s=60.0, log=lambda *_: None)
+    sync.refit_live(7)
+    ok = engine.weight_version == 7 and _weights_equal(engine, original)
+    pool = sync.new_pool(2)
+    sync.capture(pool, 7)
+    engine.update_weights(NamedTensorSource(other.items(), 8).buckets(sync.plan), version=8)
+    moved = not _weights_equal(engine, original)
+    sync.switch(pool, 7)
+    ok = ok and moved and engine.weight_version == 7 and _weights_equal(engine, original)
+    tp = ps.get_tensor_model_parallel_world_size()
+    groups_ok = sync.groups.world is not None and (sync.groups.tp is not None) == (tp > 1)
+    report(layout, "engine_sync_bounded", all_ranks_ok(ok and groups_ok), 0.0, 0.0, f"buckets={len(sync.plan)}")
