@@ -48,6 +48,23 @@ def test_missing_vllm_is_a_clear_error(monkeypatch, tmp_path):
         rvllm.VLLMEngine(tmp_path, pad_token_id=0)
 
 
+def test_max_model_len_is_prompt_plus_response_within_the_context():
+    from types import SimpleNamespace
+
+    from pfppo_mega.trainer.engine_sync import EngineSetupError, rollout_max_model_len
+
+    def cfg(prompt, response):
+        return SimpleNamespace(data=SimpleNamespace(max_prompt_length=prompt),
+                               algorithm=SimpleNamespace(max_response_length=response))
+
+    llama33 = {"max_position_embeddings": 131072}
+    assert rollout_max_model_len(cfg(1024, 3072), llama33) == 4096
+    assert rollout_max_model_len(cfg(4096, 131072 - 4096), llama33) == 131072
+    with pytest.raises(EngineSetupError, match=r"data.max_prompt_length \(8\) \+ algorithm.max_response_length "
+                                               r"\(20\) = 28 exceeds the model's context \(max_position_embeddings = 24"):
+        rollout_max_model_len(cfg(8, 20), {"max_position_embeddings": 24})
+
+
 @NEEDS_VLLM
 def test_parity_with_trainer_logprobs(engine, model):
     """vLLM's log-probs at the sampling temperature vs an fp64 recomputation of the same tokens on
@@ -174,7 +191,14 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
     d["training"]["total_training_steps"] = 3
     d["algorithm"]["use_pf_ppo"] = True
     d["algorithm"]["pool"] = {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}
-    res = PPOTrainer(load_config_dict(d), log=lambda *_: None).fit()
+    trainer = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    # vLLM's max_model_len is the rollout's longest sequence, not the model's context
+    cap = d["data"]["max_prompt_length"] + d["algorithm"]["max_response_length"]
+    built = trainer.engine.llm.llm_engine.model_config.max_model_len
+    print(f"vLLM max_model_len {built} (prompt + response; max_position_embeddings "
+          f"{d['model']['max_position_embeddings']})")
+    assert trainer.engine.max_model_len == built == cap < d["model"]["max_position_embeddings"]
+    res = trainer.fit()
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "reward/mean" in r]
     assert len(steps) == 3
@@ -185,6 +209,9 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
           f"snapshots used per step {[r.get('pool/snapshots_used') for r in steps]}")
     assert gap < 1e-3
     assert max(r["pool/snapshots_used"] for r in steps) >= 1
+    too_long = [[1] * (cap - 2)]  # + 3 new tokens: one past the engine's max_model_len, refused by name
+    with pytest.raises(ValueError, match=rf"= {cap + 1} > the engine's max_model_len \({cap} = data.max_prompt_length"):
+        trainer.engine.generate(too_long, SamplingParams(1.0, 1.0, 3, None, seed=0))
 
 
 @NEEDS_VLLM

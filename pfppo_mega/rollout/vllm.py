@@ -77,7 +77,9 @@ class VLLMEngine(RolloutEngine):
     model_dir: a Hugging Face checkpoint dir (config.json + weights); the engine starts with
     those weights but reports no version until the first update (the trainer always pushes its
     own). tensor_parallel_size > 1 needs torchrun and the ranks of one rollout-TP group to build
-    the engine together (external launcher).
+    the engine together (external launcher). max_model_len: the longest prompt + response the engine
+    serves (the trainer passes data.max_prompt_length + algorithm.max_response_length; None: the
+    model's max_position_embeddings); it bounds vLLM's scheduler and, on CPU, the KV cache.
     """
 
     top_p_logprobs = "nucleus"  # vLLM's processed log-probs are taken after the top-p mask
@@ -85,7 +87,8 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_dir: str | os.PathLike, *, pad_token_id: int, dtype: torch.dtype = torch.float32,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, gpu_memory_utilization: float = 0.85,
-                 enforce_eager: Optional[bool] = None, log: Callable[[str], None] = print) -> None:
+                 max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None,
+                 log: Callable[[str], None] = print) -> None:
         why = unavailable_reason()
         if why:
             raise RuntimeError(f"actor_rollout.engine = 'vllm': {why}")
@@ -99,11 +102,16 @@ class VLLMEngine(RolloutEngine):
         check_vllm_family(self.shape, self.model_dir)
         self.pad_token_id, self.dtype, self.bucket_bytes, self.log = pad_token_id, dtype, bucket_bytes, log
         self.tensor_parallel_size = tensor_parallel_size
+        context = self.shape.max_position_embeddings
+        self.max_model_len = context if max_model_len is None else int(max_model_len)
+        if not 1 <= self.max_model_len <= context:
+            raise ValueError(f"max_model_len = {max_model_len}: must be in [1, {context}] (the model's "
+                             f"max_position_embeddings in {self.model_dir}/config.json)")
         self._version, self._checksum = -1, ""
         on_gpu = torch.cuda.is_available()
         kw: dict[str, Any] = dict(
             model=self.model_dir, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], seed=seed,
-            max_model_len=self.shape.max_position_embeddings, max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs", tensor_parallel_size=tensor_parallel_size,
             enable_prefix_caching=True,
@@ -114,7 +122,7 @@ class VLLMEngine(RolloutEngine):
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             kw["enable_sleep_mode"] = True
         else:  # the KV cache is allocated up front: bound it, or it asks for ~92% of host memory
-            kw["kv_cache_memory_bytes"] = kv_cache_bytes(self.shape, max_model_len=self.shape.max_position_embeddings,
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes(self.shape, max_model_len=self.max_model_len,
                                                          max_num_seqs=max_num_seqs, dtype=dtype)
         self.sleep_supported = on_gpu
         from vllm import LLM
@@ -191,6 +199,11 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("generate() while the vLLM engine sleeps: call wake_up() first")
         check_prompts(prompts, params, max_positions=self.shape.max_position_embeddings,
                       vocab_size=self.shape.vocab_size)
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if longest > self.max_model_len:
+            raise ValueError(f"a prompt of {longest - params.max_new_tokens} tokens + max_new_tokens "
+                             f"({params.max_new_tokens}) = {longest} > the engine's max_model_len ({self.max_model_len} "
+                             f"= data.max_prompt_length + algorithm.max_response_length in the trainer)")
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
