@@ -325,20 +325,39 @@ REAL_NOISY_HONEST = {0: 0.2422, 10: 0.1797, 20: 0.1406, 30: 0.1484, 40: 0.125, 5
 REAL_NOISY_ACC = {0: 0.3984, 10: 0.4141, 20: 0.3828, 30: 0.4375, 40: 0.3984, 50: 0.4062, 60: 0.4531}
 
 
-def real_series(rewards: list[float], honest: dict[int, float], acc: dict[int, float], std: float) -> list[dict]:
+# The same of the honest control: runs/compare_all/control/ppo/seed1 (configs/experiments/control.yaml:
+# the exact reward, plain PPO, 60 steps; eval/accuracy is then the honest metric; reward/std ~0.460).
+REAL_CONTROL_REWARD = [
+    0.1875, 0.125, 0.2656, 0.1719, 0.2656, 0.25, 0.2344, 0.1719, 0.2344, 0.2812, 0.2969, 0.2812, 0.3125, 0.2656,
+    0.3125, 0.2188, 0.2812, 0.2656, 0.2812, 0.25, 0.25, 0.2969, 0.3125, 0.3281, 0.2031, 0.3125, 0.2969, 0.4062,
+    0.3594, 0.2969, 0.3438, 0.3281, 0.4062, 0.2812, 0.3438, 0.3594, 0.2344, 0.3281, 0.3281, 0.2969, 0.4219,
+    0.2656, 0.2344, 0.375, 0.2969, 0.3438, 0.2969, 0.2812, 0.4062, 0.4375, 0.3906, 0.3906, 0.375, 0.3281, 0.3906,
+    0.3281, 0.3438, 0.2969, 0.3281, 0.2812]
+REAL_CONTROL_ACC = {0: 0.2578, 10: 0.2734, 20: 0.3281, 30: 0.3359, 40: 0.3906, 50: 0.3594, 60: 0.3672}
+
+
+def real_series(rewards: list[float], honest: dict[int, float] | None, acc: dict[int, float],
+                std: float) -> list[dict]:
     recs = healthy_records(len(rewards))
     for r in recs:
         if "reward/mean" in r:
             r.update({"reward/mean": rewards[r["step"] - 1], "reward/std": std})
-        if r["step"] in honest:
-            r.update({"eval/honest_accuracy": honest[r["step"]], "eval/accuracy": acc[r["step"]]})
+        if r["step"] in acc:
+            r.update({"eval/accuracy": acc[r["step"]], **({"eval/honest_accuracy": honest[r["step"]]} if honest else {})})
     return recs
 
 
-def test_noisy_reward_on_a_real_noisy_run(tmp_path):
-    v = verdicts(write_run(tmp_path, real_series(REAL_NOISY_REWARD, REAL_NOISY_HONEST, REAL_NOISY_ACC, 0.498)))
+def test_noisy_reward_on_a_real_noisy_run_and_not_on_the_real_control(tmp_path):
+    v = verdicts(write_run(tmp_path / "noisy", real_series(REAL_NOISY_REWARD, REAL_NOISY_HONEST, REAL_NOISY_ACC,
+                                                           0.498)))
     assert v["noisy_reward"] == "finding", v
     assert [k for k, s in v.items() if s == "finding"] == ["noisy_reward"], v
+    # without the honest metric apart, the noisy run's trained-on accuracy rose: nothing to see
+    blind = verdicts(write_run(tmp_path / "blind", real_series(REAL_NOISY_REWARD, None, REAL_NOISY_ACC, 0.498)))
+    assert blind["noisy_reward"] == "healthy", blind
+    ctl = verdicts(write_run(tmp_path / "control", real_series(REAL_CONTROL_REWARD, None, REAL_CONTROL_ACC, 0.460)))
+    assert ctl["noisy_reward"] == "healthy", ctl
+    assert not [k for k, s in ctl.items() if s == "finding"], ctl
 
 
 def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path, capsys):

@@ -358,7 +358,8 @@ def doctor_table(found: dict[tuple[str, str], list[list[str]]]) -> list[str]:
         for names in runs:
             for n in names or ["no finding"]:
                 counts[n] = counts.get(n, 0) + 1
-        lines.append(f"| {setting} | {arm} | " + ", ".join(f"{n} {c}/{len(runs)}" for n, c in counts.items()) + " |")
+        names = sorted(counts, key=lambda n: (n == "no finding", n))
+        lines.append(f"| {setting} | {arm} | " + ", ".join(f"{n} {counts[n]}/{len(runs)}" for n in names) + " |")
     return lines
 
 
