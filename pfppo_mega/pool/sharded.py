@@ -109,12 +109,15 @@ class ShardedSnapshotPool(SnapshotPool):
         checksums: dict[int, str] = {}
         for bucket in buckets:
             spec = bucket.spec
-            receiver.accept(bucket, verify=False)  # the layout; kept bytes are verified below
+            receiver.accept(bucket, verify=False, views=False)  # the layout; kept bytes are verified below
             if self.keeper(spec) != self.rank:
                 continue
             wire = wires.get(spec.index)
-            if wire is not None and bucket.wire is wire:  # landed in place: one read pass (none if packed here)
-                fp = bucket.fingerprint if bucket.fingerprint is not None else fingerprint(bucket.flat)
+            if wire is not None and bucket.wire is wire:  # landed in place
+                if bucket.fingerprint is not None:  # packed here: its checksum was made from this very pass
+                    self._keep(spec, wire, bucket.checksum, kept, checksums)
+                    continue
+                fp = fingerprint(bucket.flat)  # received: one read pass
             else:  # copied in, fingerprinted in the same pass
                 wire = (reuse or {}).pop(spec.index, None)
                 if wire is None or wire.numel() != wire_nbytes(spec.nbytes):
@@ -125,9 +128,7 @@ class ShardedSnapshotPool(SnapshotPool):
                 raise WeightUpdateError(
                     f"pool capture of version {version}: bucket {spec.index} ({spec.names[0]} ..) from rank "
                     f"{bucket.source_rank} failed its checksum; corrupt bytes refused")
-            self._specs[spec.index] = spec
-            kept.append((f"bucket.{spec.index}", wire))
-            checksums[spec.index] = bucket.checksum
+            self._keep(spec, wire, bucket.checksum, kept, checksums)
         stream = receiver.finish()
         if not kept:  # more ranks than buckets: this rank keeps nothing of this snapshot
             kept = [(NONE, torch.zeros(0, dtype=torch.uint8))]
@@ -139,6 +140,11 @@ class ShardedSnapshotPool(SnapshotPool):
         self.stream_checksums = {v: c for v, c in self.stream_checksums.items() if v in self.versions}
         self.stream_checksums[version] = stream  # what an engine holding exactly this snapshot reports
         return snap
+
+    def _keep(self, spec: BucketSpec, wire: torch.Tensor, checksum: str, kept: list, checksums: dict) -> None:
+        self._specs[spec.index] = spec
+        kept.append((f"bucket.{spec.index}", wire))
+        checksums[spec.index] = checksum
 
     def add(self, version: int, named_tensors) -> Snapshot:
         raise TypeError("ShardedSnapshotPool keeps bucket streams: use capture_from(source, plan, group) "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -85,7 +86,7 @@ class WeightLayout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor made: spec.nbytes is asked several times per bucket
 
 
 @dataclass(frozen=True)
@@ -205,18 +206,19 @@ def _fingerprint_torch(t: torch.Tensor) -> torch.Tensor:
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """int64 [32] fingerprint of a tensor's bytes (same value on every device and path)."""
     ops = _native()
-    if ops is not None and t.device.type == "cpu":
-        return ops.fingerprint(t.detach().contiguous())
+    if ops is not None and t.is_cpu:
+        return ops.fingerprint(t.contiguous())  # never differentiated: the op falls through autograd
     return _fingerprint_torch(t)
 
 
 def pack_fingerprint(flat: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Copy ``tensors`` (flattened, in order, flat's dtype) into the contiguous ``flat`` and return
-    the fingerprint of flat's bytes -- one pass over memory with the C++ op, two without it."""
+    the fingerprint of flat's bytes -- one pass over memory with the C++ op (on torch's intra-op
+    threads), two without it. Parameters go in as they are: the op is never differentiated."""
     ops = _native()
-    tensors = [t.detach() for t in tensors]
-    if ops is not None and flat.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+    if ops is not None and flat.is_cpu and all(t.is_cpu for t in tensors):
         return ops.pack_fingerprint(flat, tensors)
+    tensors = [t.detach() for t in tensors]
     for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
         piece.copy_(t.reshape(-1))
     return fingerprint(flat)
@@ -227,7 +229,8 @@ def bucket_checksum(spec: BucketSpec, version: int, flat: torch.Tensor, fp: Opti
     bytes (``fp`` when the caller already has it, e.g. from pack_fingerprint)."""
     digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES // 2)
     digest.update(f"{spec.index}|{version}|{spec.names}|{spec.shapes}|{spec.dtype}|{spec.nbytes}|".encode())
-    digest.update((fingerprint(flat) if fp is None else fp).cpu().numpy().tobytes())
+    fp = fingerprint(flat) if fp is None else fp
+    digest.update((fp if fp.is_cpu else fp.cpu()).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -247,9 +250,11 @@ def wire_flat(wire: torch.Tensor, spec: BucketSpec) -> torch.Tensor:
 
 
 def write_trailer(wire: torch.Tensor, version: int, checksum: str, *, ok: bool = True) -> None:
-    words = torch.tensor([version, 1 if ok else -1], dtype=torch.int64).view(torch.uint8)
-    cs = torch.frombuffer(bytearray(bytes.fromhex(checksum) if ok else bytes(16)), dtype=torch.uint8)
-    wire[-TRAILER_BYTES:].copy_(torch.cat([words, cs]))
+    raw = struct.pack("=qq", version, 1 if ok else -1) + (bytes.fromhex(checksum) if ok else bytes(16))
+    if wire.is_cpu:  # written in place (two torch calls, not five: this runs once per bucket)
+        memoryview(wire[-TRAILER_BYTES:].numpy())[:] = raw
+    else:
+        wire[-TRAILER_BYTES:].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
 def read_trailer(wire: torch.Tensor) -> tuple[int, int, str]:
@@ -373,9 +378,10 @@ class BucketReceiver:
         self.checksums: list[str] = []
         self.cursor = 0  # tensors of the layout received so far
 
-    def accept(self, bucket: Bucket, *, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+    def accept(self, bucket: Bucket, *, verify: bool = True, views: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Check the bucket's place in the layout and (verify=True) its version and checksum; returns
-        its (name, view) pairs. verify=False: the caller checks the bytes itself (or keeps none)."""
+        its (name, view) pairs (an empty list with views=False). verify=False: the caller checks the
+        bytes itself (or keeps none)."""
         spec, specs = bucket.spec, self.layout.specs
         want = specs[self.cursor:self.cursor + len(spec.names)]
         got = tuple(zip(spec.names, spec.shapes))
@@ -396,7 +402,7 @@ class BucketReceiver:
                 f"the update is to version {self.version}: stale bucket refused")
         self.checksums.append(bucket.checksum)
         self.cursor += len(spec.names)
-        return spec.split(bucket.flat)
+        return spec.split(bucket.flat) if views else []
 
     def finish(self) -> str:
         """The stream checksum; raises when tensors are missing (an interrupted refit)."""
