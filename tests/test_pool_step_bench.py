@@ -31,3 +31,21 @@ def test_pool_step_bench_refuses_bad_arguments(args, msg):
     r = subprocess.run([sys.executable, "-m", "pfppo_mega.cli", "bench", "pool-step", *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_warm_start_is_reused_only_when_it_has_the_asked_steps(tmp_path):
+    """A warm start left in --work by a run with another --sft-steps is made again, not reused
+    (the default changed from 80 to 800 steps; an old work folder must not keep the short one)."""
+    import os
+
+    from pfppo_mega.bench.pool_step import _warm_start
+
+    over = ["sft.warmup_steps=0", "parallel.tensor_model_parallel_size=1"]
+    info = tmp_path / "sft" / "sft_info.json"
+    _warm_start("configs/tiny_cpu.yaml", tmp_path, 3, over)
+    assert json.loads(info.read_text())["steps"] == 3
+    _warm_start("configs/tiny_cpu.yaml", tmp_path, 4, over)
+    assert json.loads(info.read_text())["steps"] == 4
+    before = os.stat(info).st_mtime_ns
+    _warm_start("configs/tiny_cpu.yaml", tmp_path, 4, over)
+    assert os.stat(info).st_mtime_ns == before  # same steps: reused

@@ -12,7 +12,7 @@ repeated for --rounds rounds in the same order, so a change of machine load duri
 benchmark reaches every arm alike; the first --warmup steps of every run are not counted
 (engine start, first compile, first snapshots). Result: per arm the median of its counted
 steps over all rounds, the ratio to ppo, and the pool's own per-step parts (switch time,
-snapshots used). The warm start is a short SFT made once in --work (or --model-path).
+snapshots used). The warm start is the demo's SFT made once in --work (or --model-path).
 """
 
 import argparse
@@ -58,7 +58,9 @@ def _run(cmd: list[str], log: Path) -> None:
 
 def _warm_start(config: str, work: Path, sft_steps: int, overrides: list[str]) -> Path:
     out = work / "sft"
-    if not (out / "config.json").is_file():
+    info = out / "sft_info.json"
+    made = json.loads(info.read_text()).get("steps") if info.is_file() and (out / "config.json").is_file() else None
+    if made != sft_steps:  # none yet, or one of another length: made again
         _run(_pfppo("sft", config, f"sft.output_dir={out}", f"sft.steps={sft_steps}", "sft.min_accuracy=0",
                     *overrides), work / "sft.log")
     return out
@@ -78,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {list(ARMS)} (ppo is the baseline)")
     ap.add_argument("--steps", type=int, default=16, help="training steps per run")
     ap.add_argument("--warmup", type=int, default=4, help="steps of each run not counted")
-    ap.add_argument("--rounds", type=int, default=2, help="times every arm is run, in the same order")
-    ap.add_argument("--sft-steps", type=int, default=80, help="steps of the warm start made in --work")
+    ap.add_argument("--rounds", type=int, default=3, help="times every arm is run, in the same order")
+    ap.add_argument("--sft-steps", type=int, default=800,
+                    help="steps of the warm start made in --work (800, the demo's: a policy that answers, so "
+                         "rewards, updates and snapshots differ as in the demo; a few dozen measure an "
+                         "untrained policy, whose snapshots barely differ)")
     ap.add_argument("--model-path", help="an existing warm start instead")
     ap.add_argument("--work", default="runs/bench_pool_step")
     ap.add_argument("--json", help="write the results here (with git sha and machine)")
