@@ -80,3 +80,22 @@ def test_validate_command_warns_on_stderr_and_keeps_exit_status(tmp_path, capsys
     assert cli.main(["validate", str(path), "training.total_training_steps=100", "algorithm.gamma=2"]) == 2
     err = capsys.readouterr().err
     assert "algorithm.gamma" in err and "warning" not in err
+
+
+def test_diversity_only_for_group_assignment():
+    """With assign: step a step sees one snapshot by design: few groups per snapshot is no reason."""
+    few = [f"training.rollout_batch_size={MIN_GROUPS_PER_SNAPSHOT}", f"training.batch_size={MIN_GROUPS_PER_SNAPSHOT}"]
+    assert "diversity" in rules(*few)
+    assert "diversity" not in rules(*few, "algorithm.pool.assign=step")
+
+
+@pytest.mark.parametrize("engine,assign,size,warned", [("vllm", "group", 3, True), ("vllm", "step", 3, False),
+                                                        ("builtin", "group", 3, False), ("vllm", "group", 1, False)])
+def test_cost_of_group_assignment_on_vllm(engine, assign, size, warned):
+    got = pf_ppo_advice(load_config_dict(GOOD, [f"actor_rollout.engine={engine}", f"algorithm.pool.assign={assign}",
+                                                f"algorithm.pool.pool_size={size}"]))
+    cost = [str(a) for a in got if a.rule == "cost"]
+    assert bool(cost) is warned, (engine, assign, size, got)
+    if warned:
+        assert cost[0].startswith("algorithm.pool.assign: group:") and "up to 3 snapshots" in cost[0]
+        assert "assign: step" in cost[0] and "docs/refit.md" in cost[0]

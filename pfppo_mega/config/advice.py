@@ -12,7 +12,14 @@ The rules (per the PF-PPO article, "when not to use it"):
 - diversity: rollout_batch_size < MIN_GROUPS_PER_SNAPSHOT (4) * pool_size. Snapshots are drawn
              per prompt group; with fewer than 4 groups per snapshot on average a step sees only
              a few of the pool's policies, and the per-snapshot statistics the kl / reward
-             weightings read (pool/snapN/*) rest on a handful of samples.
+             weightings read (pool/snapN/*) rest on a handful of samples. Only for `assign: group`: with
+             `assign: step` a step sees one snapshot by design and the mixture is across steps.
+- cost:      actor_rollout.engine vllm with pool.assign group and pool_size > 1. Each snapshot a
+             step uses costs one weight reload through vLLM's reload path and one more generate
+             call; `assign: step` draws one snapshot per step (at most one switch, which replaces
+             plain PPO's push of the new weights). The measured step times of both on the demo
+             are in docs/refit.md ("Measured"); what group assignment buys in learning is in
+             docs/experiments/pool_step.
 - fill:      pool_size * snapshot_interval > total_training_steps. The pool never holds
              pool_size snapshots as far apart as configured before the run ends.
 - checkpoint: 0 < checkpoint.save_interval < pool.snapshot_interval. The article builds its
@@ -35,7 +42,7 @@ MIN_GROUPS_PER_SNAPSHOT = 4
 
 @dataclass(frozen=True)
 class Advice:
-    rule: str    # budget, diversity, fill, checkpoint
+    rule: str    # budget, diversity, fill, checkpoint, cost
     key: str     # the key to change first
     reason: str  # the values and the rule, one sentence
 
@@ -54,7 +61,7 @@ def pf_ppo_advice(cfg: Config) -> list[Advice]:
         out.append(Advice("budget", "training.total_training_steps", (
             f"{steps} steps is under {MIN_STEPS}: PF-PPO pays after ~100-200 steps, before that the "
             f"pool is still warming up (plain PPO: algorithm.use_pf_ppo=false)")))
-    if t.rollout_batch_size < MIN_GROUPS_PER_SNAPSHOT * size:
+    if a.pool.assign == "group" and t.rollout_batch_size < MIN_GROUPS_PER_SNAPSHOT * size:
         out.append(Advice("diversity", "training.rollout_batch_size", (
             f"{t.rollout_batch_size} prompt groups per step for a pool of {size} is under "
             f"{MIN_GROUPS_PER_SNAPSHOT} per snapshot ({MIN_GROUPS_PER_SNAPSHOT * size}): a step sees few "
@@ -65,6 +72,12 @@ def pf_ppo_advice(cfg: Config) -> list[Advice]:
             f"pool_size {size} x snapshot_interval {interval} = {size * interval} steps to fill the "
             f"pool, more than total_training_steps {steps}: the run ends before the pool holds "
             f"{size} snapshots; lower pool_size or snapshot_interval")))
+    if cfg.actor_rollout.engine == "vllm" and a.pool.assign == "group" and size > 1:
+        out.append(Advice("cost", "algorithm.pool.assign", (
+            f"group: each prompt group draws its own snapshot, so a step can use up to {size} snapshots, "
+            f"each one vLLM weight reload and one more generate call; assign: step draws one per step "
+            f"(at most one switch, in place of plain PPO's push of the new weights) -- step times and "
+            f"what group assignment buys in learning: docs/refit.md, docs/experiments/pool_step")))
     save = cfg.checkpoint.save_interval
     if 0 < save < interval:
         out.append(Advice("checkpoint", "checkpoint.save_interval", (
