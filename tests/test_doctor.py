@@ -465,3 +465,81 @@ def test_troubleshooting_table_lists_every_rule_and_key(tmp_path):
     assert table.main(["--check", str(stale)]) == 1
     assert table.main(["--write", str(stale)]) == 0 and stale.read_text() == text
     assert dataclasses.is_dataclass(RULES[0])
+
+
+# Steps 1-30 of a real PF-PPO control run (exact reward, pool 3 every 2 steps, recency; 
+# `pfppo compare configs/experiments --only control --arms pf_default`, seed 1): the training batch's
+# KL (rows of older snapshots too) jumps at steps 11 and 25, the on-policy probe does not.
+REAL_POOL_REF = [0.0, -0.1279, 0.0557, 0.0317, 0.0449, 0.0332, 0.0249, 0.0342, 0.0234, 0.0526, 0.1424, 0.0338,
+                 0.0689, 0.0622, 0.0796, 0.0776, 0.0898, 0.1014, 0.0932, 0.1023, 0.0621, 0.0128, 0.0705, -0.0003,
+                 0.2388, 0.1219, 0.171, 0.0859, 0.0889, 0.0784]
+REAL_POOL_PROBE = [0.078, 0.0453, 0.0609, 0.0104, 0.0621, 0.0264, 0.0424, 0.0626, 0.0253, 0.0792, 0.0878, 0.0984,
+                   0.1226, 0.1764, 0.1198, 0.0849, 0.1005, 0.1456, 0.1025, 0.1124, 0.1256, 0.1327, 0.2153, 0.1312,
+                   0.1771, 0.1896, 0.1608, 0.0799, 0.0951, 0.0669]
+
+
+def _pool_kl_run(tmp: Path, *, probe: bool, pf_ppo: bool = True) -> Path:
+    recs = with_pool(healthy_records(len(REAL_POOL_REF)))
+    for r in recs[1:]:
+        r["kl/ref_mean"] = REAL_POOL_REF[r["step"] - 1]
+        if probe:
+            r["kl/probe_k1"] = REAL_POOL_PROBE[r["step"] - 1]
+    return write_run(tmp, recs, default_config(algorithm__use_pf_ppo=pf_ppo))
+
+
+def test_kl_spike_reads_the_on_policy_probe_when_logged(tmp_path):
+    """Regression (a false alarm on real pool runs): with kl/probe_k1 logged the rule reads it, so the
+    pool's batch-KL jumps are not called spikes; a real jump of the probe still is, by that name."""
+    assert verdicts(_pool_kl_run(tmp_path / "probe", probe=True))["kl_spike"] == "healthy"
+    run = _pool_kl_run(tmp_path / "jump", probe=True)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recs[20]["kl/probe_k1"] = 1.2
+    write_run(run, recs)
+    kl = next(d for d in diagnose(read_run(run)) if d.rule.name == "kl_spike")
+    assert kl.verdict.status == "finding" and kl.verdict.steps == [20]
+    assert kl.verdict.evidence[0].startswith("step 20: kl/probe_k1 1.2 vs median")
+
+
+def test_kl_spike_without_the_probe_warns_that_pool_batches_mix_snapshots(tmp_path):
+    """Without the probe the batch KL decides (the jumps are found), and on a PF-PPO run the evidence
+    says why that metric is suspect and which key logs the on-policy one; a PPO run gets no caution."""
+    kl = next(d for d in diagnose(read_run(_pool_kl_run(tmp_path / "pf", probe=False))) if d.rule.name == "kl_spike")
+    assert kl.verdict.status == "finding" and 25 in kl.verdict.steps
+    assert "with the pool on" in kl.verdict.evidence[-1] and "logging.kl_probe_size" in kl.verdict.evidence[-1]
+    ppo_run = _pool_kl_run(tmp_path / "ppo", probe=False, pf_ppo=False)
+    kl = next(d for d in diagnose(read_run(ppo_run)) if d.rule.name == "kl_spike")
+    assert not any("with the pool on" in line for line in kl.verdict.evidence)
+
+
+# A real plain-PPO control run (exact reward; seed 1 of the same compare): sampled held-out accuracy
+# 0.328 -> 0.344 while greedy fell 0.617 -> 0.484 and the reward rose. Not hacking: the reward is earned
+# by sampled responses, whose accuracy did not fall.
+REAL_EVAL = {0: (0.3281, 0.6172), 10: (0.2969, 0.5312), 20: (0.3281, 0.5), 30: (0.2969, 0.5234),
+             40: (0.3438, 0.4766), 50: (0.3906, 0.5156), 60: (0.3438, 0.4844)}
+REAL_REWARD = [0.234, 0.203, 0.281, 0.281, 0.281, 0.281, 0.297, 0.266, 0.328, 0.391, 0.312, 0.281, 0.344, 0.375,
+               0.328, 0.375, 0.406, 0.406, 0.281, 0.281, 0.375, 0.406, 0.484, 0.375, 0.328, 0.406, 0.328, 0.516,
+               0.422, 0.406, 0.359, 0.375, 0.359, 0.359, 0.312, 0.391, 0.297, 0.344, 0.344, 0.328, 0.5, 0.359,
+               0.391, 0.406, 0.281, 0.406, 0.359, 0.453, 0.422, 0.406, 0.484, 0.469, 0.469, 0.312, 0.328, 0.406,
+               0.359, 0.375, 0.406, 0.359]
+
+
+def _eval_run(tmp: Path, evals: dict) -> Path:
+    recs = healthy_records(len(REAL_REWARD))
+    for r in recs:
+        r.pop("eval/accuracy", None), r.pop("eval/accuracy_greedy", None)
+        if r["step"] >= 1:
+            r["reward/mean"], r["reward/std"] = REAL_REWARD[r["step"] - 1], 0.45
+        if r["step"] in evals:
+            r["eval/accuracy"], r["eval/accuracy_greedy"] = evals[r["step"]]
+    return write_run(tmp, recs, default_config())
+
+
+def test_reward_hacking_is_decided_by_the_sampled_metric(tmp_path):
+    """Regression (a false alarm on a real control run): a greedy fall alone is not hacking; when
+    the sampled accuracy falls too, both are quoted."""
+    assert verdicts(_eval_run(tmp_path / "real", REAL_EVAL))["reward_hacking"] == "healthy"
+    falling = {st: (max(0.0, s - 0.004 * st), g) for st, (s, g) in REAL_EVAL.items()}  # sampled 0.33 -> 0.10
+    hack = next(d for d in diagnose(read_run(_eval_run(tmp_path / "fall", falling))) if d.rule.name == "reward_hacking")
+    assert hack.verdict.status == "finding"
+    assert hack.verdict.evidence[0].startswith("eval/accuracy 0.3281 at step 0 ->")
+    assert any(line.startswith("eval/accuracy_greedy") for line in hack.verdict.evidence[1:])

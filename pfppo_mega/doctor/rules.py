@@ -115,6 +115,9 @@ def _at(series: Mapping[str, Series], key: str, step: int) -> Optional[float]:
 # ----------------------------------------------------------------------------- KL spike
 
 KL_METRIC = "kl/ref_mean"
+KL_PROBE_METRIC = "kl/probe_k1"  # on-policy KL(current || ref) of fresh samples (logging.kl_probe_size):
+                                 # read first when logged. kl/ref_mean is the training batch's, whose rows
+                                 # come from older snapshots too with PF-PPO: it jumps when a snapshot does
 KL_WINDOW = 10        # baseline: median m of up to the 10 preceding values
 KL_MIN_HISTORY = 5    # no verdict on a step with fewer than 5 preceding values
 KL_SPIKE_RATIO = 3.0  # a spike: value - m > (3 - 1) x |m| (value > 3 m for a positive m) ...
@@ -140,13 +143,22 @@ def spike_indices(values: Sequence[float], *, window: int = KL_WINDOW, min_histo
     return out
 
 
-def detect_kl_spike(series: Mapping[str, Series], config: Optional[Mapping[str, Any]]) -> Verdict:
+def kl_series(series: Mapping[str, Series]) -> tuple[str, Optional[Series]]:
+    """(metric, finite series) the KL rules read: the on-policy probe when it has enough values, else
+    the training batch's KL."""
+    probe = series.get(KL_PROBE_METRIC)
+    if probe is not None and len(probe.finite()) > KL_MIN_HISTORY:
+        return KL_PROBE_METRIC, probe.finite()
     s = series.get(KL_METRIC)
+    return KL_METRIC, (s.finite() if s is not None else None)
+
+
+def detect_kl_spike(series: Mapping[str, Series], config: Optional[Mapping[str, Any]]) -> Verdict:
+    metric, s = kl_series(series)
     if s is None:
-        return not_checked(f"{KL_METRIC} not logged")
-    s = s.finite()
+        return not_checked(f"neither {KL_PROBE_METRIC} nor {KL_METRIC} logged")
     if len(s) <= KL_MIN_HISTORY:
-        return not_checked(f"{len(s)} finite {KL_METRIC} values; a spike needs more than {KL_MIN_HISTORY}")
+        return not_checked(f"{len(s)} finite {metric} values; a spike needs more than {KL_MIN_HISTORY}")
     spikes = spike_indices(s.values)
     if not spikes:
         return HEALTHY
@@ -155,10 +167,14 @@ def detect_kl_spike(series: Mapping[str, Series], config: Optional[Mapping[str, 
         step = s.steps[i]
         extra = [f"{k} {_fmt(v)}" for k in ("response/length_max", "response/repetition_rate", "policy/approx_kl")
                  if (v := _at(series, k, step)) is not None]
-        lines.append(f"step {step}: {KL_METRIC} {_fmt(s.values[i])} vs median {_fmt(base)} of the "
+        lines.append(f"step {step}: {metric} {_fmt(s.values[i])} vs median {_fmt(base)} of the "
                      f"{min(KL_WINDOW, i)} steps before" + ("; that step: " + ", ".join(extra) if extra else ""))
     if len(spikes) > 5:
         lines.append(f"... {len(spikes) - 5} more spike steps")
+    if metric == KL_METRIC and config_value(config, "algorithm.use_pf_ppo") is True:
+        lines.append(f"caution: with the pool on, {KL_METRIC} is the training batch's KL, whose rows come from "
+                     f"older snapshots too; logging.kl_probe_size > 0 logs {KL_PROBE_METRIC} (on-policy), "
+                     f"which this rule then reads")
     return finding(lines, [s.steps[i] for i, _ in spikes])
 
 
@@ -357,10 +373,14 @@ def detect_reward_hacking(series: Mapping[str, Series], config: Optional[Mapping
         evals = [(k, s) for k, s in evals if k.startswith("eval/honest")]
     if not evals:
         return not_checked("fewer than 2 held-out evaluations (logging.eval_interval)")
+    # the sampled metric decides (the reward is earned by sampled responses); a greedy fall alone is
+    # the policy sharpening onto other answers, not hacking, and is quoted only beside a sampled fall
+    sampled = [(k, a) for k, a in evals if not k.endswith("_greedy")]
+    deciding = sampled or evals
     lines, steps = [], []
-    for key, acc in evals:
+    for key, acc in deciding + [e for e in evals if e not in deciding]:
         hit = hacking_check(reward, acc, reward_std)
-        if hit:
+        if hit and (lines or (key, acc) in deciding):
             best_step, best_acc, rise, threshold = hit
             lines.append(f"{key} {_fmt(best_acc)} at step {best_step} -> {_fmt(acc.values[-1])} at step "
                          f"{acc.steps[-1]}, while reward/mean rose by {_fmt(rise)} (> {_fmt(threshold)})")
@@ -463,9 +483,10 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="kl_spike",
         symptom="KL to the reference jumps within a step or two; the policy then gets worse and recovers slowly",
-        metrics=(KL_METRIC, "response/length_max", "response/repetition_rate", "policy/approx_kl"),
+        metrics=(KL_PROBE_METRIC, KL_METRIC, "response/length_max", "response/repetition_rate", "policy/approx_kl"),
         detect=detect_kl_spike,
-        detects=f"`{KL_METRIC}` rises over the median m of the {KL_WINDOW} steps before it by more than "
+        detects=f"`{KL_PROBE_METRIC}` (when logged; else `{KL_METRIC}`) rises over the median m of the "
+                f"{KL_WINDOW} steps before it by more than "
                 f"{KL_SPIKE_MIN:g}, {KL_SPIKE_RATIO - 1:g} x |m| and {KL_SPIKE_Z:g} robust standard deviations "
                 f"of those steps (judged from the {KL_MIN_HISTORY + 1}th value)",
         cause="a few extreme samples (very long or repetitive responses with large advantages) move "
@@ -546,7 +567,8 @@ RULES: tuple[Rule, ...] = (
         symptom="the trained-on reward keeps rising while the held-out (honest) accuracy falls",
         metrics=("reward/mean", "reward/std", *HACK_METRICS),
         detect=detect_reward_hacking,
-        detects=f"the last held-out accuracy >= {ACC_DROP:g} under its best, while mean reward of the last "
+        detects=f"the last held-out accuracy (sampled; greedy only when no sampled one is logged) >= "
+                f"{ACC_DROP:g} under its best, while mean reward of the last "
                 f"{HACK_WINDOW} steps exceeds that of the {HACK_WINDOW} steps up to the best evaluation by "
                 f"> {REWARD_RISE_STD:g} x median `reward/std`",
         cause="the policy found a way to score without solving the task (extra tokens, a fixed "
