@@ -375,12 +375,11 @@ def detect_reward_hacking(series: Mapping[str, Series], config: Optional[Mapping
         return not_checked("fewer than 2 held-out evaluations (logging.eval_interval)")
     # the sampled metric decides (the reward is earned by sampled responses); a greedy fall alone is
     # the policy sharpening onto other answers, not hacking, and is quoted only beside a sampled fall
-    sampled = [(k, a) for k, a in evals if not k.endswith("_greedy")]
-    deciding = sampled or evals
+    deciding = {k for k, _ in evals if not k.endswith("_greedy")} or {k for k, _ in evals}
     lines, steps = [], []
-    for key, acc in deciding + [e for e in evals if e not in deciding]:
+    for key, acc in sorted(evals, key=lambda e: e[0] not in deciding):  # deciding metrics first
         hit = hacking_check(reward, acc, reward_std)
-        if hit and (lines or (key, acc) in deciding):
+        if hit and (lines or key in deciding):
             best_step, best_acc, rise, threshold = hit
             lines.append(f"{key} {_fmt(best_acc)} at step {best_step} -> {_fmt(acc.values[-1])} at step "
                          f"{acc.steps[-1]}, while reward/mean rose by {_fmt(rise)} (> {_fmt(threshold)})")
