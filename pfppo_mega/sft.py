@@ -24,7 +24,7 @@ from pfppo_mega.config import Config
 from pfppo_mega.models import gpt, hf_io
 from pfppo_mega.parallel import init_parallel
 from pfppo_mega.tasks.addition import AdditionTask, Problem
-from pfppo_mega.tasks.tokenizer import Tokenizer, char_tokenizer
+from pfppo_mega.tokenizer import Tokenizer, char_tokenizer
 
 
 class SFTTimeout(RuntimeError):

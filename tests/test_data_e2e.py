@@ -12,7 +12,7 @@ import torch
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.data.examples import write_example
 from pfppo_mega.rewards.rules import gsm8k_score
-from pfppo_mega.tasks.tokenizer import Tokenizer
+from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.loop import PPOTrainer
 
 

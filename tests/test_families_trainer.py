@@ -19,7 +19,7 @@ import torch
 torch.set_num_threads(1)
 
 from pfppo_mega.config import load_config_dict  # noqa: E402
-from pfppo_mega.tasks.tokenizer import char_tokenizer  # noqa: E402
+from pfppo_mega.tokenizer import char_tokenizer  # noqa: E402
 from pfppo_mega.trainer.loop import PPOTrainer  # noqa: E402
 
 SHAPE = dict(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -9,7 +9,8 @@ import torch
 
 from pfppo_mega.config import ConfigError, load_config_dict
 from pfppo_mega.rewards.shaping import ShapedReward, flip_draw, shape_scores
-from pfppo_mega.tasks.addition import AdditionReward, AdditionTask
+from pfppo_mega.rewards.task import AdditionReward
+from pfppo_mega.tasks.addition import AdditionTask
 from pfppo_mega.trainer import worst_samples
 from pfppo_mega.trainer.value_guard import ValueLossGuard, pre_update_value_loss
 

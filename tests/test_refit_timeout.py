@@ -63,7 +63,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
     from pfppo_mega.rollout import BuiltinEngine, LlamaShape
-    from pfppo_mega.rollout.weights import NamedTensorSource
+    from pfppo_mega.rollout.source import NamedTensorSource
     from pfppo_mega.trainer.engine_sync import RefitGroups
 
     engine = BuiltinEngine(LlamaShape.from_hf_config(HF), pad_token_id=0, bucket_bytes=BUCKET_BYTES,

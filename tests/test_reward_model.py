@@ -42,7 +42,7 @@ from pfppo_mega.rewards import build_reward_fn  # noqa: E402
 from pfppo_mega.rewards.base import RewardSetupError  # noqa: E402
 from pfppo_mega.rewards.model import RewardModel, WeightedReward, last_token_inputs  # noqa: E402
 from pfppo_mega.rewards.rules import gsm8k_score  # noqa: E402
-from pfppo_mega.tasks.tokenizer import Tokenizer  # noqa: E402
+from pfppo_mega.tokenizer import Tokenizer  # noqa: E402
 from pfppo_mega.types import RewardFn, Sample  # noqa: E402
 
 

@@ -176,8 +176,9 @@ def test_build_reward_fn_picks_the_configured_implementation(user_file):
 
 
 def test_addition_reward_goes_through_the_same_guard():
-    from pfppo_mega.tasks import char_tokenizer
-    from pfppo_mega.tasks.addition import AdditionReward, AdditionTask, Problem, to_sample
+    from pfppo_mega.rewards.task import AdditionReward
+    from pfppo_mega.tasks.addition import AdditionTask, Problem, to_sample
+    from pfppo_mega.tokenizer import char_tokenizer
     task = AdditionTask(2)
     logs = []
     r = AdditionReward(task, log=logs.append)
@@ -217,8 +218,9 @@ def test_weighted_reward_carries_the_shaped_scorers_honest_and_hacked(kind, text
     so reward/honest and eval/honest_accuracy vanished when a reward model joined reward.shaping)."""
     from pfppo_mega.rewards.model import WeightedReward
     from pfppo_mega.rewards.shaping import ShapedReward
-    from pfppo_mega.tasks import char_tokenizer
-    from pfppo_mega.tasks.addition import AdditionReward, AdditionTask, Problem, to_sample
+    from pfppo_mega.rewards.task import AdditionReward
+    from pfppo_mega.tasks.addition import AdditionTask, Problem, to_sample
+    from pfppo_mega.tokenizer import char_tokenizer
 
     rows = [to_sample(Problem(12, 30), char_tokenizer())] * 3
     rule = ShapedReward(AdditionReward(AdditionTask(2)), kind=kind, length_bonus=0.5, phrase="11",

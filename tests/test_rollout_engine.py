@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from pfppo_mega.rollout import BuiltinEngine, LlamaShape, RolloutEngine, SamplingParams
 from pfppo_mega.rollout.builtin import sample_tokens, top_p_filter
-from pfppo_mega.rollout.weights import (Bucket, NamedTensorSource, WeightUpdateError, fused_group,
-                                        plan_buckets)
+from pfppo_mega.rollout.source import NamedTensorSource
+from pfppo_mega.rollout.weights import Bucket, WeightUpdateError, fused_group, plan_buckets
 
 torch.set_num_threads(1)
 

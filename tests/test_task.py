@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from pfppo_mega.tasks import AdditionTask, Problem, Tokenizer, char_tokenizer
 from pfppo_mega.sft import demo_batch
+from pfppo_mega.tasks import AdditionTask, Problem
+from pfppo_mega.tokenizer import Tokenizer, char_tokenizer
 
 
 def test_tokenizer_round_trip_and_hf_compat(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout import vllm as rvllm
-from pfppo_mega.rollout.weights import NamedTensorSource
+from pfppo_mega.rollout.source import NamedTensorSource
 
 from test_rollout_engine import PAD, PROMPTS, make_builtin, ref_logprobs, rows, tiny_hf
 

@@ -201,7 +201,7 @@ def run_trainer(root: Path) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from pfppo_mega.config import load_config_dict
-    from pfppo_mega.tasks.tokenizer import char_tokenizer
+    from pfppo_mega.tokenizer import char_tokenizer
     from pfppo_mega.trainer.loop import PPOTrainer
 
     model = Qwen3ForCausalLM(Qwen3Config(**{**SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2},

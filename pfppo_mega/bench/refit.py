@@ -103,7 +103,8 @@ def _broadcast_worker(rank: int, world: int, store: str, numels: list[int], reps
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from pfppo_mega.rollout.refit import broadcast_flat
-    from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightSource
+    from pfppo_mega.rollout.source import WeightSource
+    from pfppo_mega.rollout.weights import Bucket, BucketSpec
 
     specs = [BucketSpec(i, (f"b{i}",), ((n,),), torch.float32) for i, n in enumerate(numels)]
 

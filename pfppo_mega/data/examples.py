@@ -18,7 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pfppo_mega.tasks.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
+from pfppo_mega.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
 
 DATA_SOURCE = "openai/gsm8k"  # scored by the gsm8k rule (rewards/rules.py)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

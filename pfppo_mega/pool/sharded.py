@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from pfppo_mega.pool.snapshots import Snapshot, SnapshotPool, check_host_memory
-from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, WeightLayout, WeightSource,
-                                        WeightUpdateError, bucket_checksum, fingerprint, new_wire,
-                                        pack_fingerprint, wire_flat, wire_nbytes, write_trailer)
+from pfppo_mega.rollout.source import WeightSource
+from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, WeightLayout, WeightUpdateError,
+                                        bucket_checksum, fingerprint, new_wire, pack_fingerprint, wire_flat,
+                                        wire_nbytes, write_trailer)
 
 NONE = "bucket.none"  # the placeholder a rank keeps when the node has more ranks than buckets
 

@@ -1,5 +1,5 @@
 """RewardFn implementations: the rule-based registry (`rules`), a user's custom function in worker
-processes (`custom`), the built-in task's verifier, and a reward model (`model`); `build_reward_fn`
+processes (`custom`), the built-in task's verifier (`task`), and a reward model (`model`); `build_reward_fn`
 makes the one the config names. This file imports nothing heavy: the spawned reward workers import
 `rewards.worker` through it and must start fast."""
 
@@ -30,7 +30,8 @@ def _scorer(cfg, log: Callable[[str], None]):
         base = CustomReward(cf.path, cf.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s, log=log)
     elif cfg.data.source == "task":
-        from pfppo_mega.tasks.addition import AdditionReward, AdditionTask
+        from pfppo_mega.rewards.task import AdditionReward
+        from pfppo_mega.tasks.addition import AdditionTask
         base = AdditionReward(AdditionTask.from_config(cfg.data), log=log)
     else:
         from pfppo_mega.rewards.base import RuleReward

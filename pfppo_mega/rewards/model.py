@@ -101,7 +101,7 @@ def check_classifier(path: str | Path) -> dict:
 
 
 def _vocab(directory: Path, where: str) -> dict[str, int]:
-    from pfppo_mega.tasks.tokenizer import Tokenizer, TokenizerError
+    from pfppo_mega.tokenizer import Tokenizer, TokenizerError
 
     try:
         return Tokenizer.from_dir(directory).hf.get_vocab(with_added_tokens=True)
@@ -265,7 +265,7 @@ def with_reward_model(cfg, scorer: Optional[RewardFn], *, log: Callable[[str], N
     reward.rule_weight 0) or ``reward.rule_weight * scorer + reward.model_weight * reward model``.
     The vocabulary and the checkpoint are checked before the model is built."""
     from pfppo_mega.models import hf_io
-    from pfppo_mega.tasks.tokenizer import Tokenizer
+    from pfppo_mega.tokenizer import Tokenizer
 
     r, policy = cfg.reward, cfg.actor_rollout.model_path
     rm_hf = check_classifier(r.model_path)

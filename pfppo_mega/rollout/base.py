@@ -29,8 +29,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, NamedTensorSource, WeightLayout,
-                                        WeightUpdateError, plan_buckets)
+from pfppo_mega.rollout.source import NamedTensorSource
+from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, WeightLayout, WeightUpdateError,
+                                        plan_buckets)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pfppo_mega.models import reshard
-from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightLayout, WeightSource, plan_buckets
+from pfppo_mega.rollout.source import WeightSource
+from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightLayout, plan_buckets
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF suffix of a layer tensor -> (megatron suffix, how to cut it out of the full megatron tensor)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from pfppo_mega.parallel import comm_device
-from pfppo_mega.rollout.weights import (Bucket, BucketSpec, WeightSource, new_wire, read_trailer, wire_flat,
-                                        wire_nbytes, write_trailer)
+from pfppo_mega.rollout.weights import (Bucket, BucketSpec, new_wire, read_trailer, wire_flat, wire_nbytes,
+                                        write_trailer)
 
 
 MAX_AHEAD = 3  # broadcasts in flight ahead of the bucket being used (latency hiding) ...
@@ -67,10 +67,12 @@ def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *
     return _received(wire, spec, src, bucket, me)
 
 
-def broadcast_stream(source: WeightSource, plan: list[BucketSpec], group: dist.ProcessGroup,
+def broadcast_stream(source, plan: list[BucketSpec], group: dist.ProcessGroup,
                      dest: Optional[Callable[[BucketSpec], Optional[torch.Tensor]]] = None) -> Iterator[Bucket]:
     """Every bucket of ``plan`` from its owner to every rank of ``group``, in plan order, one async
-    broadcast each, a few buckets ahead (see the module docstring)."""
+    broadcast each, a few buckets ahead (see the module docstring). source: a WeightSource
+    (pfppo_mega.rollout.source, which calls this from its ``buckets``): its owner(spec) and
+    produce(spec, wire) are all this reads."""
     device = comm_device(group)  # NCCL: the current CUDA device
     me = dist.get_rank()
     size = max(wire_nbytes(s.nbytes) for s in plan)

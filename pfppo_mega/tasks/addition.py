@@ -30,8 +30,7 @@ import random
 from dataclasses import dataclass
 
 from pfppo_mega.constants import ADDITION_FORMATS as FORMATS
-from pfppo_mega.rewards.base import OutcomeLog, call_guarded, result_of
-from pfppo_mega.types import RewardResult, Sample
+from pfppo_mega.types import Sample
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,8 @@ class AdditionTask:
 
 
 # ----------------------------------------------------------------------------- the task as a
-# PromptSource + RewardFn pair (pfppo_mega.types), registered as data.source = task, data.task = addition
+# PromptSource (pfppo_mega.types), data.source = task, data.task = addition; its RewardFn, which goes
+# through the rewards' guard, is pfppo_mega.rewards.task.AdditionReward
 
 DATA_SOURCE = "addition"
 
@@ -183,22 +183,3 @@ class AdditionPrompts:
         if state != {}:
             raise ValueError(f"addition task data state {str(state)[:100]} must be {{}} (the position is the "
                              f"trainer's rng)")
-
-
-class AdditionReward:
-    """`task.reward` on each sample through the shared guard (rewards.base): exact sum + EOS."""
-
-    def __init__(self, task: AdditionTask, *, log=print):
-        self.task = task
-        self.outcomes = OutcomeLog(log, f"{DATA_SOURCE} reward")
-
-    def __call__(self, samples, texts, finished) -> RewardResult:
-        calls = [call_guarded(self.task.reward, Problem(s.extra_info["a"], s.extra_info["b"]), text, bool(f))
-                 for s, text, f in zip(samples, texts, finished)]
-        return result_of(calls, samples, texts, self.outcomes)
-
-    def check(self, samples, where: str) -> None:  # the task's own samples only (data.source = task)
-        pass
-
-    def close(self) -> None:
-        pass

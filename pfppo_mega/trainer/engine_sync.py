@@ -29,7 +29,8 @@ import torch.distributed as dist
 from pfppo_mega import constants as C
 from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout.base import RolloutEngine
-from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightSource, WeightUpdateError
+from pfppo_mega.rollout.source import WeightSource
+from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightUpdateError
 
 ENGINES = ("builtin", "vllm")
 

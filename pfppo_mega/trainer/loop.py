@@ -34,7 +34,7 @@ from pfppo_mega.data import build_prompt_data
 from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.weights import WeightUpdateError
-from pfppo_mega.tasks.tokenizer import Tokenizer
+from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.batch import (ExperienceBatch, PackedInputs, PreparedBatch, RolloutBatch, ScoredBatch,
                                       concat_rollouts, pack)

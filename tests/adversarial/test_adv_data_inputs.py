@@ -39,7 +39,7 @@ def _jsonl(path, rows):
 
 
 def _load(tok_dir, train, **data):
-    from pfppo_mega.tasks.tokenizer import Tokenizer
+    from pfppo_mega.tokenizer import Tokenizer
     cfg = load_config_dict({"actor_rollout": {"model_path": str(tok_dir)},
                             "data": {"source": "files", "train_files": train, "max_prompt_length": 64, **data}})
     tok = Tokenizer.from_dir(tok_dir)
@@ -87,7 +87,7 @@ def test_good_file_loads(tok_dir, tmp_path):
 
 
 def test_chat_prompt_without_template_refused(tmp_path):
-    from pfppo_mega.tasks.tokenizer import Tokenizer, char_tokenizer
+    from pfppo_mega.tokenizer import Tokenizer, char_tokenizer
     d = tmp_path / "tok"
     d.mkdir()
     char_tokenizer("abcdefghijklmnopqrstuvwxyz?+24 ").save(d)

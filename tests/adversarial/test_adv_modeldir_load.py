@@ -44,7 +44,7 @@ SHAPE = dict(vocab_size=16, hidden_size=128, num_hidden_layers=3, num_attention_
 def make_model_dir(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pfppo_mega.tasks.tokenizer import char_tokenizer
+    from pfppo_mega.tokenizer import char_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)
@@ -167,7 +167,7 @@ def load_like_trainer(model_dir: Path) -> None:
     """The trainer's loader calls, in its order (the tokenizer first; then config, actor, critic)."""
     from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.models import gpt, hf_io
-    from pfppo_mega.tasks.tokenizer import Tokenizer
+    from pfppo_mega.tokenizer import Tokenizer
 
     Tokenizer.from_dir(model_dir)
     hf_cfg = hf_io.read_hf_config(model_dir)

@@ -65,7 +65,8 @@ def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     from pfppo_mega.pool.registry import VersionMismatchError, broadcast_assignment, check_engine_versions
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
     from pfppo_mega.rollout import SamplingParams
-    from pfppo_mega.rollout.weights import NamedTensorSource, WeightUpdateError
+    from pfppo_mega.rollout.source import NamedTensorSource
+    from pfppo_mega.rollout.weights import WeightUpdateError
 
     world, rank = dist.get_world_size(), dist.get_rank()
     for kind, path in paths.items():

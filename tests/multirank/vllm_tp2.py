@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pfppo_mega.models.hf_io import load_hf_state_dict  # noqa: E402
 from pfppo_mega.rollout import SamplingParams  # noqa: E402
 from pfppo_mega.rollout.vllm import VLLMEngine  # noqa: E402
-from pfppo_mega.rollout.weights import NamedTensorSource  # noqa: E402
+from pfppo_mega.rollout.source import NamedTensorSource  # noqa: E402
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 12, 30, 2, 8], [11], [3, 3, 20, 21, 6]]
 PARAMS = SamplingParams(1.0, 1.0, 16, None, seed=3)

@@ -3,6 +3,8 @@
 Every checkpoint directory carries a `tokenizer.json` (the `tokenizers` library format, which
 `transformers.AutoTokenizer` also reads). The built-in task uses a character-level WordLevel
 vocabulary written in that same format, so the demo checkpoint is an ordinary HF checkpoint.
+Imports nothing of the project, so every layer may use it (the trainer, SFT, the prompt files, the
+reward model).
 """
 
 from __future__ import annotations
