@@ -1,9 +1,11 @@
 """The model families a Hugging Face checkpoint may come from, read from its config.json.
 
-Imports only torch and the standard library, so the trainer's models (``pfppo_mega.models``),
-the built-in rollout engine (``pfppo_mega.rollout.llama``) and the memory planner read one
-description of a checkpoint: ``Architecture``. Everything outside it is refused with the key,
-its value and what is supported (``CheckpointError``), never approximated.
+Imports only the standard library (torch inside ``rope_inv_freq``), so the trainer's models
+(``pfppo_mega.models``), HF import / export, the built-in rollout engine (``pfppo_mega.rollout.llama``)
+and the memory planner (``pfppo_mega.planning``, which runs without torch) read one description
+of a checkpoint: ``DecoderShape``, its dimensions and its family's ``Architecture``. Everything
+outside it is refused with the key, its value and what is supported (``CheckpointError``), never
+approximated.
 
 Supported, all pre-norm decoders with RMSNorm, SwiGLU MLP, rotate-half RoPE and grouped-query
 attention, no biases other than those named:
@@ -26,10 +28,11 @@ MoE configs are refused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointError(ValueError):
@@ -107,6 +110,8 @@ def rope_inv_freq(head_dim: int, theta: float, rope: RopeScaling = RopeScaling()
                  hi = orig / high_freq_factor: w_i < hi keeps f_i, w_i > lo gives f_i / factor,
                  between them (1 - s) f_i / factor + s f_i with s = (orig / w_i - low) / (high - low)
     """
+    import torch  # here, not at the top: the planner reads this module without torch
+
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv = 1.0 / (theta ** exponent)  # [D/2]
     if rope.rope_type == "linear":
@@ -284,3 +289,222 @@ def rope_theta_of(hf: dict) -> Any:
 def legacy_architecture(qkv_bias: bool) -> Architecture:
     """The Architecture the ``qkv_bias`` flag of earlier versions meant: Qwen2 when set, else Llama."""
     return Architecture(family="qwen2", qkv_bias=True) if qkv_bias else Architecture()
+
+
+# ----------------------------------------------------------------------------- the decoder's shape
+
+
+Head = Literal["lm", "value"]  # output_layer: the actor's LM head, or the critic's value head [1, h]
+
+# DecoderShape dimension -> (config.json key, default when the key is absent; _REQUIRED = none)
+_REQUIRED = object()
+_HF_KEYS: dict[str, tuple[str, Any]] = {
+    "num_layers": ("num_hidden_layers", _REQUIRED),
+    "hidden_size": ("hidden_size", _REQUIRED),
+    "ffn_hidden_size": ("intermediate_size", _REQUIRED),
+    "num_attention_heads": ("num_attention_heads", _REQUIRED),
+    "num_query_groups": ("num_key_value_heads", None),  # None: = num_attention_heads
+    "vocab_size": ("vocab_size", _REQUIRED),
+    "max_position_embeddings": ("max_position_embeddings", _REQUIRED),
+    "norm_epsilon": ("rms_norm_eps", 1e-6),
+    "tie_word_embeddings": ("tie_word_embeddings", False),
+}
+
+
+def _hf_dimensions(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The dimensions of config.json ``hf``, typed (CheckpointError naming the key, its value and the rule)."""
+    values: dict[str, Any] = {}
+    missing = []
+    for name, (key, default) in _HF_KEYS.items():
+        if key in hf and hf[key] is not None:
+            values[name] = hf[key]
+        elif default is _REQUIRED:
+            missing.append(key)
+        else:
+            values[name] = default
+    if missing:
+        raise CheckpointError(f"config.json lacks required key(s): {', '.join(missing)}")
+    if values["num_query_groups"] is None:
+        values["num_query_groups"] = values["num_attention_heads"]
+    typed = {**hf, **{_HF_KEYS[n][0]: v for n, v in values.items()}}
+    for name, (key, _) in _HF_KEYS.items():
+        check = {"norm_epsilon": positive_float, "tie_word_embeddings": boolean}.get(name, positive_int)
+        values[name] = check(typed, key)
+    values["rope_theta"] = positive_float({"rope_theta": rope_theta_of(hf)}, "rope_theta")
+    return values
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """Every dimension of a checkpoint's decoder and its family (``arch``): the one description the
+    model builder (pfppo_mega.models.gpt), HF import / export (pfppo_mega.models.hf_io), the memory
+    planner (pfppo_mega.planning) and the built-in engine (pfppo_mega.rollout.llama) read. The
+    dimensions are the shape fields of pfppo_mega.config.tree.ModelConfig, under the same names.
+
+    h hidden_size, f ffn_hidden_size, a num_attention_heads, g num_query_groups (KV heads),
+    d head_dim (h / a unless arch.head_dim), V vocab_size, L num_layers.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    tie_word_embeddings: bool
+    rope_theta: float
+    arch: Architecture = Architecture()
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings", "head_dim"):
+            value = getattr(self, name)
+            if not value >= 1:
+                raise ValueError(f"DecoderShape.{name}={value} must be >= 1")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"DecoderShape.num_attention_heads({self.num_attention_heads}) must be a multiple of "
+                             f"num_query_groups({self.num_query_groups})")
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderShape.head_dim={self.head_dim} must be even (RoPE pairs)")
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> "DecoderShape":
+        """From config.json ``hf``: the dimensions typed first (the architecture checks compute with
+        them), then the Architecture. CheckpointError names every key that is missing, mistyped or
+        outside what this module supports (other families, RoPE types, narrow sliding windows, MoE)."""
+        dims = _hf_dimensions(hf)
+        return cls(**dims, arch=architecture_from_hf(hf))
+
+    @classmethod
+    def from_model_config(cls, model: Any, arch: Optional[Architecture] = None) -> "DecoderShape":
+        """From a ``pfppo_mega.config.tree.ModelConfig`` whose shape fields are all set, and the
+        checkpoint's Architecture (None: plain Llama)."""
+        require_dimensions(model)
+        dims = {name: getattr(model, name) for name in _DIMENSIONS}
+        return cls(**{**dims, "tie_word_embeddings": bool(model.tie_word_embeddings)}, arch=arch or Architecture())
+
+    def dimensions(self) -> dict[str, Any]:
+        """The ModelConfig shape fields of this decoder."""
+        return {name: getattr(self, name) for name in _DIMENSIONS}
+
+    @property
+    def head_dim(self) -> int:
+        return self.arch.head_dim_of(self.hidden_size, self.num_attention_heads)
+
+    def kv_heads(self, tp: int = 1) -> int:
+        """Key/value heads on each of ``tp`` tensor-parallel ranks: g / tp (megatron needs tp | g);
+        an inference engine past tp = g replicates them, one per rank."""
+        return max(1, self.num_query_groups // tp)
+
+    def qkv_rows(self, tp: int = 1) -> int:
+        """Rows of megatron's fused linear_qkv on each of ``tp`` ranks: (a + 2g) d / tp."""
+        return (self.num_attention_heads // tp + 2 * self.kv_heads(tp)) * self.head_dim
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json of this decoder without a dtype: the family's keys, the dimensions, head_dim
+        and RoPE, so that transformers builds this architecture and from_hf_config reads it back."""
+        config = {
+            **self.arch.hf_fields(),
+            **{key: getattr(self, name) for name, (key, _) in _HF_KEYS.items()},
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,  # read by transformers 4.x
+            "rope_parameters": self.arch.rope.hf_parameters(self.rope_theta),  # transformers 5
+        }
+        if self.arch.rope.rope_type != "default":  # transformers 4.x reads the scaling from rope_scaling
+            config["rope_scaling"] = {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}
+        return config
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face name -> shape of every weight, in module order (transformers' and
+        pfppo_mega.rollout.llama's named_parameters); no lm_head.weight when tied."""
+        h, f, d, V = self.hidden_size, self.ffn_hidden_size, self.head_dim, self.vocab_size
+        q_rows, kv_rows = self.num_attention_heads * d, self.num_query_groups * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, h)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
+                if self.arch.qkv_bias:
+                    shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+            if self.arch.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "mlp.gate_proj.weight"] = (f, h)
+            shapes[p + "mlp.up_proj.weight"] = (f, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, f)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, h)
+        return shapes
+
+    def megatron_shapes(self, layers: Iterable[int], *, first: bool, last: bool, head: Optional[Head],
+                        tp: int = 1, vocab_rows: Optional[int] = None) -> dict[str, tuple[int, ...]]:
+        """Megatron name -> shape on each of ``tp`` tensor-parallel ranks (tp = 1: the full tensors) of
+        every parameter of the GPTModel stage (megatron-core 0.16.1, local layer spec) that holds
+        decoder ``layers``, the embedding when ``first``, and the final norm and ``head`` when
+        ``last`` (None: no output_layer, an LM head tied at pp = 1). ``vocab_rows``: rows of the whole
+        embedding / LM head, Vp (default: V padded to a multiple of tp, as pfppo_mega.models pads it).
+
+            embedding.word_embeddings.weight               [Vp / tp, h]          split on the vocabulary
+            decoder.layers.{i}.input_layernorm.weight      [h]                   replicated
+            decoder.layers.{i}.self_attention.linear_qkv   [(a + 2g) d / tp, h]  column parallel (.bias: Qwen2)
+            decoder.layers.{i}.self_attention.linear_proj  [h, a d / tp]         row parallel
+            decoder.layers.{i}.self_attention.{q,k}_layernorm.weight  [d]       Qwen3's q/k RMSNorm
+            decoder.layers.{i}.pre_mlp_layernorm.weight    [h]
+            decoder.layers.{i}.mlp.linear_fc1.weight       [2 f / tp, h]         [gate; up], column parallel
+            decoder.layers.{i}.mlp.linear_fc2.weight       [h, f / tp]           row parallel
+            decoder.final_layernorm.weight                 [h]
+            output_layer.weight                            [Vp / tp, h]          "lm"; "value": [1, h], replicated
+
+        KV heads per rank: ``kv_heads(tp)``. RoPE scaling adds no parameters.
+        """
+        h, f, d, a = self.hidden_size, self.ffn_hidden_size, self.head_dim, self.num_attention_heads
+        rows = (vocab_rows or -(-self.vocab_size // tp) * tp) // tp
+        qkv = self.qkv_rows(tp)
+        shapes: dict[str, tuple[int, ...]] = {}
+        if first:
+            shapes["embedding.word_embeddings.weight"] = (rows, h)
+        for i in layers:
+            m = f"decoder.layers.{i}."
+            shapes[m + "input_layernorm.weight"] = (h,)
+            shapes[m + "self_attention.linear_qkv.weight"] = (qkv, h)
+            if self.arch.qkv_bias:
+                shapes[m + "self_attention.linear_qkv.bias"] = (qkv,)
+            shapes[m + "self_attention.linear_proj.weight"] = (h, a // tp * d)
+            if self.arch.qk_norm:
+                shapes[m + "self_attention.q_layernorm.weight"] = (d,)
+                shapes[m + "self_attention.k_layernorm.weight"] = (d,)
+            shapes[m + "pre_mlp_layernorm.weight"] = (h,)
+            shapes[m + "mlp.linear_fc1.weight"] = (2 * (f // tp), h)
+            shapes[m + "mlp.linear_fc2.weight"] = (h, f // tp)
+        if last:
+            shapes["decoder.final_layernorm.weight"] = (h,)
+            if head is not None:
+                shapes["output_layer.weight"] = (1, h) if head == "value" else (rows, h)
+        return shapes
+
+
+_DIMENSIONS = tuple(f.name for f in fields(DecoderShape) if f.name != "arch")
+
+
+def require_dimensions(model: Any) -> None:
+    """ValueError naming every dimension that ``model`` (a ModelConfig) leaves unset."""
+    missing = [name for name in _DIMENSIONS if getattr(model, name) is None]
+    if missing:
+        raise ValueError(f"model config is incomplete (unset: {', '.join(missing)}); set them in the config's model "
+                         f"section or fill them from the checkpoint with pfppo_mega.models.hf_io.model_config_from_hf")
+
+
+def indivisible_dimensions(dims: Any, *, tp: int, pp: int) -> list[tuple[str, int, str, int]]:
+    """(name, value, "tp" or "pp", its size) of every dimension of ``dims`` (a DecoderShape, or a
+    complete ModelConfig: the same names) that megatron splits over tensor parallelism tp or
+    pipeline parallelism pp and that tp or pp does not divide. The vocabulary needs none:
+    pfppo_mega.models pads it to a multiple of tp."""
+    rules = (("num_attention_heads", "tp", tp), ("num_query_groups", "tp", tp), ("ffn_hidden_size", "tp", tp),
+             ("num_layers", "pp", pp))
+    return [(name, getattr(dims, name), factor, size) for name, factor, size in rules if getattr(dims, name) % size]

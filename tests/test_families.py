@@ -31,7 +31,7 @@ from pfppo_mega.compat import megatron_cpu  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
 from pfppo_mega.models import gpt, hf_io  # noqa: E402
 from pfppo_mega.planning import shapes as plan_shapes  # noqa: E402
-from pfppo_mega.rollout.llama import LlamaDecoder, LlamaShape, positions_from_mask, prefill_mask  # noqa: E402
+from pfppo_mega.rollout.llama import LlamaDecoder, positions_from_mask, prefill_mask  # noqa: E402
 
 LOGITS_TOL = 2e-5  # fp32 vs fp64, as tests/test_models.py
 KINDS = common.FAMILIES + ("llama_linear",)
@@ -120,7 +120,7 @@ def test_engine_decoder_matches_trainer_and_transformers(ckpt):
     """The built-in engine's pure-torch decoder, loaded with the checkpoint's tensors: its
     log-probs vs the trainer's (megatron) and vs transformers' fp64 logits."""
     kind, path, _, _, _, actor, ids, ref64, _ = ckpt
-    shape = LlamaShape.from_hf_config(hf_io.read_hf_config(path))
+    shape = families.DecoderShape.from_hf_config(hf_io.read_hf_config(path))
     decoder = LlamaDecoder(shape)
     decoder.load_state_dict(hf_io.load_hf_state_dict(path), strict=True)
     valid = torch.ones_like(ids, dtype=torch.bool)
@@ -163,10 +163,40 @@ def test_export_round_trip_is_exact(ckpt, tmp_path):
 
 def test_planner_counts_the_parameters(ckpt):
     _, _, model, cfg, arch, actor, *_ = ckpt
-    shape = plan_shapes.ModelShape.from_model_config(cfg, arch)
+    shape = families.DecoderShape.from_model_config(cfg, arch)
     hf_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert plan_shapes.total_param_count(shape) == hf_params == sum(p.numel() for p in actor.parameters())
     assert plan_shapes.param_shapes(shape, 1, 1, 0) == {n: tuple(p.shape) for n, p in actor.named_parameters()}
+
+
+def test_qwen2_biases_are_one_shape_for_builder_planner_and_engine():
+    """Qwen2's q/k/v biases, from one DecoderShape: the megatron actor's parameters, the planner's
+    shapes and count, and the HF tensors of transformers' model and of the built-in engine."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf = dict(vocab_size=common.VOCAB, hidden_size=common.HIDDEN, num_hidden_layers=2, num_attention_heads=common.HEADS,
+              num_key_value_heads=common.KV_HEADS, intermediate_size=common.FFN, max_position_embeddings=common.MAX_POS,
+              rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(Qwen2Config(**hf))
+    shape = families.DecoderShape.from_hf_config(model.config.to_dict())
+    cfg = hf_io.model_config_from_hf(model.config.to_dict(), ModelConfig())
+    assert shape.arch.qkv_bias and shape == families.DecoderShape.from_model_config(cfg, shape.arch)
+    actor = gpt.build_actor(cfg, arch=shape.arch)
+    assert plan_shapes.param_shapes(shape, 1, 1, 0) == {n: tuple(p.shape) for n, p in actor.named_parameters()}
+    assert plan_shapes.total_param_count(shape) == sum(p.numel() for p in model.parameters())
+    assert shape.hf_shapes() == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shape.hf_shapes() == {n: tuple(p.shape) for n, p in LlamaDecoder(shape).named_parameters()}
+
+
+def test_decoder_shape_holds_the_model_configs_shape_fields():
+    assert set(families.DecoderShape.from_model_config(ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=51,
+        max_position_embeddings=64, rope_theta=1e4, norm_epsilon=1e-5, tie_word_embeddings=True)).dimensions()) \
+        == set(ModelConfig.SHAPE_FIELDS)
+    with pytest.raises(ValueError, match=r"model config is incomplete \(unset: vocab_size, rope_theta\)"):
+        families.DecoderShape.from_model_config(ModelConfig(
+            num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+            max_position_embeddings=64, norm_epsilon=1e-5, tie_word_embeddings=True))
 
 
 # ----------------------------------------------------------------------------- refused at load
@@ -207,7 +237,8 @@ def test_unsupported_architecture_refused_at_load(case, hf, fragments, tmp_path)
     """Refused by the trainer's loader, the built-in engine and a load from a directory alike."""
     full = {"num_hidden_layers": 2, "intermediate_size": 128, "num_key_value_heads": 2, "vocab_size": 51,
             "rms_norm_eps": 1e-5, **hf}
-    for load in (lambda: hf_io.model_config_from_hf(full, ModelConfig()), lambda: LlamaShape.from_hf_config(full)):
+    for load in (lambda: hf_io.model_config_from_hf(full, ModelConfig()),
+                 lambda: families.DecoderShape.from_hf_config(full)):
         with pytest.raises(families.CheckpointError) as e:
             load()
         missing = [f for f in fragments if f not in str(e.value)]

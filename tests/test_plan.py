@@ -9,6 +9,7 @@ saved-tensor hooks, CPU) and megatron's process groups / meta-device models at w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,19 +20,21 @@ from pathlib import Path
 import pytest
 
 from pfppo_mega.config import load_config, validate_main
+from pfppo_mega.families import DecoderShape
 from pfppo_mega.planning.cli import main as plan_main
 from pfppo_mega.planning.memory import (
     GiB, Hardware, Knobs, RunShape, layer_activation_terms, layer_bytes, layer_terms_for, make_plan,
 )
 from pfppo_mega.planning.shapes import (
-    Layout, ModelShape, group_ranks, param_shapes, rank_coords, stage_param_count, total_param_count,
+    Layout, group_ranks, param_shapes, rank_coords, stage_param_count, total_param_count,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 H200_CONFIG = REPO / "configs" / "70b_pfppo.yaml"
 H100_CONFIG = REPO / "configs" / "70b_pfppo_h100.yaml"
-LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                        num_query_groups=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA3_70B = DecoderShape(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                          num_query_groups=8, vocab_size=128256, max_position_embeddings=8192, norm_epsilon=1e-5,
+                          tie_word_embeddings=False, rope_theta=500000.0)
 
 
 def _env() -> dict[str, str]:
@@ -45,7 +48,7 @@ def _env() -> dict[str, str]:
 def test_70b_configs_validate_and_have_the_llama3_70b_shape(path, capsys):
     assert validate_main([str(path)]) == 0, capsys.readouterr().err
     cfg = load_config(path)
-    assert ModelShape.from_model_config(cfg.model) == LLAMA3_70B
+    assert DecoderShape.from_model_config(cfg.model) == LLAMA3_70B
     m = cfg.model
     assert (m.max_position_embeddings, m.rope_theta, m.norm_epsilon, m.params_dtype) == (8192, 500000.0, 1e-5, "bfloat16")
     assert cfg.algorithm.use_pf_ppo and cfg.algorithm.pool.pool_size >= 2
@@ -82,7 +85,8 @@ def test_rank_coordinates_and_groups_partition_the_world():
 
 
 def test_tied_head_lives_on_the_last_stage_only_with_a_pipeline():
-    tied = ModelShape(4, 64, 128, 4, 2, 96, True)
+    tied = DecoderShape(4, 64, 128, 4, 2, 96, max_position_embeddings=64, norm_epsilon=1e-5, tie_word_embeddings=True,
+                        rope_theta=1e4)
     assert "output_layer.weight" not in param_shapes(tied, 2, 1, 0)
     assert param_shapes(tied, 2, 2, 1)["output_layer.weight"] == (48, 64)
     assert param_shapes(tied, 2, 2, 1, "value")["output_layer.weight"] == (1, 64)
@@ -312,7 +316,8 @@ LLAMA33_CONFIG_JSON = {
 def test_llama33_configs_validate_and_plan(path, gpu, knobs, capsys):
     assert validate_main([str(path)]) == 0, capsys.readouterr().err
     cfg = load_config(path)
-    assert ModelShape.from_model_config(cfg.model) == LLAMA3_70B  # RoPE scaling adds no parameters
+    # RoPE scaling adds no parameters: the shape of Llama-3-70B, but a 16 x longer context
+    assert DecoderShape.from_model_config(cfg.model) == dataclasses.replace(LLAMA3_70B, max_position_embeddings=131072)
     assert cfg.model.max_position_embeddings == 131072
     plan = _plan(path, gpu, **knobs)
     assert plan.fits(), plan.problems
@@ -340,6 +345,32 @@ def test_llama33_checkpoint_config_matches_and_dry_run_builds_it(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"family: llama from {ckpt}/config.json" in out.stdout and "rope_type='llama3'" in out.stdout
     assert out.stdout.count(" OK") == 2 and "MISMATCH" not in out.stdout
+
+
+def test_dry_run_counts_qwen2_qkv_biases(tmp_path):
+    """A Qwen2 checkpoint's q/k/v biases are parameters of megatron's linear_qkv: the planner,
+    reading the same DecoderShape as the model builder, counts them at tp 2 x pp 2."""
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml").model
+    hf = {"model_type": "qwen2", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+          "num_key_value_heads": cfg.num_query_groups, "vocab_size": cfg.vocab_size,
+          "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    out = subprocess.run([sys.executable, "-m", "pfppo_mega.planning", str(REPO / "configs" / "tiny_cpu.yaml"),
+                          f"actor_rollout.model_path={tmp_path}", "parallel.pipeline_model_parallel_size=2",
+                          "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "4", "--rollout-tp", "2",
+                          "--dry-run-rank", "0,3"], env=_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "family: qwen2" in out.stdout and out.stdout.count(" OK") == 2 and "MISMATCH" not in out.stdout
+
+
+def test_planner_runs_without_torch():
+    """The planner reads the model's shape (pfppo_mega.families) without importing torch."""
+    code = ("import sys; import pfppo_mega.planning.cli, pfppo_mega.families; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_activation_terms_follow_an_explicit_head_dim():

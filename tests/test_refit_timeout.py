@@ -62,11 +62,11 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
-    from pfppo_mega.rollout import BuiltinEngine, LlamaShape
+    from pfppo_mega.rollout import BuiltinEngine, DecoderShape
     from pfppo_mega.rollout.source import NamedTensorSource
     from pfppo_mega.trainer.engine_sync import RefitGroups
 
-    engine = BuiltinEngine(LlamaShape.from_hf_config(HF), pad_token_id=0, bucket_bytes=BUCKET_BYTES,
+    engine = BuiltinEngine(DecoderShape.from_hf_config(HF), pad_token_id=0, bucket_bytes=BUCKET_BYTES,
                            log=lambda *_: None)
     layout, plan = engine.weight_layout(), engine.bucket_plan()
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pfppo_mega.rollout import BuiltinEngine, LlamaShape, RolloutEngine, SamplingParams
+from pfppo_mega.rollout import BuiltinEngine, DecoderShape, RolloutEngine, SamplingParams
 from pfppo_mega.rollout.builtin import sample_tokens, top_p_filter
 from pfppo_mega.rollout.source import NamedTensorSource
 from pfppo_mega.rollout.weights import Bucket, WeightUpdateError, fused_group, plan_buckets
@@ -53,8 +53,8 @@ def tiny_hf(*, tied: bool, qwen2: bool = False, seed: int = 0) -> torch.nn.Modul
     return model
 
 
-def hf_shape(model) -> LlamaShape:
-    return LlamaShape.from_hf_config(model.config.to_dict())
+def hf_shape(model) -> DecoderShape:
+    return DecoderShape.from_hf_config(model.config.to_dict())
 
 
 def make_builtin(model, **kw) -> RolloutEngine:
@@ -123,15 +123,15 @@ def rows(out) -> list[list[int]]:
 def test_shape_roundtrips_hf_config(tied, qwen2):
     model = tiny_hf(tied=tied, qwen2=qwen2)
     shape = hf_shape(model)
-    assert shape.attention_bias == qwen2 and shape.tie_word_embeddings == tied
-    cfg = shape.to_hf_config()
+    assert shape.arch.qkv_bias == qwen2 and shape.tie_word_embeddings == tied
+    cfg = shape.hf_config()
     rebuilt = (Qwen2Config if qwen2 else LlamaConfig)(**{k: v for k, v in cfg.items()
                                                           if k != "model_type"})
-    assert LlamaShape.from_hf_config(rebuilt.to_dict()) == shape
+    assert DecoderShape.from_hf_config(rebuilt.to_dict()) == shape
     hf_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     if tied:
         hf_shapes.pop("lm_head.weight")
-    assert hf_shapes == shape.parameter_shapes()
+    assert hf_shapes == shape.hf_shapes()
 
 
 @pytest.mark.parametrize("patch,needle", [
@@ -145,7 +145,7 @@ def test_shape_roundtrips_hf_config(tied, qwen2):
 def test_shape_rejects_unsupported_config(patch, needle):
     cfg = {**tiny_hf(tied=True).config.to_dict(), **patch}
     with pytest.raises(ValueError, match=needle):
-        LlamaShape.from_hf_config(cfg)
+        DecoderShape.from_hf_config(cfg)
 
 
 # ---------------------------------------------------------------------- logits

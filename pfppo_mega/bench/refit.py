@@ -76,13 +76,13 @@ def _once(fn: Callable[[], object]) -> float:
 
 
 def _shape(size: str):
-    from pfppo_mega.rollout.llama import LlamaShape
+    from pfppo_mega.families import DecoderShape
 
     L, H, nh, ng, F, V = SIZES[size]
     cfg = dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
                num_attention_heads=nh, num_key_value_heads=ng, max_position_embeddings=256, rms_norm_eps=1e-5,
                rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
-    return LlamaShape.from_hf_config(cfg), cfg
+    return DecoderShape.from_hf_config(cfg), cfg
 
 
 def _actor(size: str):

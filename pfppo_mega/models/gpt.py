@@ -3,12 +3,13 @@
 Architecture, for every checkpoint this project loads: pre-norm decoder, RMSNorm, SwiGLU MLP
 (linear_fc1 = [gate; up], silu(gate) * up, linear_fc2), RoPE (rotate-half, base = rope_theta),
 grouped-query attention (num_query_groups key/value heads), LM head tied or untied, no biases.
-What differs by family is a ``pfppo_mega.families.Architecture`` (read from config.json with
-``hf_io.architecture_from_hf``): q/k/v biases (Qwen2; megatron's ``add_qkv_bias``), per-head
-q/k RMSNorm before RoPE (Qwen3; megatron's ``qk_layernorm``), head_dim (megatron's
-``kv_channels``) and RoPE scaling (linear / llama3: megatron's rotary embedding gets the scaled
-inverse frequencies of ``families.rope_inv_freq``; its own ``rope_scaling`` flag fixes
-low / high_freq_factor and original_max_position_embeddings at Llama-3.1's 1 / 4 / 8192).
+The decoder is a ``pfppo_mega.families.DecoderShape``: the config's dimensions and what differs
+by family, an ``Architecture`` (read from config.json with ``hf_io.architecture_from_hf``): q/k/v
+biases (Qwen2; megatron's ``add_qkv_bias``), per-head q/k RMSNorm before RoPE (Qwen3; megatron's
+``qk_layernorm``), head_dim (megatron's ``kv_channels``) and RoPE scaling (linear / llama3:
+megatron's rotary embedding gets the scaled inverse frequencies of ``families.rope_inv_freq``;
+its own ``rope_scaling`` flag fixes low / high_freq_factor and original_max_position_embeddings
+at Llama-3.1's 1 / 4 / 8192).
 The model records it as ``model.architecture``; the loader refuses a checkpoint of another.
 
 Tensor / pipeline parallelism: the models are built for the layout of megatron's initialised
@@ -65,7 +66,9 @@ with _quiet_megatron():
     from megatron.core.transformer.module import Float16Module
 
 from pfppo_mega.config.tree import ModelConfig
-from pfppo_mega.families import Architecture, legacy_architecture, rope_inv_freq
+from pfppo_mega.families import (
+    Architecture, DecoderShape, indivisible_dimensions, legacy_architecture, require_dimensions, rope_inv_freq,
+)
 from pfppo_mega.models.reshard import padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,27 +77,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ----------------------------------------------------------------------------- config
 
 
-def _require_complete(model: ModelConfig) -> None:
-    missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(model, k) is None]
-    if missing:
-        raise ValueError(
-            f"model config is incomplete (unset: {', '.join(missing)}); fill it from the checkpoint "
-            f"with pfppo_mega.models.hf_io.model_config_from_hf before building a model"
-        )
-
-
 def check_layout(model: ModelConfig, *, tp: int, pp: int) -> None:
     """Raise ValueError listing every shape that tensor parallelism tp or pipeline parallelism
     pp cannot split (the vocabulary is padded instead, see reshard.padded_vocab_size)."""
-    _require_complete(model)
-    rules = (
-        ("num_attention_heads", model.num_attention_heads, "tp", tp),
-        ("num_query_groups", model.num_query_groups, "tp", tp),
-        ("ffn_hidden_size", model.ffn_hidden_size, "tp", tp),
-        ("num_layers", model.num_layers, "pp", pp),
-    )
+    require_dimensions(model)
     problems = [f"  - {name}({value}) is not divisible by {factor}({size})"
-                for name, value, factor, size in rules if value % size]
+                for name, value, factor, size in indivisible_dimensions(model, tp=tp, pp=pp)]
     if problems:
         raise ValueError(f"the model cannot be split over tp({tp}) x pp({pp}):\n" + "\n".join(problems))
 
@@ -206,26 +194,26 @@ def transformer_config(
     for log-prob ratios). ``features`` (default: all off) sets sequence parallelism and
     recomputation; check_features refuses what this machine cannot run.
     """
-    arch = _architecture(arch, qkv_bias)
+    shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
     tp, pp = _layout(tp, pp)
     check_layout(model, tp=tp, pp=pp)
     features = features or Features()
     check_features(model, features, tp=tp)
     dtype = _DTYPES[model.params_dtype]
     return TransformerConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=arch.head_dim_of(model.hidden_size, model.num_attention_heads),
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=model.norm_epsilon,
+        layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        add_qkv_bias=shape.arch.qkv_bias,
+        qk_layernorm=shape.arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_backend=AttnBackend.local,
@@ -251,10 +239,10 @@ def transformer_config(
 # ----------------------------------------------------------------------------- models
 
 
-def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool,
-         arch: Architecture = Architecture()) -> GPTModel:
+def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool) -> GPTModel:
     """The GPTModel of this rank's pipeline stage. ``unpadded_vocab_size`` records the true V
     (the model's own vocab_size is padded to a multiple of tp), ``architecture`` the family."""
+    arch = shape.arch
     if config.qk_layernorm != arch.qk_norm or config.add_qkv_bias != arch.qkv_bias:
         raise ValueError(f"transformer config (qk_layernorm={config.qk_layernorm}, add_qkv_bias="
                          f"{config.add_qkv_bias}) was not made for {arch}")
@@ -262,19 +250,19 @@ def _gpt(cls: type, model: ModelConfig, config: TransformerConfig, *, tie: bool,
         module = cls(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
-            vocab_size=padded_vocab_size(model.vocab_size, config.tensor_model_parallel_size),
-            max_sequence_length=model.max_position_embeddings,
+            vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
+            max_sequence_length=shape.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             parallel_output=True,
             share_embeddings_and_output_weights=tie,
             position_embedding_type="rope",
-            rotary_base=model.rope_theta,
+            rotary_base=shape.rope_theta,
         )
     if arch.rope.rope_type != "default":
         rotary = module.rotary_pos_emb  # every stage has one; inv_freq is a plain attribute, not state
-        rotary.inv_freq = rope_inv_freq(config.kv_channels, model.rope_theta, arch.rope, device=rotary.inv_freq.device)
-    module.unpadded_vocab_size = model.vocab_size
+        rotary.inv_freq = rope_inv_freq(config.kv_channels, shape.rope_theta, arch.rope, device=rotary.inv_freq.device)
+    module.unpadded_vocab_size = shape.vocab_size
     module.architecture = arch
     return module
 
@@ -287,9 +275,9 @@ def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_
     forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, Vp/tp]
     on the last pipeline stage (Vp = vocab padded to a multiple of tp), hidden states elsewhere.
     """
-    arch = _architecture(arch, qkv_bias)
-    config = transformer_config(model, arch=arch, features=features)
-    return _gpt(GPTModel, model, config, tie=bool(model.tie_word_embeddings), arch=arch)
+    shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
+    config = transformer_config(model, arch=shape.arch, features=features)
+    return _gpt(GPTModel, shape, config, tie=shape.tie_word_embeddings)
 
 
 class ValueHead(torch.nn.Module):
@@ -328,11 +316,11 @@ class CriticModel(GPTModel):
 def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None,
                  qkv_bias: bool = False, features: Optional[Features] = None) -> CriticModel:
     """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
-    arch = _architecture(arch, qkv_bias)
-    config = transformer_config(model, arch=arch, features=features)
-    critic = _gpt(CriticModel, model, config, tie=False, arch=arch)
+    shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
+    config = transformer_config(model, arch=shape.arch, features=features)
+    critic = _gpt(CriticModel, shape, config, tie=False)
     if critic.post_process:
-        critic.output_layer = ValueHead(model.hidden_size, config.params_dtype)
+        critic.output_layer = ValueHead(shape.hidden_size, config.params_dtype)
     return critic
 
 

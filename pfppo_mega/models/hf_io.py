@@ -1,5 +1,6 @@
 """Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoints <-> megatron-core GPTModel (local layer
-spec), any TP x PP. The family (pfppo_mega.families.Architecture) comes from config.json.
+spec), any TP x PP. The tensor shapes on both sides are pfppo_mega.families.DecoderShape's
+(``hf_shapes``, ``megatron_shapes``); the family comes from config.json.
 
 Name map (layer i; H hidden, nh query heads, ng key/value groups, d = head_dim (H / nh unless
 config.json sets it), F ffn):
@@ -55,8 +56,7 @@ from torch import Tensor
 
 from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import (
-    Architecture, CheckpointError, CheckpointFileMissing, architecture_from_hf, boolean, positive_float,
-    positive_int, rope_theta_of,
+    Architecture, CheckpointError, CheckpointFileMissing, DecoderShape, Head, architecture_from_hf,
 )
 from pfppo_mega.models import reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
@@ -102,46 +102,9 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return cfg
 
 
-# ModelConfig field -> (config.json key, default when the key is absent; _REQUIRED = none)
-_REQUIRED = object()
-_HF_KEYS: dict[str, tuple[str, Any]] = {
-    "num_layers": ("num_hidden_layers", _REQUIRED),
-    "hidden_size": ("hidden_size", _REQUIRED),
-    "ffn_hidden_size": ("intermediate_size", _REQUIRED),
-    "num_attention_heads": ("num_attention_heads", _REQUIRED),
-    "num_query_groups": ("num_key_value_heads", None),  # None: = num_attention_heads
-    "vocab_size": ("vocab_size", _REQUIRED),
-    "max_position_embeddings": ("max_position_embeddings", _REQUIRED),
-    "norm_epsilon": ("rms_norm_eps", 1e-6),
-    "tie_word_embeddings": ("tie_word_embeddings", False),
-}
-
-
 def qkv_bias_from_hf(hf_cfg: dict) -> bool:
     """True when the checkpoint's q/k/v projections carry biases (Qwen2)."""
     return architecture_from_hf(hf_cfg).qkv_bias
-
-
-def _checkpoint_values(hf: dict) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    missing = []
-    for field, (key, default) in _HF_KEYS.items():
-        if key in hf and hf[key] is not None:
-            values[field] = hf[key]
-        elif default is _REQUIRED:
-            missing.append(key)
-        else:
-            values[field] = default
-    if missing:
-        raise CheckpointError(f"config.json lacks required key(s): {', '.join(missing)}")
-    if values["num_query_groups"] is None:
-        values["num_query_groups"] = values["num_attention_heads"]
-    typed = {**hf, **{_HF_KEYS[f][0]: v for f, v in values.items()}}
-    for field, (key, _) in _HF_KEYS.items():
-        check = {"norm_epsilon": positive_float, "tie_word_embeddings": boolean}.get(field, positive_int)
-        values[field] = check(typed, key)
-    values["rope_theta"] = positive_float({"rope_theta": rope_theta_of(hf)}, "rope_theta")
-    return values
 
 
 def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
@@ -154,8 +117,7 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
     What is not a ModelConfig field (family, biases, q/k norms, head_dim, RoPE scaling) is
     ``architecture_from_hf(hf_cfg)``: build the models with it.
     """
-    ckpt = _checkpoint_values(hf_cfg)  # typed first: the architecture checks compute with these
-    architecture_from_hf(hf_cfg)
+    ckpt = DecoderShape.from_hf_config(hf_cfg).dimensions()
     mismatched = [
         f"  - {field}: config {getattr(base, field)!r}, checkpoint {value!r}"
         for field, value in ckpt.items()
@@ -260,33 +222,6 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 # ----------------------------------------------------------------------------- name / layout conversion
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dims:
-    layers: int
-    hidden: int
-    heads: int
-    groups: int
-    ffn: int
-    vocab: int
-    tied: bool
-    head_dim: int
-    qkv_bias: bool = False
-    qk_norm: bool = False
-
-    @property
-    def qkv_rows(self) -> int:
-        return (self.heads + 2 * self.groups) * self.head_dim
-
-    @classmethod
-    def of(cls, model: ModelConfig, arch: Architecture = Architecture()) -> "_Dims":
-        missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(model, k) is None]
-        if missing:
-            raise ValueError(f"model config is incomplete (unset: {', '.join(missing)})")
-        return cls(model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                   model.ffn_hidden_size, model.vocab_size, bool(model.tie_word_embeddings),
-                   arch.head_dim_of(model.hidden_size, model.num_attention_heads), arch.qkv_bias, arch.qk_norm)
-
-
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
     """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
     (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
@@ -305,34 +240,6 @@ def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, 
     per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
     q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def _expected_hf_shapes(dims: _Dims) -> dict[str, tuple[int, ...]]:
-    h, f, d = dims.hidden, dims.ffn, dims.head_dim
-    shapes = {"model.embed_tokens.weight": (dims.vocab, h), "model.norm.weight": (h,)}
-    if not dims.tied:
-        shapes["lm_head.weight"] = (dims.vocab, h)
-    for i in range(dims.layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (dims.heads * d, h),
-            p + "self_attn.k_proj.weight": (dims.groups * d, h),
-            p + "self_attn.v_proj.weight": (dims.groups * d, h),
-            p + "self_attn.o_proj.weight": (h, dims.heads * d),
-            p + "post_attention_layernorm.weight": (h,),
-            **({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)} if dims.qk_norm else {}),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
-        if dims.qkv_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (dims.heads * d,),
-                p + "self_attn.k_proj.bias": (dims.groups * d,),
-                p + "self_attn.v_proj.bias": (dims.groups * d,),
-            })
-    return shapes
 
 
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # old transformers' RoPE cache
@@ -371,44 +278,22 @@ def _shapes(sd: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in sd.items() if isinstance(t, Tensor)}
 
 
-def _full_shapes(dims: _Dims, vocab_rows: int, stage: Stage, *,
-                 output_layer: Optional[tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Global megatron name -> full (tp = 1) shape of every parameter pipeline ``stage`` holds.
-    output_layer: the shape of output_layer.weight on the last stage, None when it holds none
-    (an LM head tied at pp = 1)."""
-    h, f, d = dims.hidden, dims.ffn, dims.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    if stage.first:
-        shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
-    for i in stage.layers:
-        m = f"decoder.layers.{i}."
-        shapes[m + "input_layernorm.weight"] = (h,)
-        shapes[m + "self_attention.linear_qkv.weight"] = (dims.qkv_rows, h)
-        if dims.qkv_bias:
-            shapes[m + "self_attention.linear_qkv.bias"] = (dims.qkv_rows,)
-        shapes[m + "self_attention.linear_proj.weight"] = (h, dims.heads * d)
-        if dims.qk_norm:
-            shapes[m + "self_attention.q_layernorm.weight"] = (d,)
-            shapes[m + "self_attention.k_layernorm.weight"] = (d,)
-        shapes[m + "pre_mlp_layernorm.weight"] = (h,)
-        shapes[m + "mlp.linear_fc1.weight"] = (2 * f, h)
-        shapes[m + "mlp.linear_fc2.weight"] = (h, f)
-    if stage.last:
-        shapes["decoder.final_layernorm.weight"] = (h,)
-        if output_layer is not None:
-            shapes["output_layer.weight"] = output_layer
-    return shapes
+def _stage_shapes(shape: DecoderShape, vocab_rows: int, stage: Stage,
+                  head: Optional[Head]) -> dict[str, tuple[int, ...]]:
+    """Global megatron name -> full (tp = 1) shape of every parameter pipeline ``stage`` holds."""
+    return shape.megatron_shapes(stage.layers, first=stage.first, last=stage.last, head=head, vocab_rows=vocab_rows)
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _megatron_tensor(name: str, get: Callable[[str], Tensor], dims: _Dims, vocab_rows: int) -> Tensor:
+def _megatron_tensor(name: str, get: Callable[[str], Tensor], shape: DecoderShape, vocab_rows: int) -> Tensor:
     """Full (tp = 1, vocab padded to vocab_rows) megatron tensor ``name`` from HF tensors ``get``."""
     if name == "embedding.word_embeddings.weight":
         return reshard.pad_rows(get("model.embed_tokens.weight"), vocab_rows)
     if name == "output_layer.weight":
-        return reshard.pad_rows(get("model.embed_tokens.weight" if dims.tied else "lm_head.weight"), vocab_rows)
+        head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
+        return reshard.pad_rows(get(head), vocab_rows)
     if name == "decoder.final_layernorm.weight":
         return get("model.norm.weight")
     m = _LAYER_NAME.match(name)
@@ -418,7 +303,7 @@ def _megatron_tensor(name: str, get: Callable[[str], Tensor], dims: _Dims, vocab
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return fuse_qkv(*(get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"),
-                        heads=dims.heads, groups=dims.groups)
+                        heads=shape.num_attention_heads, groups=shape.num_query_groups)
     if suffix == "mlp.linear_fc1.weight":
         return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
     plain = {
@@ -434,47 +319,44 @@ def _megatron_tensor(name: str, get: Callable[[str], Tensor], dims: _Dims, vocab
     return get(p + plain[suffix])
 
 
-def _single_stage(dims: _Dims) -> Stage:
-    return Stage(0, 1, dims.layers)
-
-
-def _lm_head(dims: _Dims, vocab_rows: int, *, tied_here: bool) -> Optional[tuple[int, ...]]:
-    """Shape of the actor's output_layer.weight, None when it is the embedding itself."""
-    return None if tied_here else (vocab_rows, dims.hidden)
+def _lm_head(*, tied_here: bool) -> Optional[Head]:
+    """The actor's output_layer: None where it is the embedding itself."""
+    return None if tied_here else "lm"
 
 
 def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *,
                    arch: Architecture = Architecture()) -> dict[str, Tensor]:
     """HF tensors of family ``arch`` -> GPTModel (tp = pp = 1) state dict. Checks every HF tensor's
     presence and shape; ignores rotary caches and, when tied, a redundant lm_head.weight."""
-    dims = _Dims.of(model, arch)
-    _check_shapes(_shapes(hf_sd), _expected_hf_shapes(dims), "HF state dict", tied=dims.tied)
-    head = _lm_head(dims, dims.vocab, tied_here=dims.tied)
-    names = _full_shapes(dims, dims.vocab, _single_stage(dims), output_layer=head)
-    return {n: _megatron_tensor(n, hf_sd.__getitem__, dims, dims.vocab) for n in names}
+    shape = DecoderShape.from_model_config(model, arch)
+    tied, vocab = shape.tie_word_embeddings, shape.vocab_size
+    _check_shapes(_shapes(hf_sd), shape.hf_shapes(), "HF state dict", tied=tied)
+    names = _stage_shapes(shape, vocab, Stage(0, 1, shape.num_layers), _lm_head(tied_here=tied))
+    return {n: _megatron_tensor(n, hf_sd.__getitem__, shape, vocab) for n in names}
 
 
-def _iter_megatron_to_hf(full: Mapping[str, Any], dims: _Dims) -> Iterator[tuple[str, Tensor]]:
+def _iter_megatron_to_hf(full: Mapping[str, Any], shape: DecoderShape) -> Iterator[tuple[str, Tensor]]:
     """Full (tp = 1, global-name) megatron tensors -> HF tensors, in HF order, vocab unpadded."""
     def get(name: str) -> Tensor:
         if name not in full or not isinstance(full[name], Tensor):
             raise KeyError(f"megatron state dict lacks tensor {name!r}")
         return full[name]
 
-    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:dims.vocab]
-    for i in range(dims.layers):
+    heads, groups = shape.num_attention_heads, shape.num_query_groups
+    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:shape.vocab_size]
+    for i in range(shape.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         yield p + "input_layernorm.weight", get(m + "input_layernorm.weight")
-        q, k, v = split_qkv(get(m + "self_attention.linear_qkv.weight"), heads=dims.heads, groups=dims.groups)
+        q, k, v = split_qkv(get(m + "self_attention.linear_qkv.weight"), heads=heads, groups=groups)
         yield p + "self_attn.q_proj.weight", q
         yield p + "self_attn.k_proj.weight", k
         yield p + "self_attn.v_proj.weight", v
-        if dims.qkv_bias:
-            qb, kb, vb = split_qkv(get(m + "self_attention.linear_qkv.bias"), heads=dims.heads, groups=dims.groups)
+        if shape.arch.qkv_bias:
+            qb, kb, vb = split_qkv(get(m + "self_attention.linear_qkv.bias"), heads=heads, groups=groups)
             yield p + "self_attn.q_proj.bias", qb
             yield p + "self_attn.k_proj.bias", kb
             yield p + "self_attn.v_proj.bias", vb
-        if dims.qk_norm:
+        if shape.arch.qk_norm:
             yield p + "self_attn.q_norm.weight", get(m + "self_attention.q_layernorm.weight")
             yield p + "self_attn.k_norm.weight", get(m + "self_attention.k_layernorm.weight")
         yield p + "self_attn.o_proj.weight", get(m + "self_attention.linear_proj.weight")
@@ -484,17 +366,17 @@ def _iter_megatron_to_hf(full: Mapping[str, Any], dims: _Dims) -> Iterator[tuple
         yield p + "mlp.up_proj.weight", up
         yield p + "mlp.down_proj.weight", get(m + "mlp.linear_fc2.weight")
     yield "model.norm.weight", get("decoder.final_layernorm.weight")
-    if not dims.tied:
-        yield "lm_head.weight", get("output_layer.weight")[:dims.vocab]
+    if not shape.tie_word_embeddings:
+        yield "lm_head.weight", get("output_layer.weight")[:shape.vocab_size]
 
 
 def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig, *,
                    arch: Architecture = Architecture()) -> dict[str, Tensor]:
     """GPTModel (tp = pp = 1) state dict -> HF tensors; tied weights appear once (embed_tokens).
     ``_extra_state`` entries are ignored. Checks the resulting shapes against ``model``."""
-    dims = _Dims.of(model, arch)
-    out = dict(_iter_megatron_to_hf(mcore_sd, dims))
-    _check_shapes(_shapes(out), _expected_hf_shapes(dims), "converted megatron state dict")
+    shape = DecoderShape.from_model_config(model, arch)
+    out = dict(_iter_megatron_to_hf(mcore_sd, shape))
+    _check_shapes(_shapes(out), shape.hf_shapes(), "converted megatron state dict")
     return out
 
 
@@ -528,14 +410,14 @@ def _current_layout(num_layers: int) -> _Layout:
     )
 
 
-def _module_dims(module: torch.nn.Module, model: ModelConfig) -> _Dims:
-    """Dims of ``model``, with q/k/v biases as built; an actor's tying must match the config."""
+def _module_shape(module: torch.nn.Module, model: ModelConfig) -> DecoderShape:
+    """The shape of ``model`` in the family the module was built as; an actor's tying must match the config."""
     target = unwrap(module)
     tied = bool(target.share_embeddings_and_output_weights)
     if not isinstance(target, CriticModel) and tied != bool(model.tie_word_embeddings):
         raise ValueError(f"the model was built with tied embeddings = {tied} but the model config says "
                          f"tie_word_embeddings = {model.tie_word_embeddings}")
-    return _Dims.of(model, module_architecture(target))
+    return DecoderShape.from_model_config(model, module_architecture(target))
 
 
 # ----------------------------------------------------------------------------- into a model
@@ -568,26 +450,26 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
                               f"build it with arch=hf_io.architecture_from_hf(config.json)"
                               + (" (has q/k/v biases but the model was built with qkv_bias=False)"
                                  if arch.qkv_bias and not built.qkv_bias else ""))
-    dims = _Dims.of(cfg, arch)
-    layout = _current_layout(dims.layers)
+    shape = DecoderShape.from_model_config(cfg, arch)
+    tied = shape.tie_word_embeddings
+    layout = _current_layout(shape.num_layers)
     reader = CheckpointReader(path)
-    expected_hf = _expected_hf_shapes(dims)
+    expected_hf = shape.hf_shapes()
     if score_head:
-        expected_hf[CRITIC_HEAD] = (1, dims.hidden)
+        expected_hf[CRITIC_HEAD] = (1, shape.hidden_size)
     _check_shapes({n: reader.shape(n) for n in reader.names()}, expected_hf,
-                  f"checkpoint {str(path)!r}", tied=dims.tied)
+                  f"checkpoint {str(path)!r}", tied=tied)
     _check_dtypes({n: reader.dtype(n) for n in reader.names() if not _IGNORED.match(n)}, f"checkpoint {str(path)!r}")
-    if dims.tied and "lm_head.weight" in reader.names() and not torch.equal(
+    if tied and "lm_head.weight" in reader.names() and not torch.equal(
             reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
         raise CheckpointError(f"checkpoint {str(path)!r}: config.json says tie_word_embeddings = true but "
                               f"lm_head.weight differs from model.embed_tokens.weight (the LM head would be "
                               f"silently replaced by the embedding); set tie_word_embeddings to false")
-    vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
+    vocab_rows = reshard.padded_vocab_size(shape.vocab_size, layout.tp)
     stage = layout.stage
-    full_shapes = _full_shapes(dims, vocab_rows, stage,
-                               output_layer=_lm_head(dims, vocab_rows, tied_here=dims.tied and stage.first))
-    expected = {stage.to_local(n): (n, reshard.shard_shape(shape, reshard.split_of(n), layout.tp))
-                for n, shape in full_shapes.items()}
+    full_shapes = _stage_shapes(shape, vocab_rows, stage, _lm_head(tied_here=tied and stage.first))
+    expected = {stage.to_local(n): (n, reshard.shard_shape(full, reshard.split_of(n), layout.tp))
+                for n, full in full_shapes.items()}
     params = {n: p for n, p in target.named_parameters() if not n.startswith(skip_prefixes)}
     expected = {n: v for n, v in expected.items() if not n.startswith(skip_prefixes)}
     missing = [n for n in params if n not in expected]
@@ -605,7 +487,7 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     with torch.no_grad():
         for name, param in params.items():
             global_name = expected[name][0]
-            full = _megatron_tensor(global_name, reader.get, dims, vocab_rows)
+            full = _megatron_tensor(global_name, reader.get, shape, vocab_rows)
             param.copy_(reshard.shard(full, reshard.split_of(global_name), layout.tp, layout.tp_rank))
         if score_head and stage.last:  # the value head is replicated over tensor-parallel ranks
             target.output_layer.weight.copy_(reader.get(CRITIC_HEAD))
@@ -658,15 +540,15 @@ def _all_gather_tp(local: dict[str, Tensor], split_params: set[str], layout: _La
     return out
 
 
-def _broadcast_stages(full: dict[str, Tensor], dims: _Dims, layout: _Layout, *, vocab_rows: int,
-                      head: Optional[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+def _broadcast_stages(full: dict[str, Tensor], shape: DecoderShape, layout: _Layout, *, vocab_rows: int,
+                      head: Optional[Head], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
     """Every stage's full tensors on every rank of the pipeline group: one broadcast per stage
-    of a flat buffer whose layout all ranks derive from the config. ``head``: the shape of the
-    last stage's output_layer.weight to send (None for a tied LM head: the embedding stands for it)."""
+    of a flat buffer whose layout all ranks derive from the config. ``head``: the last stage's
+    output_layer to send (None for a tied LM head: the embedding stands for it)."""
     out = dict(full)
     for index, src in enumerate(layout.pp_ranks):
-        stage = Stage(index, len(layout.pp_ranks), dims.layers)
-        shapes = _full_shapes(dims, vocab_rows, stage, output_layer=head)
+        stage = Stage(index, len(layout.pp_ranks), shape.num_layers)
+        shapes = _stage_shapes(shape, vocab_rows, stage, head)
         numels = [math.prod(s) for s in shapes.values()]
         if index == layout.stage.index:
             flat = torch.cat([full[n].reshape(-1) for n in shapes])
@@ -674,16 +556,16 @@ def _broadcast_stages(full: dict[str, Tensor], dims: _Dims, layout: _Layout, *, 
             flat = torch.empty(sum(numels), dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=layout.pp_group)
         if index != layout.stage.index:
-            for (name, shape), piece in zip(shapes.items(), flat.split(numels)):
-                out[name] = piece.view(shape)
+            for (name, size), piece in zip(shapes.items(), flat.split(numels)):
+                out[name] = piece.view(size)
     return out
 
 
-def _gather_full(module: torch.nn.Module, dims: _Dims) -> dict[str, Tensor]:
+def _gather_full(module: torch.nn.Module, shape: DecoderShape) -> dict[str, Tensor]:
     """Global megatron name -> full (tp = 1, vocab padded) detached tensor, on every rank.
     At tp = pp = 1 these are views of the live parameters."""
     target = unwrap(module)
-    layout = _current_layout(dims.layers)
+    layout = _current_layout(shape.num_layers)
     named = [(layout.stage.to_global(n), p) for n, p in target.named_parameters()]
     local = {n: p.detach() for n, p in named}
     split_params = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
@@ -692,12 +574,9 @@ def _gather_full(module: torch.nn.Module, dims: _Dims) -> dict[str, Tensor]:
         raise ValueError(f"model parameters mix dtypes {sorted(map(str, dtypes))}; expected one")
     full = _all_gather_tp(local, split_params, layout)
     if layout.stage.pp > 1:
-        vocab_rows = reshard.padded_vocab_size(dims.vocab, layout.tp)
-        if isinstance(target, CriticModel):
-            head: Optional[tuple[int, ...]] = (1, dims.hidden)
-        else:
-            head = _lm_head(dims, vocab_rows, tied_here=dims.tied)
-        full = _broadcast_stages(full, dims, layout, vocab_rows=vocab_rows, head=head,
+        vocab_rows = reshard.padded_vocab_size(shape.vocab_size, layout.tp)
+        head = "value" if isinstance(target, CriticModel) else _lm_head(tied_here=shape.tie_word_embeddings)
+        full = _broadcast_stages(full, shape, layout, vocab_rows=vocab_rows, head=head,
                                  dtype=dtypes.pop(), device=next(iter(local.values())).device)
     return full
 
@@ -712,8 +591,8 @@ def gather_hf_weights(model_module: torch.nn.Module, model_cfg: ModelConfig) -> 
     """
     if isinstance(unwrap(model_module), CriticModel):
         raise TypeError("gather_hf_weights reads an actor; use gather_critic_weights for a CriticModel")
-    dims = _module_dims(model_module, model_cfg)
-    return list(_iter_megatron_to_hf(_gather_full(model_module, dims), dims))
+    shape = _module_shape(model_module, model_cfg)
+    return list(_iter_megatron_to_hf(_gather_full(model_module, shape), shape))
 
 
 CRITIC_HEAD = "score.weight"  # [1, H], transformers' name for a sequence / token classification head
@@ -724,9 +603,9 @@ def gather_critic_weights(critic_module: torch.nn.Module, model_cfg: ModelConfig
     [1, H], on every rank (same collective and view semantics as gather_hf_weights)."""
     if not isinstance(unwrap(critic_module), CriticModel):
         raise TypeError("gather_critic_weights reads a CriticModel")
-    dims = _module_dims(critic_module, model_cfg)
-    full = _gather_full(critic_module, dims)
-    trunk = list(_iter_megatron_to_hf(full, dataclasses.replace(dims, tied=True)))  # tied: no lm_head
+    shape = _module_shape(critic_module, model_cfg)
+    full = _gather_full(critic_module, shape)
+    trunk = list(_iter_megatron_to_hf(full, dataclasses.replace(shape, tie_word_embeddings=True)))  # no lm_head
     return trunk + [(CRITIC_HEAD, full["output_layer.weight"])]
 
 
@@ -746,28 +625,8 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 def hf_config_dict(model: ModelConfig, dtype: torch.dtype, arch: Architecture = Architecture()) -> dict[str, Any]:
     """config.json contents of the ``arch.family`` CausalLM shaped as ``model`` (RoPE scaling,
     head_dim and the family's bias / window keys included, so architecture_from_hf reads ``arch`` back)."""
-    dims = _Dims.of(model, arch)
     dtype_name = _DTYPE_NAMES[dtype]
-    config = {
-        **arch.hf_fields(),
-        "hidden_size": dims.hidden,
-        "intermediate_size": dims.ffn,
-        "num_hidden_layers": dims.layers,
-        "num_attention_heads": dims.heads,
-        "num_key_value_heads": dims.groups,
-        "head_dim": dims.head_dim,
-        "vocab_size": dims.vocab,
-        "max_position_embeddings": model.max_position_embeddings,
-        "rms_norm_eps": model.norm_epsilon,
-        "rope_theta": model.rope_theta,  # read by transformers 4.x
-        "rope_parameters": arch.rope.hf_parameters(model.rope_theta),  # transformers 5
-        "tie_word_embeddings": dims.tied,
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
-    }
-    if arch.rope.rope_type != "default":  # transformers 4.x reads the scaling from rope_scaling
-        config["rope_scaling"] = {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}
-    return config
+    return {**DecoderShape.from_model_config(model, arch).hf_config(), "dtype": dtype_name, "torch_dtype": dtype_name}
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -846,8 +705,8 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
     out = Path(out_dir)
     if isinstance(unwrap(model_module), CriticModel):
         raise TypeError("export_hf writes an actor, got a CriticModel")
-    dims = _module_dims(model_module, model)
-    tensors = {n: _standalone(t) for n, t in _iter_megatron_to_hf(_gather_full(model_module, dims), dims)}
+    shape = _module_shape(model_module, model)
+    tensors = {n: _standalone(t) for n, t in _iter_megatron_to_hf(_gather_full(model_module, shape), shape)}
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"exported tensors mix dtypes {sorted(map(str, dtypes))}; "

@@ -21,10 +21,11 @@ import json
 import sys
 from pathlib import Path
 
+from pfppo_mega.families import DecoderShape
 from pfppo_mega.planning.memory import (
     GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan, offload_from_config,
 )
-from pfppo_mega.planning.shapes import ModelShape, total_param_count
+from pfppo_mega.planning.shapes import total_param_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +144,7 @@ def checkpoint_architecture(cfg):
 
 
 def reward_model_shape(cfg):
-    """(ModelShape, source line) of ``reward.model_path``'s config.json when it is on this machine;
+    """(DecoderShape, source line) of ``reward.model_path``'s config.json when it is on this machine;
     (None, line) without a reward model, or with one whose config.json is elsewhere (then not counted)."""
     path = cfg.reward.model_path
     if path is None:
@@ -156,7 +157,7 @@ def reward_model_shape(cfg):
 
     hf = read_hf_config(path)
     arch = architecture_from_hf(hf)
-    shape = ModelShape.from_model_config(model_config_from_hf(hf, ModelConfig()), arch)
+    shape = DecoderShape.from_model_config(model_config_from_hf(hf, ModelConfig()), arch)
     return shape, (f"reward model: {arch.family} from {path}/config.json, {total_param_count(shape, 'value'):,} "
                    f"params (bf16 weights on the actor's ranks)")
 

@@ -31,7 +31,8 @@ from typing import Iterator
 
 import torch
 
-from pfppo_mega.planning.shapes import Layout, ModelShape, group_ranks, param_shapes, rank_coords, count
+from pfppo_mega.families import DecoderShape
+from pfppo_mega.planning.shapes import Layout, group_ranks, param_shapes, rank_coords, count
 
 
 @dataclass
@@ -83,20 +84,19 @@ def _megatron_groups() -> tuple[dict[str, int], dict[str, list[int]]]:
 def _meta_models(model_cfg, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """Actor and critic of this rank's stage on the meta device: name -> shape of each.
     ``arch``: the checkpoint's pfppo_mega.families.Architecture (None: Llama)."""
-    from pfppo_mega.families import Architecture
     from pfppo_mega.models import gpt
 
-    arch = arch or Architecture()
-    config = gpt.transformer_config(model_cfg, arch=arch)
+    shape = DecoderShape.from_model_config(model_cfg, arch)
+    config = gpt.transformer_config(model_cfg, arch=shape.arch)
     config.use_cpu_initialization = True   # weights created with torch.empty(...) and no device=
     config.perform_initialization = False  # no init kernels (they cannot run on meta tensors)
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        actor = gpt._gpt(gpt.GPTModel, model_cfg, config, tie=bool(model_cfg.tie_word_embeddings), arch=arch)
-        critic = gpt._gpt(gpt.CriticModel, model_cfg, config, tie=False, arch=arch)
+        actor = gpt._gpt(gpt.GPTModel, shape, config, tie=shape.tie_word_embeddings)
+        critic = gpt._gpt(gpt.CriticModel, shape, config, tie=False)
         if critic.post_process:
-            critic.output_layer = gpt.ValueHead(model_cfg.hidden_size, config.params_dtype)
+            critic.output_layer = gpt.ValueHead(shape.hidden_size, config.params_dtype)
     shapes = []
     for m in (actor, critic):
         on_meta = {p.device.type for p in m.parameters()}
@@ -123,7 +123,7 @@ def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int, arc
         from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
-    shape = ModelShape.from_model_config(model_cfg, arch)
+    shape = DecoderShape.from_model_config(model_cfg, arch)
     layout = Layout.for_world(world_size, tp, pp)
     with _fake_world(rank, world_size):
         megatron_cpu.enable()  # megatron passes torch.cuda.current_device() for small buffers

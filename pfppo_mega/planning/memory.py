@@ -57,7 +57,7 @@ gradient 4 = 10 s b V / tp bytes.
 KV cache of the rollout engine, per GPU: 2 (K and V) x L x max(1, g / rollout_tp) x d x 2 bytes
 per token; the engine's budget is gpu_memory_utilization x GPU memory - weights - workspace.
 
-Only the standard library is imported here (and ``shapes``).
+Only the standard library is imported here (and ``shapes``, ``pfppo_mega.families``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import Optional
 
+from pfppo_mega.families import DecoderShape
 from pfppo_mega.planning.shapes import (
-    Layout, ModelShape, engine_param_count, layout_problems, rank_coords, stage_layers,
+    Layout, engine_param_count, layout_problems, rank_coords, stage_layers,
     stage_param_count, total_param_count,
 )
 
@@ -152,7 +153,7 @@ def offload_from_config(cfg) -> bool:
 class RunShape:
     """What the config says about the run (model, layout, batch, sequence, pool, engine)."""
 
-    model: ModelShape
+    model: DecoderShape
     tp: int
     pp: int
     seq_len: int                 # max_prompt_length + max_response_length
@@ -166,16 +167,16 @@ class RunShape:
     use_pf_ppo: bool
     pool_size: int
     reference: bool              # a reference policy is kept (kl_coeff > 0)
-    reward_model: Optional[ModelShape] = None  # reward.model_path's shape: forward-only weights on the actor's ranks
+    reward_model: Optional[DecoderShape] = None  # reward.model_path's shape: forward-only weights on the actor's ranks
 
     @classmethod
-    def from_config(cls, cfg, arch=None, reward_model: Optional[ModelShape] = None) -> "RunShape":
+    def from_config(cls, cfg, arch=None, reward_model: Optional[DecoderShape] = None) -> "RunShape":
         """From a ``pfppo_mega.config.Config`` and the checkpoint's ``pfppo_mega.families.Architecture``
         (head_dim, q/k norms; None: Llama shaped by the config alone). ``reward_model``: the shape
         of reward.model_path's checkpoint (None: no reward model, or none to read here)."""
         m = cfg.model
         return cls(
-            model=ModelShape.from_model_config(m, arch),
+            model=DecoderShape.from_model_config(m, arch),
             tp=cfg.parallel.tensor_model_parallel_size,
             pp=cfg.parallel.pipeline_model_parallel_size,
             seq_len=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,
@@ -416,7 +417,7 @@ def _activations(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, b: i
     s, sh = run.seq_len, run.model
     sp = knobs.sequence_parallel and layout.tp > 1
     terms = layer_terms_for(knobs.layer, s=s, b=b, h=sh.hidden_size, a=sh.num_attention_heads,
-                            g=sh.num_query_groups, f=sh.ffn_hidden_size, d=sh.head_dim, qk_norm=sh.qk_norm)
+                            g=sh.num_query_groups, f=sh.ffn_hidden_size, d=sh.head_dim, qk_norm=sh.arch.qk_norm)
     stored, transient = layer_bytes(terms, tp=layout.tp, sp=sp, recompute=knobs.recompute,
                                     s=s, b=b, h=sh.hidden_size)
     layers = len(stage_layers(sh.num_layers, layout.pp, pp_rank))
@@ -493,7 +494,7 @@ def _rollout_phase(run: RunShape, hw: Hardware, knobs: Knobs, rt: int, trainer_s
     sh, util = run.model, run.gpu_memory_utilization
     ne = engine_param_count(sh, rt)
     engine_w = BYTES_WEIGHT * ne
-    kv_heads = max(1, sh.num_query_groups // rt)
+    kv_heads = sh.kv_heads(rt)
     per_token = 2 * sh.num_layers * kv_heads * sh.head_dim * BYTES_WEIGHT
     workspace = knobs.rollout_workspace_gib * GiB
     kv_budget = util * hw.gpu_memory - engine_w - workspace

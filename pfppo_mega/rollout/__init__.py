@@ -1,13 +1,14 @@
 """Generation engines behind one interface (RolloutEngine)."""
 
+from pfppo_mega.families import DecoderShape
 from pfppo_mega.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from pfppo_mega.rollout.builtin import BuiltinEngine
-from pfppo_mega.rollout.llama import LlamaDecoder, LlamaShape
+from pfppo_mega.rollout.llama import LlamaDecoder
 
 __all__ = [
     "BuiltinEngine",
+    "DecoderShape",
     "LlamaDecoder",
-    "LlamaShape",
     "RolloutEngine",
     "RolloutOutput",
     "SamplingParams",

@@ -11,12 +11,12 @@ from typing import Iterable
 
 import torch
 
+from pfppo_mega.families import DecoderShape
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
                                      check_prompts)
 from pfppo_mega.rollout.llama import (
     KVCache,
     LlamaDecoder,
-    LlamaShape,
     positions_from_mask,
     prefill_mask,
 )
@@ -60,7 +60,7 @@ class BuiltinEngine(RolloutEngine):
     (one seeded generator runs through the chunks in order, so results stay reproducible).
     """
 
-    def __init__(self, shape: LlamaShape, *, pad_token_id: int,
+    def __init__(self, shape: DecoderShape, *, pad_token_id: int,
                  dtype: torch.dtype = torch.float32, max_batch_size: int | None = None,
                  device: torch.device | str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  log=print) -> None:
@@ -72,7 +72,7 @@ class BuiltinEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.device = torch.device(device)
         self.model = LlamaDecoder(shape, dtype=dtype, device=self.device)
-        self._expected = shape.parameter_shapes()
+        self._expected = shape.hf_shapes()
         self._params = dict(self.model.named_parameters())
         assert self._params.keys() == self._expected.keys(), "decoder names drifted from shape"
         self._version, self._checksum = -1, ""

