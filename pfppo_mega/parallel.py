@@ -124,6 +124,11 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> Para
     global _state
     from megatron.core import parallel_state
 
+    if _state is not None and not dist.is_initialized():
+        # the process group went away under us (an in-process vLLM engine destroys the groups it
+        # reused when it is freed): megatron's groups are stale, build everything again
+        parallel_state.destroy_model_parallel()
+        _state = None
     if _state is not None:
         if (_state.info.tp, _state.info.pp) != (tp, pp):
             raise RuntimeError(
