@@ -38,7 +38,9 @@ def _load(config: str, overrides: list[str], *output_dirs: str):
 
 
 def _train(cfg) -> int:
-    from pfppo_mega.trainer.loop import PPOTrainer, SetupError, TrainingHalted
+    from pfppo_mega.trainer.build import SetupError
+    from pfppo_mega.trainer.loop import PPOTrainer
+    from pfppo_mega.trainer.update import TrainingHalted
 
     try:
         trainer = PPOTrainer(cfg)

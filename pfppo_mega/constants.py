@@ -10,7 +10,6 @@ and tests/test_config.py checks that the C++ kernels hard-code the same LOG_RATI
 PARAMS_DTYPES = ("float32", "bfloat16")  # model.params_dtype
 LAYER_SPECS = ("local", "transformer_engine")  # model.layer_spec: megatron's torch layers or TE's fused ones
 RECOMPUTE_MODES = ("none", "selective", "full")  # training.recompute: activation recomputation
-ROLLOUT_ENGINES = ("builtin", "vllm")  # actor_rollout.engine
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels
 TASKS = ("addition",)  # data.task
@@ -20,7 +19,6 @@ OVERLONG_PROMPTS = ("filter", "error")  # data.overlong_prompts: drop (counted) 
 # Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.
 REWARD_SCORERS = ("gsm8k", "math", "exact_match")
 ALGORITHMS = ("ppo",)  # algorithm.name
-ADV_ESTIMATORS = ("gae",)  # algorithm.adv_estimator
 
 # Snapshot choice of the PF-PPO pool (algorithm.pool.sampling, pool/sampling.py).
 POOL_SAMPLING = ("uniform", "recency", "kl", "reward")

@@ -52,9 +52,9 @@ def _cfg(setup, out, **over):
 def test_ppo_on_parquet_with_chat_template_and_math_reward(setup, tmp_path):
     logs = []
     tr = PPOTrainer(_cfg(setup, tmp_path), log=logs.append)
-    assert type(tr.reward_fn).__name__ == "RuleReward" and len(tr.eval_samples) == 6
+    assert type(tr.run.reward_fn).__name__ == "RuleReward" and len(tr.run.eval_samples) == 6
     # the prompts the engine sees are the chat-templated parquet rows
-    batch = tr.prompts.next_batch(4)
+    batch = tr.run.prompts.next_batch(4)
     assert all(s.prompt_text.startswith("<s><|user|>") and s.prompt_text.endswith("<|assistant|>") for s in batch)
     # score phase = the GSM8K rule on the decoded responses (half the rows given the right answer)
     rb, _ = tr.rollout(batch)
@@ -70,18 +70,18 @@ def test_ppo_on_parquet_with_chat_template_and_math_reward(setup, tmp_path):
     assert all(r["guard/reward_errors"] == 0 and r["guard/reward_timeouts"] == 0 for r in steps)
     evals = [r for r in recs if "eval/accuracy" in r]
     assert len(evals) >= 2 and all("eval/openai/gsm8k/accuracy_greedy" in r for r in evals)
-    state = json.loads(json.dumps(tr.prompts.state_dict()))
+    state = json.loads(json.dumps(tr.run.prompts.state_dict()))
     assert state == {"epoch": 0, "offset": 4 + 3 * 4, "rows": 24}  # 4 drawn above + 3 steps of 4
 
 
 def test_data_position_survives_a_resume(setup, tmp_path):
     first = PPOTrainer(_cfg(setup, tmp_path, training={"total_training_steps": 2}), log=lambda *_: None)
     first.fit()
-    assert first.prompts.state_dict()["offset"] == 8
-    expected = [s.row for s in first.prompts.next_batch(4)]  # what step 3 would draw
+    assert first.run.prompts.state_dict()["offset"] == 8
+    expected = [s.row for s in first.run.prompts.next_batch(4)]  # what step 3 would draw
     resumed = PPOTrainer(_cfg(setup, tmp_path, training={"total_training_steps": 3}), log=lambda *_: None)
-    assert resumed.step == 2 and resumed.prompts.state_dict()["offset"] == 8
-    assert [s.row for s in resumed.prompts.next_batch(4)] == expected
+    assert resumed.step == 2 and resumed.run.prompts.state_dict()["offset"] == 8
+    assert [s.row for s in resumed.run.prompts.next_batch(4)] == expected
 
 
 USER_REWARD = '''
@@ -108,8 +108,8 @@ def test_custom_reward_that_hangs_and_raises_never_stops_training(setup, tmp_pat
     try:
         m = tr.train_step()
     finally:
-        tr.reward_fn.close()
-    rows = [s.extra_info["index"] % 3 for s in tr.prompts.samples]
+        tr.run.reward_fn.close()
+    rows = [s.extra_info["index"] % 3 for s in tr.run.prompts.samples]
     assert m["guard/reward_timeouts"] >= 1 and m["guard/reward_errors"] >= 1
     assert math.isfinite(m["policy/pg_loss"]) and 0 < m["reward/mean"] < 1
     assert sum("reward_timeouts; logged once" in x for x in logs) == 1

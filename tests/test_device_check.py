@@ -31,8 +31,8 @@ def trainer(sft_dir, tmp_path, monkeypatch):  # noqa: F811
 def test_trainer_steps_pass_the_device_check(trainer):
     """PF-PPO, running z-scores, quantile clip, filtration, KL loss, micro-batches, KL probe: every
     loss call, phase boundary and collective of 2 steps passes (on CPU the model's device is cpu)."""
-    assert trainer.device_check and trainer.device == torch.device("cpu")
-    with devicecheck.session(trainer.device) as s:  # the trainer's own session nests into this one
+    assert trainer.device_check and trainer.run.device == torch.device("cpu")
+    with devicecheck.session(trainer.run.device) as s:  # the trainer's own session nests into this one
         for _ in range(2):
             m = trainer.train_step()
             assert all(v == v for v in m.values())
@@ -55,7 +55,7 @@ def test_every_trainer_check_fires_for_another_expected_device(trainer):
     """With the expected device set to meta, the trainer's first checked call (a collective or an
     expect() site) refuses its CPU tensors."""
     with pytest.raises(DeviceViolation, match="meta"):
-        with devicecheck.session(trainer.device, expect=torch.device("meta")):
+        with devicecheck.session(trainer.run.device, expect=torch.device("meta")):
             trainer.train_step()
 
 

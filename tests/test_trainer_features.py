@@ -10,6 +10,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from pfppo_mega.models.gpt import FeatureError
 from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer_resume import _LOG, quiet, records_and_weights, resume_comparison, sft_small  # noqa: F401
 from test_trainer import _cfg
@@ -24,9 +25,9 @@ def _run(sft, out, steps, **sections):
 def test_distributed_optimizer_and_bf16_run_and_resume_bit_identically(sft_small, tmp_path):
     feats = dict(parallel={"use_distributed_optimizer": True}, model={"params_dtype": "bfloat16"})
     tr, res = _run(sft_small, tmp_path / "a", 4, **feats)
-    assert isinstance(tr.actor_opt.chained_optimizers[0] if hasattr(tr.actor_opt, "chained_optimizers")
-                      else tr.actor_opt, DistributedOptimizer)
-    assert tr.actor.config.bf16 and next(tr.actor.parameters()).dtype.is_floating_point
+    assert isinstance(tr.run.actor_opt.chained_optimizers[0] if hasattr(tr.run.actor_opt, "chained_optimizers")
+                      else tr.run.actor_opt, DistributedOptimizer)
+    assert tr.run.actor.config.bf16 and next(tr.run.actor.parameters()).dtype.is_floating_point
     straight = records_and_weights(tr, res)
     _run(sft_small, tmp_path / "b", 2, **feats)
     tr, res = _run(sft_small, tmp_path / "b", 4, **feats)
@@ -36,19 +37,19 @@ def test_distributed_optimizer_and_bf16_run_and_resume_bit_identically(sft_small
     # the checkpoint's optimizer state is checked against the run: the gathered parameter state
     # (fp32 main params, moments) must have the run's grad-buffer layout
     sd = ckpt.load_latest(tmp_path / "b" / "checkpoints", log=quiet).state["actor_opt"]
-    ckpt.check_optimizer_state(tr.actor_opt, sd, "actor_opt")
+    ckpt.check_optimizer_state(tr.run.actor_opt, sd, "actor_opt")
     buf = sd["distributed_optimizer"][0]["param_state"][0]
     assert buf["dtype"][0] == "torch.bfloat16" and buf["exp_avg_sq"].abs().sum() > 0
     bad = copy.deepcopy(sd)
     bad["distributed_optimizer"][0]["param_state"][0]["exp_avg"] = buf["exp_avg"][:-1]
     with pytest.raises(ckpt.CheckpointError, match=r"param_state\[0\]\.exp_avg must be a float32 tensor of shape"):
-        ckpt.check_optimizer_state(tr.actor_opt, bad, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.actor_opt, bad, "actor_opt")
     bad = copy.deepcopy(sd)
     bad["distributed_optimizer"][0]["param_state"][0]["numel_unpadded"] += 1
     with pytest.raises(ckpt.CheckpointError, match="the run's grad buffer 0"):
-        ckpt.check_optimizer_state(tr.actor_opt, bad, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.actor_opt, bad, "actor_opt")
     with pytest.raises(ckpt.CheckpointError, match="use_distributed_optimizer=true but the checkpoint holds a plain"):
-        ckpt.check_optimizer_state(tr.actor_opt, {"state": {}, "param_groups": []}, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.actor_opt, {"state": {}, "param_groups": []}, "actor_opt")
 
 
 def test_distributed_optimizer_checkpoint_before_any_step_resumes(sft_small, tmp_path):
@@ -56,7 +57,7 @@ def test_distributed_optimizer_checkpoint_before_any_step_resumes(sft_small, tmp
     step 0 stores no moments and the resumed run refreshes its fp32 main params from the weights."""
     feats = dict(parallel={"use_distributed_optimizer": True}, model={"params_dtype": "bfloat16"})
     tr = PPOTrainer(_cfg(tmp_path, sft_small, logging=_LOG, **feats), log=quiet)
-    path = tr.save(tmp_path / "checkpoints")
+    path = resume.save(tr.run, tmp_path / "checkpoints")
     state = ckpt.load_step(path.parent, 0).state
     assert state["actor_opt"] == {"distributed_optimizer": [{"state_dict": None, "param_state": None}]}
     msgs: list[str] = []

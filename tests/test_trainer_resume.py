@@ -38,7 +38,7 @@ def sft_small(tmp_path_factory):
 
 def records_and_weights(tr, res):
     recs = [json.loads(line) for line in open(res.metrics_path)]
-    weights = {f"{name}.{k}": v.clone() for name, model in (("actor", tr.actor), ("critic", tr.critic))
+    weights = {f"{name}.{k}": v.clone() for name, model in (("actor", tr.run.actor), ("critic", tr.run.critic))
                for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     return recs, weights
 
@@ -75,7 +75,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(sft_small, tmp_path, pf
     (versions, stats, snapshots, checksums) and the assignment RNG come back from the checkpoint."""
     tr, straight, halves = straight_and_resumed(sft_small, tmp_path, _PF if pf_ppo else {})
     if pf_ppo:
-        assert tr.pool.versions == [3, 4]
+        assert tr.run.behaviour.pool.versions == [3, 4]
     differ, n, max_diff = resume_comparison(straight, halves)
     print(f"resume vs straight ({'PF-PPO' if pf_ppo else 'PPO'}): {len(differ)} of {n} metric values differ, "
           f"max weight diff {max_diff:.3g}")
@@ -90,10 +90,10 @@ def test_pool_is_rebuilt_exactly_from_the_checkpoint(sft_small, tmp_path):
     tr.fit()
     again = PPOTrainer(cfg, log=quiet)
     assert again.step == 3
-    assert again.pool.state_meta() == tr.pool.state_meta()
-    a, b = tr.pool.state_tensors(), again.pool.state_tensors()
+    assert again.run.behaviour.pool.state_meta() == tr.run.behaviour.pool.state_meta()
+    a, b = tr.run.behaviour.pool.state_tensors(), again.run.behaviour.pool.state_tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(again.assign_gen.get_state(), tr.assign_gen.get_state())
+    assert torch.equal(again.run.assign_gen.get_state(), tr.run.assign_gen.get_state())
 
 
 def test_stop_request_on_a_save_step_saves_once(sft_small, tmp_path, monkeypatch):

@@ -133,7 +133,7 @@ def run_family(family: str, root: Path, log) -> dict:
     engine = VLLMEngine(dir_a, pad_token_id=0, dtype=torch.float32, max_num_seqs=PROMPTS, seed=0,
                         bucket_bytes=BUCKET_BYTES, log=log)
     start_s = time.perf_counter() - t0
-    sync = EngineSync(engine, actor, cfg, local_world_size=1, log=log)
+    sync = EngineSync(engine, actor, cfg, refit_timeout_s=60.0, local_world_size=1, log=log)
     sync.refit_live(1)  # checkpoint A's weights are gone: everything below runs on the actor's B
 
     gen = torch.Generator().manual_seed(seed)

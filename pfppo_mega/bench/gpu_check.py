@@ -131,19 +131,19 @@ def run_ppo(args: argparse.Namespace) -> int:
     planned, planned_rollout = planned_gib(args.config, overrides)
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
-    print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.parallel.device}; offload during "
-          f"rollout {trainer.offload.enabled}; engine {type(trainer.engine).__name__}")
+    print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.run.parallel.device}; offload during "
+          f"rollout {trainer.run.offload.enabled}; engine {type(trainer.run.engine).__name__}")
     # GPU memory allocated while the engine generates (the trainer's states offloaded by then)
     in_rollout: list[float] = []
-    rollout, sleep, slept = trainer.rollout, trainer.engine.sleep, []
+    rollout, sleep, slept = trainer.rollout, trainer.run.engine.sleep, []
     trainer.rollout = lambda samples: (in_rollout.append(torch.cuda.memory_allocated() / 2**30), rollout(samples))[1]
-    trainer.engine.sleep = lambda: (slept.append(trainer.step), sleep())[1]
+    trainer.run.engine.sleep = lambda: (slept.append(trainer.step), sleep())[1]
     torch.cuda.reset_peak_memory_stats()
     steps = []
     for i in range(args.steps):
         t = time.perf_counter()
         if i == 0:  # the device rule, checked on the real device: every loss, boundary and collective
-            with devicecheck.session(trainer.device) as chk:
+            with devicecheck.session(trainer.run.device) as chk:
                 m = trainer.train_step()
             print(f"device check (step 1): {chk.checks} checks at {chk.where}, {chk.collectives} collectives, "
                   f"no violation")
@@ -153,7 +153,7 @@ def run_ppo(args: argparse.Namespace) -> int:
         steps.append({"step": trainer.step, "step_s": time.perf_counter() - t,
                       "switch_s": m.get("pool/switch_s"), "reward": m.get("reward/mean"),
                       "offload_s": m.get("time/offload_s"), "reload_s": m.get("time/reload_s"),
-                      "trainer_bytes_in_rollout": trainer.rollout_trainer_bytes,
+                      "trainer_bytes_in_rollout": trainer.run.gen.rollout_trainer_bytes,
                       "allocated_in_rollout_gib": in_rollout[-1],
                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
         s = steps[-1]
@@ -167,7 +167,7 @@ def run_ppo(args: argparse.Namespace) -> int:
           f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200); trainer states on the "
           f"GPU during rollout: measured {steps[-1]['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
           f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
-          f"({type(trainer.engine).__name__}: {'frees its KV cache' if getattr(trainer.engine, 'sleep_supported', False) else 'a logged no-op'})")
+          f"({type(trainer.run.engine).__name__}: {'frees its KV cache' if getattr(trainer.run.engine, 'sleep_supported', False) else 'a logged no-op'})")
     if args.json:
         args.json.write_text(json.dumps({"steps": steps, "peak_gib": peak, "planned_train_gib": planned,
                                          "planned_rollout_trainer_gib": planned_rollout, "slept_at": slept,

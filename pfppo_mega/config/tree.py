@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from pfppo_mega import constants as C
+from pfppo_mega.registry import ADV_ESTIMATORS, ROLLOUT_ENGINES
 
 
 # ----------------------------------------------------------------------------- error reporting
@@ -276,7 +277,7 @@ class ActorRolloutConfig(Section):
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
                                          "model.path": "model_path"}
-    CHOICES: ClassVar[dict[str, tuple]] = {"engine": C.ROLLOUT_ENGINES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ROLLOUT_ENGINES}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "temperature", self.temperature, gt=0)
@@ -366,7 +367,8 @@ class AlgorithmConfig(Section):
     clip_ratio_low: Optional[float] = opt(None, "Lower epsilon (defaults to clip_ratio).")
     clip_ratio_high: Optional[float] = opt(None, "Upper epsilon (defaults to clip_ratio).")
     dual_clip_c: Optional[float] = opt(3.0, "Dual-clip bound c > 1 for negative advantages; null = off.")
-    adv_estimator: str = opt("gae", "Advantage estimator.")
+    adv_estimator: str = opt("gae", "Advantage estimator, from the registry pfppo_mega.registry.ADV_ESTIMATORS: "
+                             "gae (needs the critic; an estimator that needs none builds no critic).")
     lmbda: float = opt(0.95, "GAE lambda, in [0, 1].")
     gamma: float = opt(1.0, "Discount, in [0, 1].")
     whiten_advantages: bool = opt(True, "Whiten advantages over the batch's response tokens.")
@@ -396,7 +398,7 @@ class AlgorithmConfig(Section):
     VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES}
     # kl_estimator is checked after __post_init__ has rewritten the verl names above.
     CHOICES: ClassVar[dict[str, tuple]] = {
-        "name": C.ALGORITHMS, "kl_estimator": C.KL_ESTIMATORS, "adv_estimator": C.ADV_ESTIMATORS,
+        "name": C.ALGORITHMS, "kl_estimator": C.KL_ESTIMATORS, "adv_estimator": ADV_ESTIMATORS,
         "loss_agg_mode": C.LOSS_AGG_MODES,
     }
     # verl's GRPO-only switch; with adv_estimator gae it means nothing here. (Mapping it onto

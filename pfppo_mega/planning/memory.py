@@ -67,6 +67,7 @@ from math import ceil
 from typing import Optional
 
 from pfppo_mega.families import DecoderShape
+from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.planning.shapes import (
     Layout, engine_param_count, layout_problems, rank_coords, stage_layers,
     stage_param_count, total_param_count,
@@ -168,6 +169,7 @@ class RunShape:
     pool_size: int
     reference: bool              # a reference policy is kept (kl_coeff > 0)
     reward_model: Optional[DecoderShape] = None  # reward.model_path's shape: forward-only weights on the actor's ranks
+    critic: bool = True          # the advantage estimator needs a critic (GAE); else none is built
 
     @classmethod
     def from_config(cls, cfg, arch=None, reward_model: Optional[DecoderShape] = None) -> "RunShape":
@@ -191,6 +193,7 @@ class RunShape:
             pool_size=cfg.algorithm.pool.pool_size,
             reference=cfg.algorithm.kl_coeff > 0,
             reward_model=reward_model,
+            critic=ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_critic,
         )
 
 
@@ -458,6 +461,10 @@ def _check_inputs(run: RunShape, hw: Hardware, knobs: Knobs) -> tuple[Layout, in
     return layout, rt
 
 
+def _trained(run: RunShape) -> str:
+    return "actor + critic" if run.critic else "actor"
+
+
 def _is_trainer_state(c: Component) -> bool:
     return c.name.startswith(("actor", "critic", "reference", "reward model"))
 
@@ -468,9 +475,10 @@ def _training_phase(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, b
     sh, stages = run.model, []
     for k in range(layout.pp):
         na = stage_param_count(sh, layout.tp, layout.pp, k, "lm")
-        nc = stage_param_count(sh, layout.tp, layout.pp, k, "value")
+        nc = stage_param_count(sh, layout.tp, layout.pp, k, "value") if run.critic else 0
         comps = _train_state("actor", na, layout.dp, knobs.distributed_optimizer)
-        comps += _train_state("critic", nc, layout.dp, knobs.distributed_optimizer)
+        if run.critic:
+            comps += _train_state("critic", nc, layout.dp, knobs.distributed_optimizer)
         if run.reference:
             comps.append(Component("reference weights (bf16)", BYTES_WEIGHT * na,
                                    "2 B x actor params on this rank (forward only)"))
@@ -480,7 +488,7 @@ def _training_phase(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, b
                                    "2 B x reward-model params on this rank (forward only)"))
         act_a, f_a = _activations(run, knobs, layout, k, b, m, logits=True)
         act_c, f_c = _activations(run, knobs, layout, k, b, m, logits=False)
-        which, act, formula = ("actor", act_a, f_a) if act_a >= act_c else ("critic", act_c, f_c)
+        which, act, formula = ("actor", act_a, f_a) if act_a >= act_c or not run.critic else ("critic", act_c, f_c)
         comps += [Component(f"activations ({which} update)", act, formula), reserve]
         title = f"GPU, training phase, pipeline stage {k} of {layout.pp}"
         budget = Budget(title, hw.gpu_memory, comps, "rollout engine asleep (KV freed, weights dropped)")
@@ -515,7 +523,7 @@ def _rollout_phase(run: RunShape, hw: Hardware, knobs: Knobs, rt: int, trainer_s
         note = "trainer states offloaded to host"
     else:
         comps.append(Component("trainer states (not offloaded)", trainer_states,
-                               "actor + critic train states + reference weights stay on the GPU"))
+                               f"{_trained(run)} train states + reference weights stay on the GPU"))
         note = "trainer states stay on the GPU"
     comps.append(reserve)
     return Budget("GPU, rollout phase", hw.gpu_memory, comps, note), kv
@@ -531,7 +539,7 @@ def _host_memory(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, rt: 
                            for r in range(node * hw.gpus_per_node, (node + 1) * hw.gpus_per_node))
                        for node in range(hw.nodes))
         comps.append(Component("trainer states offloaded during rollout", per_node,
-                               f"{hw.gpus_per_node} GPUs x (actor + critic train states + reference weights)"))
+                               f"{hw.gpus_per_node} GPUs x ({_trained(run)} train states + reference weights)"))
     if run.use_pf_ppo:
         full = BYTES_WEIGHT * total_param_count(run.model, "lm")
         if knobs.pool_placement == "node":
@@ -604,5 +612,5 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
                             f"{_gib(budget.over)}; components (GiB): {parts}")
 
     return Plan(run, hw, knobs, layout, rt, total_param_count(run.model, "lm"),
-                total_param_count(run.model, "value"), b, m, bubble, stages, worst, rollout, kv, host,
+                total_param_count(run.model, "value") if run.critic else 0, b, m, bubble, stages, worst, rollout, kv, host,
                 problems, notes)

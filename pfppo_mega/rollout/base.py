@@ -36,6 +36,29 @@ from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, Weig
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
+class EngineSetupError(ValueError):
+    """The configured rollout engine cannot run in this job; the message names the key, the value
+    and the rule."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One kind of engine as the run builder sees it; registered by name in
+    ``pfppo_mega.registry.ROLLOUT_ENGINES`` (the key ``actor_rollout.engine``).
+
+    check(cfg, world_size=):  every check that needs no engine; raises EngineSetupError
+    build(cfg, model_dir, hf_cfg, pad_token_id=, bucket_bytes=, max_model_len=, log=) -> RolloutEngine
+    from_hf_model(hf_model, pad_token_id=, version=1, **engine kw) -> RolloutEngine holding that
+        in-memory transformers model's weights as ``version`` (the conformance suite, benchmarks)
+    unavailable() -> '' when the engine can run here, else why not (a missing package)
+    """
+
+    check: Callable[..., None]
+    build: Callable[..., "RolloutEngine"]
+    from_hf_model: Callable[..., "RolloutEngine"]
+    unavailable: Callable[[], str] = lambda: ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float

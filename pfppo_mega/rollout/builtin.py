@@ -12,8 +12,8 @@ from typing import Iterable
 import torch
 
 from pfppo_mega.families import DecoderShape
-from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
-                                     check_prompts)
+from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
+                                     SamplingParams, check_prompts)
 from pfppo_mega.rollout.llama import (
     KVCache,
     LlamaDecoder,
@@ -212,3 +212,26 @@ class BuiltinEngine(RolloutEngine):
             finished,
             torch.stack(logits_out, dim=1) if keep_logits else None,
         )
+
+
+def _check(cfg, *, world_size: int) -> None:
+    rtp = cfg.actor_rollout.tensor_model_parallel_size
+    if rtp != 1:
+        raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp}: the builtin engine runs "
+                               f"one full copy per rank (allowed: 1); use engine: vllm for rollout TP > 1")
+
+
+def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
+           log) -> BuiltinEngine:
+    return BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id, bucket_bytes=bucket_bytes,
+                         log=log)
+
+
+def _from_hf_model(hf_model, *, pad_token_id: int, version: int = 1, **kw) -> BuiltinEngine:
+    engine = BuiltinEngine(DecoderShape.from_hf_config(hf_model.config.to_dict()), pad_token_id=pad_token_id, **kw)
+    engine.load_weights(hf_model.state_dict().items(), version=version)
+    return engine
+
+
+# actor_rollout.engine: builtin (pfppo_mega.registry)
+ENGINE = EngineSpec(check=_check, build=_build, from_hf_model=_from_hf_model)

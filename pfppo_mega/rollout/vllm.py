@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from pfppo_mega.families import CheckpointError, DecoderShape
-from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, RolloutEngine, RolloutOutput, SamplingParams,
-                                     check_prompts)
+from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
+                                     SamplingParams, check_prompts)
 from pfppo_mega.rollout.weights import WeightLayout
 
 KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
@@ -247,3 +247,27 @@ def shared_test_engine(hf_model, *, pad_token_id: int, version: int = 1, **kw) -
     engine.bucket_bytes = kw.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     engine.load_weights(hf_model.state_dict().items(), version=version)
     return engine
+
+
+def _check(cfg, *, world_size: int) -> None:
+    ar = cfg.actor_rollout
+    if ar.top_p < 1.0:
+        raise EngineSetupError(
+            f"actor_rollout.top_p = {ar.top_p} with engine: vllm: vLLM reports log-probs under the "
+            f"renormalised nucleus, which the trainer's off-policy correction does not model; set "
+            f"actor_rollout.top_p: 1.0 or engine: builtin")
+    why = unavailable_reason()
+    if why:
+        raise EngineSetupError(f"actor_rollout.engine = 'vllm': {why}")
+
+
+def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
+           log) -> VLLMEngine:
+    ar = cfg.actor_rollout
+    return VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=ar.tensor_model_parallel_size,
+                      seed=cfg.training.seed, bucket_bytes=bucket_bytes,
+                      gpu_memory_utilization=ar.gpu_memory_utilization, max_model_len=max_model_len, log=log)
+
+
+# actor_rollout.engine: vllm (pfppo_mega.registry)
+ENGINE = EngineSpec(check=_check, build=_build, from_hf_model=shared_test_engine, unavailable=unavailable_reason)

@@ -29,14 +29,15 @@ class RolloutBatch:
     finished: torch.Tensor             # [B] bool, ended with EOS (vs length limit)
     versions: torch.Tensor             # [B] long, weight version (training step) of the behaviour policy
     texts: list[str]                   # [B] decoded responses
-
+    group_ids: torch.Tensor            # [B] long, the prompt (index in this rank's step) each row answers
 
     def to(self, device: torch.device) -> "RolloutBatch":
         """The same rows with every tensor on ``device`` (one copy each; none when already there)."""
         return RolloutBatch(samples=self.samples, prompt_ids=self.prompt_ids,
                             responses=self.responses.to(device), response_mask=self.response_mask.to(device),
                             behav_logp=self.behav_logp.to(device), finished=self.finished.to(device),
-                            versions=self.versions.to(device), texts=self.texts)
+                            versions=self.versions.to(device), texts=self.texts,
+                            group_ids=self.group_ids.to(device))
 
     def select(self, idx: list[int]) -> "RolloutBatch":
         t = torch.tensor(idx, dtype=torch.long, device=self.responses.device)
@@ -44,7 +45,8 @@ class RolloutBatch:
                             prompt_ids=[self.prompt_ids[i] for i in idx],
                             responses=self.responses[t], response_mask=self.response_mask[t],
                             behav_logp=self.behav_logp[t], finished=self.finished[t],
-                            versions=self.versions[t], texts=[self.texts[i] for i in idx])
+                            versions=self.versions[t], texts=[self.texts[i] for i in idx],
+                            group_ids=self.group_ids[t])
 
 
 def concat_rollouts(parts: list[RolloutBatch], order: list[int], *, pad_id: int) -> RolloutBatch:
@@ -64,7 +66,8 @@ def concat_rollouts(parts: list[RolloutBatch], order: list[int], *, pad_id: int)
         behav_logp=torch.cat([padded(p.behav_logp, 0.0) for p in parts]),
         finished=torch.cat([p.finished for p in parts]),
         versions=torch.cat([p.versions for p in parts]),
-        texts=[x for p in parts for x in p.texts])
+        texts=[x for p in parts for x in p.texts],
+        group_ids=torch.cat([p.group_ids for p in parts]))
     inverse = [0] * len(order)
     for j, i in enumerate(order):
         inverse[i] = j
@@ -99,7 +102,7 @@ class PreparedBatch:
     inputs: PackedInputs
     old_logp: torch.Tensor             # [B, T] current policy (proximal), recomputed by the trainer
     ref_logp: torch.Tensor             # [B, T] reference policy
-    values: torch.Tensor               # [B, T] critic
+    values: torch.Tensor | None        # [B, T] critic (None: the estimator needs no critic)
     entropy: torch.Tensor              # [B, T] current policy's entropy at each response position
 
 
@@ -111,7 +114,7 @@ class ExperienceBatch:
     old_logp: torch.Tensor             # [B, T] current policy before the update (recomputed)
     behav_logp: torch.Tensor           # [B, T] engine log-probs
     ref_logp: torch.Tensor             # [B, T]
-    old_values: torch.Tensor           # [B, T]
+    old_values: torch.Tensor | None    # [B, T] critic before the update (None: no critic)
     token_rewards: torch.Tensor        # [B, T] score on the last token (- KL penalty when in reward)
     advantages: torch.Tensor           # [B, T]
     returns: torch.Tensor              # [B, T]
@@ -132,7 +135,8 @@ class ExperienceBatch:
             inputs=PackedInputs(take(inp.input_ids), take(inp.attention_mask), take(inp.resp_pos),
                                 take(inp.labels), take(inp.response_mask)),
             old_logp=take(self.old_logp), behav_logp=take(self.behav_logp),
-            ref_logp=take(self.ref_logp), old_values=take(self.old_values),
+            ref_logp=take(self.ref_logp),
+            old_values=None if self.old_values is None else take(self.old_values),
             token_rewards=take(self.token_rewards), advantages=take(self.advantages),
             returns=take(self.returns), kl_ref=take(self.kl_ref), entropy=take(self.entropy),
             pg_mask=take(self.pg_mask), is_weights=None if self.is_weights is None else take(self.is_weights),

@@ -26,20 +26,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pfppo_mega import constants as C
 from pfppo_mega.parallel import comm_device
-from pfppo_mega.rollout.base import RolloutEngine
+from pfppo_mega.registry import ROLLOUT_ENGINES
+from pfppo_mega.rollout.base import EngineSetupError, RolloutEngine
 from pfppo_mega.rollout.source import WeightSource
 from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightUpdateError
 
-ENGINES = ("builtin", "vllm")
-
-
 TIMEOUT_KEY = "actor_rollout.refit_timeout_s"
-
-
-class EngineSetupError(ValueError):
-    """The configured rollout engine cannot run in this job."""
 
 
 class RefitTimeoutError(RuntimeError):
@@ -179,53 +172,34 @@ def update_everywhere(engine: RolloutEngine, source: WeightSource, plan: list[Bu
 
 
 def check_engine_config(cfg, *, world_size: int) -> None:
-    """Every check of the engine choice that needs no engine: rollout TP vs the world size, what the
-    engine supports, vLLM installed. Raises EngineSetupError naming the key, value and rule."""
+    """Every check of the engine choice that needs no engine: the named engine's own (what it
+    supports, its package installed), then rollout TP vs the world size. Raises EngineSetupError naming
+    the key, value and rule."""
     ar = cfg.actor_rollout
+    try:
+        spec = ROLLOUT_ENGINES.get(ar.engine)
+    except ValueError as e:
+        raise EngineSetupError(str(e)) from None
+    spec.check(cfg, world_size=world_size)
     rtp = ar.tensor_model_parallel_size
-    if ar.engine not in ENGINES:
-        raise EngineSetupError(f"actor_rollout.engine = {ar.engine!r}: allowed {ENGINES}")
-    if ar.engine == "builtin" and rtp != 1:
-        raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp}: the builtin engine runs "
-                               f"one full copy per rank (allowed: 1); use engine: vllm for rollout TP > 1")
     if world_size % rtp:
         raise EngineSetupError(f"actor_rollout.tensor_model_parallel_size = {rtp} does not divide the world size "
                                f"({world_size}): each rollout engine spans rollout-TP ranks of the job")
-    if ar.engine == "vllm":
-        if ar.top_p < 1.0:
-            raise EngineSetupError(
-                f"actor_rollout.top_p = {ar.top_p} with engine: vllm: vLLM reports log-probs under the "
-                f"renormalised nucleus, which the trainer's off-policy correction does not model; set "
-                f"actor_rollout.top_p: 1.0 or engine: builtin")
-        from pfppo_mega.rollout import vllm as rvllm
 
-        why = rvllm.unavailable_reason()
-        if why:
-            raise EngineSetupError(f"actor_rollout.engine = 'vllm': {why}")
+
+def refit_bucket_bytes(cfg) -> int:
+    return max(1, int(cfg.actor_rollout.refit_bucket_mb * 2 ** 20))
 
 
 def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
                  log: Callable[[str], None]) -> RolloutEngine:
-    """The engine ``cfg.actor_rollout.engine`` names, with the refit bucket size and refit timeout of
-    the config (EngineSync reads both from the engine). vLLM is imported only here, only when it is
-    named, with max_model_len = rollout_max_model_len(cfg, hf_cfg)."""
+    """The engine ``cfg.actor_rollout.engine`` names (pfppo_mega.registry.ROLLOUT_ENGINES), with the
+    refit bucket size of the config and max_model_len = rollout_max_model_len(cfg, hf_cfg). An
+    engine's package (vLLM) is imported only when it is named."""
     check_engine_config(cfg, world_size=world_size)
-    ar = cfg.actor_rollout
-    bucket_bytes = max(1, int(ar.refit_bucket_mb * 2 ** 20))
-    if ar.engine == "builtin":
-        from pfppo_mega.rollout import BuiltinEngine, DecoderShape
-
-        engine = BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id,
-                               bucket_bytes=bucket_bytes, log=log)
-    else:
-        from pfppo_mega.rollout import vllm as rvllm
-
-        engine = rvllm.VLLMEngine(model_dir, pad_token_id=pad_token_id,
-                                  tensor_parallel_size=ar.tensor_model_parallel_size, seed=cfg.training.seed,
-                                  bucket_bytes=bucket_bytes, gpu_memory_utilization=ar.gpu_memory_utilization,
-                                  max_model_len=rollout_max_model_len(cfg, hf_cfg), log=log)
-    engine.refit_timeout_s = float(ar.refit_timeout_s)
-    return engine
+    return ROLLOUT_ENGINES.get(cfg.actor_rollout.engine).build(
+        cfg, model_dir, hf_cfg, pad_token_id=pad_token_id, bucket_bytes=refit_bucket_bytes(cfg),
+        max_model_len=rollout_max_model_len(cfg, hf_cfg), log=log)
 
 
 def rollout_max_model_len(cfg, hf_cfg: dict) -> int:
@@ -246,13 +220,13 @@ class EngineSync:
     """Weights into this rank's engine (see the module docstring).
 
     local_world_size: ranks per node (read before a vLLM engine is built: an in-process vLLM sets
-    LOCAL_WORLD_SIZE to 1). refit_timeout_s: the bounded wait of every refit collective (default:
-    the engine's, set by build_engine from actor_rollout.refit_timeout_s). The refit's process
-    groups (RefitGroups: world, node, trainer TP) are created here (collective).
+    LOCAL_WORLD_SIZE to 1). refit_timeout_s: the bounded wait of every refit collective
+    (actor_rollout.refit_timeout_s). The refit's process groups (RefitGroups: world, node, trainer
+    TP) are created here (collective). Buckets are planned at the engine's bucket_bytes.
     """
 
-    def __init__(self, engine: RolloutEngine, actor, model_cfg, *, local_world_size: Optional[int] = None,
-                 refit_timeout_s: Optional[float] = None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, engine: RolloutEngine, actor, model_cfg, *, refit_timeout_s: float,
+                 local_world_size: Optional[int] = None, log: Callable[[str], None] = print) -> None:
         from pfppo_mega.rollout.live import LiveWeights
 
         self.engine, self.actor, self.model_cfg, self.log = engine, actor, model_cfg, log
@@ -267,8 +241,6 @@ class EngineSync:
         self.node_ranks = list(range(rank - rank % L, rank - rank % L + L))
         self.layout = engine.weight_layout()
         live = LiveWeights(actor, model_cfg, self.layout, 0)
-        if refit_timeout_s is None:
-            refit_timeout_s = getattr(engine, "refit_timeout_s", C.REFIT_TIMEOUT_S)
         self.groups = RefitGroups(refit_timeout_s, local_world_size=L, tp=live.tp)  # collective
         if live.tp_group is not None and self.groups.tp is not None:
             mine, theirs = dist.get_process_group_ranks(self.groups.tp), dist.get_process_group_ranks(live.tp_group)

@@ -34,6 +34,7 @@ import torch
 
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
+from pfppo_mega.trainer.evaluation import evaluate
 from pfppo_mega.trainer.loop import PPOTrainer
 
 TIMEOUT_S = 120
@@ -148,7 +149,7 @@ def outcome(case: Case, sft_dir: Path, out_dir: Path) -> Result:
     try:
         tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
         fn, state = _reward_fn(case.bad)
-        tr.reward_fn.task.reward = fn
+        tr.run.reward_fn.task.reward = fn
         counter = next(c for name, _, c in BAD if name == case.bad)
         if case.phase == "train":
             metrics = {}
@@ -157,9 +158,9 @@ def outcome(case: Case, sft_dir: Path, out_dir: Path) -> Result:
             checked = {k: metrics[k] for k in ("reward/mean", "policy/pg_loss", "critic/value_loss",
                                                "policy/grad_norm") if k in metrics}
         else:
-            checked = tr.evaluate()
+            checked = evaluate(tr.run)
             metrics = dict(checked)
-        counted = tr.guards.get(counter, 0)
+        counted = tr.run.state.guards.get(counter, 0)
         if not all(math.isfinite(v) for v in checked.values()):
             return Result("silent", f"non-finite metrics {checked}", metrics)
         if counted != state["bad"]:

@@ -21,7 +21,8 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.parallel import destroy_parallel
 from pfppo_mega.trainer.batch import PreparedBatch, ScoredBatch, concat_rollouts, pack
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer import devicecheck, resume
+from pfppo_mega.trainer.build import DataParallel
 from pfppo_mega.trainer.loop import PPOTrainer
 
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
@@ -41,32 +42,32 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
     """The trainer's score/prepare/advantages on this rank's rows (DP reductions) vs the same phases
     at DP1 on every rank's rows concatenated (rank 0 only). Max abs differences, plus how far the
     per-rank (unreduced) statistics would be off, so the check is known to be sensitive."""
-    seen_rows = tr.running_reward.count  # rewards merged so far (every rank: the global count)
-    tr.running_reward.load_state_dict({"count": 0.0, "mean": 0.0, "m2": 0.0})  # the probe's batch alone
-    rb, _ = tr.rollout(tr.prompts.next_batch(tr.cfg.training.rollout_batch_size // tr.parallel.dp))
+    seen_rows = tr.run.state.running_reward.count  # rewards merged so far (every rank: the global count)
+    tr.run.state.running_reward.load_state_dict({"count": 0.0, "mean": 0.0, "m2": 0.0})  # the probe's batch alone
+    rb, _ = tr.rollout(tr.run.prompts.next_batch(tr.run.cfg.training.rollout_batch_size // tr.run.parallel.dp))
     sb = tr.score(rb)
     prep = tr.prepare(sb)
     eb = tr.advantages(sb, prep)
     mine = {"rb": rb, "raw": sb.raw_scores, "scores": sb.scores, "prep": prep, "adv": eb.advantages,
-            "running": tr.running_reward.state_dict(), "seen_rows": seen_rows}
-    everyone = parallel.dp_gather_objects(mine, tr.dp_group)
-    if tr.parallel.dp_rank != 0:
+            "running": tr.run.state.running_reward.state_dict(), "seen_rows": seen_rows}
+    everyone = parallel.dp_gather_objects(mine, tr.run.dp.group)
+    if tr.run.parallel.dp_rank != 0:
         return None
     n = sum(len(e["raw"]) for e in everyone)
-    rb_all = concat_rollouts([e["rb"] for e in everyone], list(range(n)), pad_id=tr.tokenizer.pad_id)
+    rb_all = concat_rollouts([e["rb"] for e in everyone], list(range(n)), pad_id=tr.run.tokenizer.pad_id)
     width = rb_all.responses.shape[1]
-    inputs = pack(rb_all.prompt_ids, rb_all.responses, rb_all.response_mask, pad_id=tr.tokenizer.pad_id)
+    inputs = pack(rb_all.prompt_ids, rb_all.responses, rb_all.response_mask, pad_id=tr.run.tokenizer.pad_id)
     prep_all = PreparedBatch(inputs=inputs, **{k: torch.cat([_pad(getattr(e["prep"], k), width) for e in everyone])
                                                for k in ("old_logp", "ref_logp", "values", "entropy")})
     raw_all = torch.cat([e["raw"] for e in everyone])
-    c = tr.cfg.reward
+    c = tr.run.cfg.reward
     serial = ppo.RunningMoments()
     scores_all = ppo.scale_rewards(raw_all, method=c.scaling, running=serial)  # DP1: no reduction
     scores_all = ppo.clip_rewards(ppo.quantile_clip(scores_all, quantile=c.quantile_clip), clip_range=c.clip_range)
-    saved = tr.dp_sum
-    tr.dp_sum = None  # the advantages phase at DP1 on the concatenation (no collective inside)
+    saved = tr.run.dp
+    tr.run.dp = DataParallel.of(None)  # the advantages phase at DP1 on the concatenation (no collective inside)
     eb_all = tr.advantages(ScoredBatch(rb_all, raw_all, scores_all, 0), prep_all)
-    tr.dp_sum = saved
+    tr.run.dp = saved
     adv_dp = torch.cat([_pad(e["adv"], width) for e in everyone])
     # What per-rank statistics would give: each rank's rows re-whitened on their own.
     local = torch.cat([_pad(ppo.masked_whiten(e["adv"], e["prep"].inputs.response_mask), width) for e in everyone])
@@ -82,7 +83,7 @@ def _shard_state(tr: PPOTrainer) -> list[torch.Tensor]:
     """This rank's distributed-optimizer shards (fp32 main params, exp_avg, exp_avg_sq, step) of
     both models, in the optimizers' parameter order."""
     out = []
-    for opt in (tr.actor_opt, tr.critic_opt):
+    for opt in (tr.run.actor_opt, tr.run.critic_opt):
         for o in getattr(opt, "chained_optimizers", None) or [opt]:
             for group in o.optimizer.param_groups:
                 for p in group["params"]:
@@ -103,7 +104,7 @@ def dp2_distributed_optimizer(base: dict) -> dict:
     tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
     for _ in range(2):
         tr.train_step()
-    tr.save(tr.out_dir / "checkpoints")
+    resume.save(tr.run, tr.run.out_dir / "checkpoints")
     saved = _shard_state(tr)
     d["checkpoint"]["resume"] = True
     again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
@@ -111,10 +112,10 @@ def dp2_distributed_optimizer(base: dict) -> dict:
     diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(saved, loaded))
     mine = {"diff": diff if len(saved) == len(loaded) else float("inf"), "n": len(saved),
             "numel": sum(t.numel() for t in saved[::4]), "sum": sum(float(t.double().sum()) for t in saved[1::4]),
-            "model_numel": sum(p.numel() for m in (tr.actor, tr.critic) for p in m.parameters())}
+            "model_numel": sum(p.numel() for m in (tr.run.actor, tr.run.critic) for p in m.parameters())}
     m = again.train_step()
-    everyone = parallel.dp_gather_objects(mine, again.dp_group)
-    return {"dp": again.parallel.dp, "resumed_step": again.step - 1, "ranks": everyone,
+    everyone = parallel.dp_gather_objects(mine, again.run.dp.group)
+    return {"dp": again.run.parallel.dp, "resumed_step": again.step - 1, "ranks": everyone,
             "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
 
 
@@ -132,16 +133,16 @@ def dp2_pf_ppo_resume(base: dict) -> dict:
     tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
     for _ in range(2):
         tr.train_step()
-    tr.save(tr.out_dir / "checkpoints")
-    saved = (tr.pool.versions, tr.pool._producer_checksums)
+    resume.save(tr.run, tr.run.out_dir / "checkpoints")
+    saved = (tr.run.behaviour.pool.versions, tr.run.behaviour.pool._producer_checksums)
     d["checkpoint"]["resume"] = True
     again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
-    restored = (again.pool.versions, again.pool._producer_checksums)
+    restored = (again.run.behaviour.pool.versions, again.run.behaviour.pool._producer_checksums)
     m = again.train_step()
     mine = {"same": restored == saved, "kept": sorted(i for c in saved[1].values() for i in c),
             "versions": saved[0], "used": m.get("pool/snapshots_used", 0.0)}
-    everyone = parallel.dp_gather_objects(mine, again.dp_group)
-    return {"dp": again.parallel.dp, "step": again.step, "ranks": everyone,
+    everyone = parallel.dp_gather_objects(mine, again.run.dp.group)
+    return {"dp": again.run.parallel.dp, "step": again.step, "ranks": everyone,
             "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
 
 
@@ -162,24 +163,24 @@ def main(path: str) -> None:
         tr.score = lambda rb: _record(rewards, score(rb))
         metrics = [tr.train_step() for _ in range(3)]
         steps = [{k: m[k] for k in KEYS} for m in metrics]
-        tr.save(tr.out_dir / "checkpoints")
-        everyone = parallel.dp_gather_objects(rewards, tr.dp_group)
+        resume.save(tr.run, tr.run.out_dir / "checkpoints")
+        everyone = parallel.dp_gather_objects(rewards, tr.run.dp.group)
         # reward/std and quantiles are those of the global batch (every DP rank's rewards)
         reward_gap = max(max(abs(m["reward/std"] - torch.cat([e[i] for e in everyone]).std().item()),
                              abs(m["reward/q90"] - torch.quantile(torch.cat([e[i] for e in everyone]), 0.9).item()))
                          for i, m in enumerate(metrics))
-        if tr.is_logger:
-            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.parallel.dp, "reward_stat_gap": reward_gap}),
+        if tr.run.is_logger:
+            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.run.parallel.dp, "reward_stat_gap": reward_gap}),
                   flush=True)
         if name == "dp2":
             inv = dp_invariance(tr)
-            if tr.is_logger:
+            if tr.run.is_logger:
                 print("RESULT dp2_invariance", json.dumps(inv), flush=True)
         if name == "tp2":  # resume from the per-model-parallel-rank checkpoints, take one more step
             d["checkpoint"]["resume"] = True
             again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
             m = again.train_step()
-            if again.is_logger:
+            if again.run.is_logger:
                 print("RESULT tp2_resumed", json.dumps({"step": again.step, "pg_loss": m["policy/pg_loss"]}),
                       flush=True)
         destroy_parallel()

@@ -1,0 +1,281 @@
+"""Run assembly: everything a training run is made of, built once from the config.
+
+``build_run(cfg)`` checks every input before any work (engine choice, checkpoint, tokenizer,
+lengths, layout, features, batch split), sets up parallel state in one place, then builds, in
+this order: prompts and rewards, actor, reference, critic (only when the advantage estimator
+needs one), optimizers, kernels backend, offload, rollout engine, EngineSync, the behaviour
+policy (current policy or snapshot pool) and the policy loss. The loop (trainer/loop.py) and the
+checkpoint code (trainer/resume.py) see only the ``Run``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from pfppo_mega import parallel, ppo
+from pfppo_mega.config import Config
+from pfppo_mega.data import build_prompt_data
+from pfppo_mega.kernels import get_backend
+from pfppo_mega.models import gpt, hf_io
+from pfppo_mega.parallel import ParallelInfo, init_parallel
+from pfppo_mega.registry import ADV_ESTIMATORS
+from pfppo_mega.rewards import build_reward_fn
+from pfppo_mega.rollout.base import EngineSetupError
+from pfppo_mega.tokenizer import Tokenizer
+from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
+from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
+from pfppo_mega.trainer.estimators import AdvantageEstimator
+from pfppo_mega.trainer.generation import Generation
+from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
+from pfppo_mega.trainer.policy_loss import PolicyLossParams, get_policy_loss
+from pfppo_mega.trainer.seeds import stream_seed
+from pfppo_mega.trainer.value_guard import ValueLossGuard
+from pfppo_mega.types import PromptSource, RewardFn, Sample
+
+
+class SetupError(RuntimeError):
+    """A problem found before any work starts (paths, checkpoint/config/tokenizer mismatch)."""
+
+
+GUARDS = ("bad_rewards", "reward_errors", "reward_timeouts", "skipped_updates", "corrupt_snapshots",
+          "value_loss_spikes", "engine_failures")
+
+
+@dataclass
+class TrainState:
+    """What the loop changes step by step besides the weights (all of it checkpoint state)."""
+
+    step: int = 0
+    guards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GUARDS, 0))
+    consecutive_skips: dict[str, int] = field(default_factory=lambda: {"actor": 0, "critic": 0})
+    running_reward: ppo.RunningMoments = field(default_factory=ppo.RunningMoments)
+    saved_step: Optional[int] = None  # the step last checkpointed (a second save at it writes nothing)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Batch statistics over the data-parallel ranks, as the math takes them (None at dp = 1)."""
+
+    group: Optional[torch.distributed.ProcessGroup]
+    sum: Optional[Callable]
+    gather: Optional[Callable]
+    max: Optional[Callable]
+
+    @classmethod
+    def of(cls, group) -> "DataParallel":
+        if group is None:
+            return cls(None, None, None, None)
+        return cls(group, functools.partial(parallel.dp_sum, group=group),
+                   functools.partial(parallel.dp_all_gather, group=group),
+                   functools.partial(parallel.dp_max, group=group))
+
+
+@dataclass
+class Run:
+    cfg: Config
+    out_dir: Path
+    parallel: ParallelInfo
+    device: torch.device
+    is_logger: bool
+    log: Callable[[str], None]
+    dp: DataParallel
+    tokenizer: Tokenizer
+    model_cfg: object                   # the config's ModelConfig, completed from the checkpoint
+    arch: object                        # families.Architecture
+    features: gpt.Features
+    prompts: PromptSource
+    eval_samples: list[Sample]
+    reward_fn: RewardFn
+    actor: torch.nn.Module
+    ref: torch.nn.Module
+    critic: Optional[torch.nn.Module]   # None when the estimator needs no critic
+    actor_opt: object
+    critic_opt: Optional[object]
+    kernels: object
+    offload: TrainerOffload
+    engine: object                      # RolloutEngine
+    sync: EngineSync
+    gen: Generation
+    behaviour: BehaviourPolicy
+    estimator: AdvantageEstimator
+    policy_loss: Callable
+    policy_loss_params: PolicyLossParams
+    rng: random.Random                  # this DP rank's prompt and sampling-seed stream
+    assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
+    value_guard: ValueLossGuard
+    state: TrainState
+
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The trained models by checkpoint name (the critic only when built)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def optimizers(self) -> dict[str, object]:
+        return {"actor_opt": self.actor_opt, **({"critic_opt": self.critic_opt} if self.critic_opt is not None
+                                                else {})}
+
+
+# ============================================================================ checks before any work
+
+
+def check_model_path(path: str | None) -> Path:
+    if path is None:
+        raise SetupError("actor_rollout.model_path is not set: PPO starts from a checkpoint "
+                         "(make one with `pfppo sft`)")
+    p = Path(path)
+    if not p.is_dir():
+        raise SetupError(f"actor_rollout.model_path = {path!r}: no such directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not (p / name).is_file():
+            raise SetupError(f"actor_rollout.model_path = {path!r}: {name} missing")
+    return p
+
+
+def check_lengths(cfg: Config, model_cfg, tokenizer: Tokenizer) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise SetupError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = "
+                         f"{model_cfg.vocab_size}: the checkpoint and tokenizer do not belong together")
+    need = cfg.data.max_prompt_length + cfg.algorithm.max_response_length
+    if need > model_cfg.max_position_embeddings:
+        raise SetupError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + algorithm.max_response_length "
+            f"({cfg.algorithm.max_response_length}) = {need} > model.max_position_embeddings "
+            f"({model_cfg.max_position_embeddings})")
+
+
+def check_batch_split(cfg: Config, dp: int) -> None:
+    t = cfg.training
+    samples = t.rollout_batch_size * cfg.actor_rollout.n_samples_per_prompt
+    for key, value in (("training.rollout_batch_size", t.rollout_batch_size), ("training.batch_size", t.batch_size)):
+        if value % dp:
+            raise SetupError(f"{key} ({value}) must be divisible by the data-parallel size dp ({dp}) "
+                             f"= WORLD_SIZE / (tp * pp)")
+    if (samples // dp) % (t.batch_size // dp):
+        raise SetupError(f"per-rank samples ({samples // dp}) must be a multiple of the per-rank "
+                         f"mini-batch batch_size / dp ({t.batch_size // dp})")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ============================================================================ the builder
+
+
+def _models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir: Path, *, critic: bool):
+    """(actor, reference, critic | None, actor optimizer, critic optimizer | None), in this order
+    (the initialisation consumes the seeded RNG)."""
+    actor = gpt.build_actor(model_cfg, arch=arch, features=features)
+    hf_io.load_actor_from_hf(actor, model_dir)
+    actor = gpt.wrap_ddp(actor, features=features)
+    ref = gpt.build_actor(model_cfg, arch=arch, features=features)  # frozen copy of the initial policy
+    hf_io.load_actor_from_hf(ref, model_dir)
+    ref.eval().requires_grad_(False)
+    value = None
+    if critic:  # SFT trunk + zero-initialised value head
+        value = gpt.build_critic(model_cfg, arch=arch, features=features)
+        hf_io.load_critic_trunk_from_hf(value, model_dir)
+        value = gpt.wrap_ddp(value, features=features)
+    t = cfg.training
+    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    critic_opt = None if value is None else gpt.build_optimizer(
+        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip)
+    return actor, ref, value, actor_opt, critic_opt
+
+
+def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
+    torch.set_num_threads(cfg.training.num_threads)
+    seed_everything(cfg.training.seed)
+    out_dir = Path(cfg.logging.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    estimator: AdvantageEstimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+
+    # --- checkpoint, tokenizer, shapes: every check before any work
+    try:  # the engine choice (rollout TP, vLLM installed, top_p), before any work
+        check_engine_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except EngineSetupError as e:
+        raise SetupError(str(e)) from e
+    model_dir = check_model_path(cfg.actor_rollout.model_path)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    hf_cfg = hf_io.read_hf_config(model_dir)
+    model_cfg = hf_io.model_config_from_hf(hf_cfg, cfg.model)
+    arch = hf_io.architecture_from_hf(hf_cfg)  # family: biases, q/k norms, head_dim, RoPE scaling
+    check_lengths(cfg, model_cfg, tokenizer)
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    gpt.check_layout(model_cfg, tp=tp, pp=pp)
+    # Training features (distributed optimizer, bf16, recompute, sequence parallelism, layer
+    # spec) come from the config alone, so the plan, the Slurm script and the trainer agree.
+    features = gpt.features_from_config(cfg)
+
+    # --- parallel state (one place), then models and optimizers
+    par = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed)
+    # The device rule (docs/scaling.md): everything that meets a model lives on the models' device;
+    # collectives run on their group's device (pfppo_mega.parallel). PFPPO_DEVICE_CHECK=1 checks it.
+    device = par.device
+    is_logger = par.rank == 0
+    gpt.check_features(model_cfg, features, device_type=device.type, tp=tp)
+    log = log if is_logger else (lambda *_: None)
+    check_batch_split(cfg, par.dp)
+    # Batch statistics (advantage whitening, reward z-scores and running moments) are taken over
+    # the global batch: the math gets this sum over the data-parallel ranks (None at dp = 1).
+    dp = DataParallel.of(parallel.data_parallel_group())
+    # Each data-parallel rank draws its own prompts and samples; the ranks of one model
+    # replica (same dp_rank) draw the same ones.
+    rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=par.dp_rank))
+    # --- prompts and rewards: the implementations the config names (data.source, reward.*);
+    # bad files / rows / data sources / reward functions are refused here, before any model
+    data = build_prompt_data(cfg, tokenizer, model_dir=model_dir, rng=rng, dp_rank=par.dp_rank, dp_size=par.dp,
+                             log=log)
+    reward_fn: RewardFn = build_reward_fn(cfg, log=log)
+    reward_fn.check(data.train_rows + data.val, "data")
+
+    actor, ref, critic, actor_opt, critic_opt = _models(cfg, model_cfg, arch, features, model_dir,
+                                                        critic=estimator.needs_critic)
+    t = cfg.training
+    kernels = get_backend(cfg.kernels)
+    # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
+    # generates; the engine sleeps from the end of generation until the next weight sync.
+    trained = [m for m in (actor, critic, ref) if m is not None]
+    opts = [o for o in (actor_opt, critic_opt) if o is not None]
+    offload = TrainerOffload(
+        lambda: (x for src in [*(module_tensors(m) for m in trained), *(optimizer_tensors(o) for o in opts)]
+                 for x in src),
+        device=device, enabled=offload_enabled(t.offload_during_rollout, device), log=log)
+
+    # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
+    # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size))  # an in-process vLLM resets it
+    try:
+        engine = build_engine(cfg, model_dir, hf_cfg, pad_token_id=tokenizer.pad_id, world_size=par.world_size,
+                              log=log)
+    except EngineSetupError as e:
+        raise SetupError(str(e)) from e
+    sync = EngineSync(engine, actor, model_cfg, refit_timeout_s=cfg.actor_rollout.refit_timeout_s,
+                      local_world_size=local_world, log=log)
+    assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
+    state = TrainState()
+    gen = Generation(cfg, engine=engine, sync=sync, offload=offload, tokenizer=tokenizer, rng=rng, device=device,
+                     guards=state.guards, log=log)
+    a = cfg.algorithm
+    n = cfg.actor_rollout.n_samples_per_prompt
+    # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
+    behaviour: BehaviourPolicy = (
+        SnapshotPool(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
+                     dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
+    params = PolicyLossParams(kernel_policy_loss=kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
+                              clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
+                              loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip)
+    return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
+               tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
+               eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
+               critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
+               behaviour=behaviour, estimator=estimator,
+               policy_loss=get_policy_loss(behaviour.policy_loss_name), policy_loss_params=params, rng=rng,
+               assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

@@ -1,0 +1,113 @@
+"""One step's metrics record: rewards, KL, entropy, lengths, repetition, critic, guards, timings
+(the behaviour policy adds its own), made global over the data-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from pfppo_mega import parallel, ppo
+from pfppo_mega.trainer import worst_samples
+from pfppo_mega.trainer.batch import ExperienceBatch, ScoredBatch
+from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.metrics import aggregate_rank_metrics, quantiles, repetition_rate
+
+
+def step_metrics(run: Run, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float],
+                 times: dict[str, float], step_s: float) -> dict[str, float]:
+    """reward/* and response/* describe every generated row (`sb`, before policy filtration);
+    the KL, entropy, critic and update metrics the rows trained on (`eb`)."""
+    rb, m, guards = sb.rollout, eb.inputs.response_mask, run.state.guards
+    lengths = rb.response_mask.sum(1)                                               # [B] generated
+    # std and quantiles of the global batch (every DP rank's rewards), not a mean of the ranks'
+    raw = sb.raw_scores if run.dp.gather is None else run.dp.gather(sb.raw_scores)  # [B * dp]
+    first10 = m.clone()
+    first10[:, 10:] = 0
+    gen_tokens = float(lengths.sum())
+    k1 = ppo.masked_mean(eb.old_logp - eb.ref_logp, m).item()
+    # KL(current || ref) per token on the current policy's own distribution: under PF-PPO the
+    # samples come from older snapshots, so weight each sequence by pi_cur(y)/pi_behav(y)
+    # (self-normalised). Plain PPO: weights ~1 and this equals kl/ref_k1.
+    seq_w = torch.softmax(((eb.old_logp - eb.behav_logp) * m).sum(1).double(), dim=0)   # [B]
+    kl_cur = float((seq_w * ((eb.old_logp - eb.ref_logp) * m).sum(1)).sum() / (seq_w * m.sum(1)).sum())
+    critic = {} if eb.old_values is None else {"critic/value_mean": ppo.masked_mean(eb.old_values, m).item()}
+    return {
+        "reward/mean": raw.mean().item(), "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
+        **{f"reward/{k}": v for k, v in quantiles(raw).items()},
+        "reward/scaled_mean": sb.scores.mean().item(),
+        **honest_metrics(sb),
+        "kl/ref_mean": ppo.masked_mean(eb.kl_ref, m).item(), "kl/ref_k1": k1, "kl/ref_k1_current": kl_cur,
+        "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+        "response/finished_frac": rb.finished.float().mean().item(),
+        "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
+                                        for r, l in zip(rb.responses, lengths)) / len(lengths),
+        "policy/entropy_first10": ppo.masked_mean(eb.entropy, first10).item(),
+        **logp_gap(eb),
+        **critic,
+        "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
+        **{f"guard/{k}": float(guards[k]) for k in ("bad_rewards", "reward_errors", "reward_timeouts",
+                                                   "skipped_updates", "engine_failures", "value_loss_spikes")},
+        "perf/step_s": step_s, "perf/tokens_per_s": gen_tokens / step_s,
+        **{f"time/{k}_s": v for k, v in times.items()},
+        **upd,
+    }
+
+
+def honest_metrics(sb: ScoredBatch) -> dict[str, float]:
+    """reward/honest (the honest metric, apart from the trained-on reward/mean) and
+    reward/hacked_frac, when the reward function reports them (rewards/shaping.py)."""
+    out = {}
+    if sb.honest is not None:
+        out["reward/honest"] = sb.honest.double().mean().item()
+    if sb.hacked is not None:
+        out["reward/hacked_frac"] = sb.hacked.double().mean().item()
+    return out
+
+
+def logp_gap(eb: ExperienceBatch) -> dict[str, float]:
+    """|engine log-prob - trainer log-prob| per token over the on-policy rows only (the same
+    weights on both sides, so it measures engine/trainer numerics; under PF-PPO the other rows
+    come from older snapshots and differ by design). No on-policy rows: no record."""
+    m = eb.inputs.response_mask * eb.on_policy[:, None]                            # [B, T]
+    if not bool(m.any()):
+        return {}
+    gap = (eb.behav_logp - eb.old_logp).abs()
+    return {"rollout/logp_gap_max": float(torch.where(m.bool(), gap, 0.0).max()),
+            "rollout/logp_gap_mean": ppo.masked_mean(gap, m).item()}
+
+
+def add_guard_counts(run: Run, scored: ScoredBatch, *, corrupt: int) -> None:
+    """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
+    this rank's corrupt snapshots of the step (`corrupt`, already counted) by every rank's.
+    (Skipped updates need no sum: the loss is global, every rank skips together.)"""
+    guards = run.state.guards
+    counts = torch.tensor([scored.n_bad_rewards, scored.n_reward_errors, scored.n_reward_timeouts, corrupt],
+                          dtype=torch.long)
+    bad, errors, timeouts, all_corrupt = parallel.dp_sum(counts, run.dp.group).tolist()
+    guards["bad_rewards"] += bad
+    guards["reward_errors"] += errors
+    guards["reward_timeouts"] += timeouts
+    guards["corrupt_snapshots"] += all_corrupt - corrupt
+
+
+def over_dp(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+    """One record from every data-parallel rank's (each saw its own part of the batch): maxima by
+    max, rates and counts by sum, means by mean (trainer.metrics.aggregate_rank_metrics)."""
+    if run.dp.group is None:
+        return metrics
+    return aggregate_rank_metrics(parallel.dp_gather_objects(metrics, run.dp.group))
+
+
+def dump_worst(run: Run, sb: ScoredBatch) -> None:
+    """The step's longest, most repetitive and highest-reward samples -> samples_worst.jsonl
+    (trainer/worst_samples.py; rank 0's rows)."""
+    rb = sb.rollout
+    lengths = [int(v) for v in rb.response_mask.sum(1).tolist()]
+    rep = [repetition_rate(r[:n].tolist()) for r, n in zip(rb.responses, lengths)]
+    rewards = sb.raw_scores.tolist()
+    honest = None if sb.honest is None else sb.honest.tolist()
+    recs = [worst_samples.WorstSample(
+        step=run.state.step, kind=kind, rank=rank, row=rb.samples[i].row, prompt=rb.samples[i].prompt_text,
+        text=rb.texts[i], length=lengths[i], repetition=round(rep[i], 4), reward=rewards[i],
+        honest=None if honest is None else honest[i], finished=bool(rb.finished[i]), version=int(rb.versions[i]))
+        for kind, rank, i in worst_samples.pick_worst(lengths, rep, rewards, run.cfg.logging.worst_samples)]
+    worst_samples.append(run.out_dir / worst_samples.FILE, recs)

@@ -1,0 +1,122 @@
+"""The update phase: ppo_epochs passes of shuffled mini-batches; each mini-batch is one critic
+step (when the run has a critic) and one actor step, micro-batched by megatron's schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from pfppo_mega import ppo
+from pfppo_mega.models import engine as mengine
+from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.batch import ExperienceBatch
+from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.evaluation import micro_batch_size
+from pfppo_mega.trainer.policy_loss import PolicyLossInputs
+from pfppo_mega.trainer.seeds import stream_seed
+from pfppo_mega.trainer.value_guard import pre_update_value_loss
+
+
+class TrainingHalted(RuntimeError):
+    """The run cannot make progress (e.g. every update skipped for too long); the message says why.
+    `pfppo train` exits non-zero with it."""
+
+
+def update(run: Run, eb: ExperienceBatch) -> dict[str, float]:
+    """batch_size / dp rows on this rank per mini-batch; means of every mini-batch's stats."""
+    a, t, st = run.cfg.algorithm, run.cfg.training, run.state
+    B = eb.advantages.shape[0]
+    stats: dict[str, list[float]] = {}
+    train_actor = st.step >= t.critic_warmup_steps
+    train_critic = run.critic is not None
+    if train_critic:  # value-loss spike guard (trainer/value_guard.py): judged on the loss before any update
+        vl_pre = pre_update_value_loss(eb.old_values, eb.returns, eb.inputs.response_mask, reduce_sum=run.dp.sum)
+        train_critic = not run.value_guard.is_spike(vl_pre)
+        if not train_critic:
+            st.guards["value_loss_spikes"] += 1
+        stats["critic/value_loss_pre"] = [vl_pre]
+    g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=st.step))
+    for _ in range(a.ppo_epochs):
+        for idx in torch.randperm(B, generator=g).split(t.batch_size // run.parallel.dp):
+            mb = eb.select(idx)
+            for k, v in (critic_step(run, mb) if train_critic else {}).items():
+                stats.setdefault(k, []).append(v)
+            if train_actor:
+                for k, v in actor_step(run, mb).items():
+                    stats.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in stats.items()}
+
+
+def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
+    """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
+    share of the mini-batch aggregate (see pfppo_mega.models.engine)."""
+    a = run.cfg.algorithm
+    mode = a.loss_agg_mode
+    # The chosen variant's loss aggregates over pg_mask (ppo_clip) or the response mask (tis).
+    pg_norm = mengine.global_normalizers(eb.pg_mask if run.behaviour.policy_loss_name == "ppo_clip"
+                                         else eb.inputs.response_mask)
+
+    def loss_fn(logp, entropy, micro: mengine.MicroBatch):
+        r = micro.rows
+        m = micro.inputs.response_mask
+        pl_in = PolicyLossInputs(
+            logp=logp, old_logp=eb.old_logp[r], behav_logp=eb.behav_logp[r], advantages=eb.advantages[r],
+            mask=m, pg_mask=eb.pg_mask[r], is_weights=None if eb.is_weights is None else eb.is_weights[r],
+            on_policy=eb.on_policy[r])
+        devicecheck.expect("policy loss", run.device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
+        pl = run.policy_loss(pl_in, run.policy_loss_params)
+        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=mode)
+        resp_share = mengine.share_scale(m, micro.norm, mode=mode)
+        kl_loss = logp.new_zeros(())
+        if a.use_kl_loss and a.kl_coeff > 0:
+            kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode)
+            share = share + a.kl_coeff * kl_loss * resp_share
+        ent = ppo.agg_loss(entropy, m, mode=mode)
+        if a.entropy_coeff > 0:
+            share = share - a.entropy_coeff * ent * resp_share
+        return share, {**pl.stats, "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
+
+    run.actor.train()
+    res = mengine.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
+                             temperature=run.cfg.actor_rollout.temperature,
+                             micro_batch_size=micro_batch_size(run, eb.advantages.shape[0]), kernels=run.kernels)
+    count_skip(run, "actor", res)
+    return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
+
+
+def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
+    a = run.cfg.algorithm
+
+    def loss_fn(values, micro: mengine.MicroBatch):
+        r = micro.rows
+        m = micro.inputs.response_mask
+        devicecheck.expect("value loss", run.device, values=values, old_values=eb.old_values[r],
+                           returns=eb.returns[r], mask=m)
+        out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
+                             loss_agg_mode=a.loss_agg_mode)
+        share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode)
+        return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
+
+    run.critic.train()
+    res = mengine.critic_train_step(run.critic, run.critic_opt, eb.inputs, loss_fn,
+                                    micro_batch_size=micro_batch_size(run, eb.advantages.shape[0]))
+    count_skip(run, "critic", res)
+    return {**res.stats, "critic/grad_norm": res.grad_norm}
+
+
+def count_skip(run: Run, model: str, res: "mengine.StepResult") -> None:
+    """A NaN/inf loss or a refused step is skipped and counted (the loss is global, so every
+    rank skips together); training.max_consecutive_skipped_updates in a row of one model halt
+    the run: it is not learning."""
+    st = run.state
+    if res.update_successful:
+        st.consecutive_skips[model] = 0
+        return
+    st.guards["skipped_updates"] += 1
+    st.consecutive_skips[model] += 1
+    limit = run.cfg.training.max_consecutive_skipped_updates
+    if limit and st.consecutive_skips[model] >= limit:
+        raise TrainingHalted(
+            f"step {st.step + 1}: {st.consecutive_skips[model]} consecutive {model} updates were skipped "
+            f"(last loss {res.loss}, non-finite or refused by the optimizer) >= "
+            f"training.max_consecutive_skipped_updates ({limit}); stopping: the run is not learning. "
+            f"Check lr, kl_coeff, rewards and the model weights (0 disables this check).")
