@@ -267,6 +267,19 @@ class ActorRolloutConfig(Section):
         64.0, "Size (MB) of the flat buckets weights travel in from the trainer or the pool to the engines; "
         "a fused group (q/k/v or gate/up of a layer) is never split."
     )
+    dtype: str = opt(
+        "auto", "The engine's weight and KV-cache dtype: auto = the training dtype (model.params_dtype), or "
+        "float32 / bfloat16. Refit buckets and pool snapshots travel in it."
+    )
+    max_num_seqs: int = opt(64, "Most sequences a vLLM engine schedules at once (its KV cache holds that many).")
+    enforce_eager: Optional[bool] = opt(
+        None, "vLLM without CUDA graphs / torch.compile (true), or compiled (false); null: eager on CPU, compiled "
+        "on GPUs."
+    )
+    sleep_level: int = opt(
+        2, "What a sleeping vLLM engine frees between rollouts: 1 = KV cache freed, weights kept in host memory; "
+        "2 = KV cache and weights freed (the next refit refills them). A no-op on CPU."
+    )
     refit_timeout_s: float = opt(
         C.REFIT_TIMEOUT_S, "Longest wait (s) of any collective of a refit or snapshot switch (the bucket broadcasts, the "
         "trainer-TP gather, the agreement after it) before the ranks still alive stop with an error naming the "
@@ -277,7 +290,8 @@ class ActorRolloutConfig(Section):
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
                                          "model.path": "model_path"}
-    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ROLLOUT_ENGINES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ROLLOUT_ENGINES, "dtype": ("auto",) + C.PARAMS_DTYPES,
+                                           "sleep_level": (1, 2)}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "temperature", self.temperature, gt=0)
@@ -287,6 +301,7 @@ class ActorRolloutConfig(Section):
         _range(p, "refit_bucket_mb", self.refit_bucket_mb, gt=0)
         _range(p, "refit_timeout_s", self.refit_timeout_s, gt=0, le=C.MAX_REFIT_TIMEOUT_S)
         _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
+        _range(p, "max_num_seqs", self.max_num_seqs, ge=1, le=C.MAX_COUNT)
 
 
 POOL_SAMPLING = C.POOL_SAMPLING  # kept importable from here (tests/test_pool.py)
