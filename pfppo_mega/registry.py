@@ -71,4 +71,11 @@ ROLLOUT_ENGINES = Registry("actor_rollout.engine", {
 # algorithm.adv_estimator -> an AdvantageEstimator (pfppo_mega.trainer.estimators)
 ADV_ESTIMATORS = Registry("algorithm.adv_estimator", {
     "gae": "pfppo_mega.trainer.estimators:GAE",
+    "grpo": "pfppo_mega.trainer.estimators:GRPO",
+    "grpo_passk": "pfppo_mega.trainer.estimators:GRPO_PASSK",
+    "rloo": "pfppo_mega.trainer.estimators:RLOO",
+    "opo": "pfppo_mega.trainer.estimators:OPO",
+    "gpg": "pfppo_mega.trainer.estimators:GPG",
+    "reinforce_plus_plus": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS",
+    "reinforce_plus_plus_baseline": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS_BASELINE",
 })

@@ -287,17 +287,17 @@ def test_alias_and_canonical_conflict():
 
 
 def test_verl_grpo_std_switch_does_not_turn_ppo_whitening_off():
-    # verl's norm_adv_by_std_in_grpo concerns GRPO only; it used to be read as whiten_advantages
+    # verl's norm_adv_by_std_in_grpo is the grpo estimators' own field (issue 22); it used to be
+    # read as whiten_advantages, and must still not switch PPO whitening
     for whiten in (True, False):
         res = resolve_config_dict(with_base(algorithm={"norm_adv_by_std_in_grpo": False,
                                                        "whiten_advantages": whiten}))
         assert res.config.algorithm.whiten_advantages is whiten
-        assert res.notes() == ["algorithm.norm_adv_by_std_in_grpo = False ignored: verl applies it "
-                               "to adv_estimator=grpo only; this trainer's estimator is gae (see "
-                               "whiten_advantages)"]
+        assert res.config.algorithm.norm_adv_by_std_in_grpo is False and res.notes() == []
     res = resolve_config_dict(BASE, ["algorithm.norm_adv_by_std_in_grpo=false"])
     assert res.config.algorithm.whiten_advantages is True
-    assert [u.key for u in res.ignored] == ["algorithm.norm_adv_by_std_in_grpo"]
+    assert res.config.algorithm.norm_adv_by_std_in_grpo is False and not res.ignored
+    assert resolve_config_dict(BASE).config.algorithm.norm_adv_by_std_in_grpo is True  # verl's default
     p = only_problem(BASE, ["algorithm.norm_adv_by_std_in_grpo=maybe"])
     assert p.key == "algorithm.norm_adv_by_std_in_grpo" and "expected bool" in p.rule
 

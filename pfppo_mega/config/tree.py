@@ -383,7 +383,12 @@ class AlgorithmConfig(Section):
     clip_ratio_high: Optional[float] = opt(None, "Upper epsilon (defaults to clip_ratio).")
     dual_clip_c: Optional[float] = opt(3.0, "Dual-clip bound c > 1 for negative advantages; null = off.")
     adv_estimator: str = opt("gae", "Advantage estimator, from the registry pfppo_mega.registry.ADV_ESTIMATORS: "
-                             "gae (needs the critic; an estimator that needs none builds no critic).")
+                             "gae (needs the critic; an estimator that needs none builds no critic), "
+                             "grpo, grpo_passk, rloo, opo, gpg, reinforce_plus_plus_baseline (group "
+                             "baselines over each prompt's n_samples_per_prompt >= 2 samples), "
+                             "reinforce_plus_plus (whitened discounted returns).")
+    norm_adv_by_std_in_grpo: bool = opt(True, "grpo / grpo_passk: divide by the group's std + 1e-6 "
+                                              "(false: Dr.GRPO, the mean is subtracted only).")
     lmbda: float = opt(0.95, "GAE lambda, in [0, 1].")
     gamma: float = opt(1.0, "Discount, in [0, 1].")
     whiten_advantages: bool = opt(True, "Whiten advantages over the batch's response tokens.")
@@ -416,14 +421,12 @@ class AlgorithmConfig(Section):
         "name": C.ALGORITHMS, "kl_estimator": C.KL_ESTIMATORS, "adv_estimator": ADV_ESTIMATORS,
         "loss_agg_mode": C.LOSS_AGG_MODES,
     }
-    # verl's GRPO-only switch; with adv_estimator gae it means nothing here. (Mapping it onto
-    # whiten_advantages, as before, let a verl config with it false turn PPO whitening off.)
-    IGNORED: ClassVar[dict[str, tuple[type, str]]] = {
-        "norm_adv_by_std_in_grpo": (bool, "verl applies it to adv_estimator=grpo only; this "
-                                          "trainer's estimator is gae (see whiten_advantages)"),
-    }
 
     def __post_init__(self) -> None:
+        if self.adv_estimator == "remax":  # before the choice check, so the reason is the message
+            raise ConfigError([Problem("adv_estimator", "remax", "is not supported: ReMax's baseline "
+                                       "is the reward of one extra greedy response per prompt, which this "
+                                       "trainer does not generate; use grpo or rloo")])
         self.kl_estimator = self.KL_VALUE_ALIASES.get(self.kl_estimator, self.kl_estimator)
         if self.clip_ratio_low is None:
             self.clip_ratio_low = self.clip_ratio

@@ -161,6 +161,16 @@ def check_batch_split(cfg: Config, dp: int) -> None:
                          f"mini-batch batch_size / dp ({t.batch_size // dp})")
 
 
+def check_groups(cfg: Config, estimator: AdvantageEstimator) -> None:
+    """A group baseline needs >= 2 samples per prompt (each a singleton group otherwise). Groups
+    never split across data-parallel ranks: each rank generates all n samples of its prompts."""
+    n = cfg.actor_rollout.n_samples_per_prompt
+    if estimator.needs_groups and n < 2:
+        raise SetupError(f"algorithm.adv_estimator = {estimator.name!r} takes its baseline over each prompt's "
+                         f"samples, but actor_rollout.n_samples_per_prompt = {n}: every group would be a single "
+                         f"row (set it to >= 2, or use gae / reinforce_plus_plus)")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -196,6 +206,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     out_dir = Path(cfg.logging.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     estimator: AdvantageEstimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+    check_groups(cfg, estimator)
 
     # --- checkpoint, tokenizer, shapes: every check before any work
     try:  # the engine choice (rollout TP, vLLM installed, top_p), before any work

@@ -2,7 +2,8 @@
 
 An estimator declares what it needs: ``needs_critic`` (GAE bootstraps from the critic's values;
 an estimator without it gets no critic, no critic optimizer and no value pass, and the planner
-counts none). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
+counts none) and ``needs_groups`` (a baseline over each prompt's n samples: the run must
+sample n >= 2 per prompt, checked at start in trainer/build.py). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
 The arithmetic lives in ``pfppo_mega.ppo`` / the kernels backend; this module only binds the
 run's settings to it.
 
@@ -18,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from pfppo_mega import ppo
+from pfppo_mega.ppo import outcome
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class AdvantageEstimator:
     name: str
     needs_critic: bool
     compute: Callable[[AdvantageInputs, EstimatorContext], tuple[torch.Tensor, torch.Tensor]]
+    needs_groups: bool = False            # its baseline is a statistic of each prompt's n samples
 
 
 def _gae(x: AdvantageInputs, ctx: EstimatorContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,3 +56,50 @@ def _gae(x: AdvantageInputs, ctx: EstimatorContext) -> tuple[torch.Tensor, torch
 
 
 GAE = AdvantageEstimator("gae", needs_critic=True, compute=_gae)
+
+
+# ----------------------------------------------------------------------------- critic-free (outcome)
+# verl's estimators under verl's names (verl/trainer/ppo/core_algos.py); math in pfppo_mega.ppo.outcome.
+# Groups are the rows of one prompt; every rank generates all n samples of its prompts, so the group
+# statistics are local and only the batch-wide ones (whitening, GPG's alpha) reduce over DP ranks.
+
+def _grpo(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.grpo_advantages(x.token_rewards, x.mask, x.group_ids,
+                                   norm_adv_by_std_in_grpo=ctx.algorithm.norm_adv_by_std_in_grpo)
+
+
+def _grpo_passk(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.grpo_passk_advantages(x.token_rewards, x.mask, x.group_ids,
+                                         norm_adv_by_std_in_grpo=ctx.algorithm.norm_adv_by_std_in_grpo)
+
+
+def _rloo(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.rloo_advantages(x.token_rewards, x.mask, x.group_ids)
+
+
+def _opo(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.opo_advantages(x.token_rewards, x.mask, x.group_ids)
+
+
+def _gpg(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.gpg_advantages(x.token_rewards, x.mask, x.group_ids, reduce_sum=ctx.reduce_sum)
+
+
+def _rpp(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.reinforce_plus_plus_advantages(x.token_rewards, x.mask, gamma=ctx.algorithm.gamma,
+                                                  reduce_sum=ctx.reduce_sum)
+
+
+def _rpp_baseline(x: AdvantageInputs, ctx: EstimatorContext):
+    return outcome.reinforce_plus_plus_baseline_advantages(x.token_rewards, x.mask, x.group_ids,
+                                                           reduce_sum=ctx.reduce_sum)
+
+
+GRPO = AdvantageEstimator("grpo", needs_critic=False, compute=_grpo, needs_groups=True)
+GRPO_PASSK = AdvantageEstimator("grpo_passk", needs_critic=False, compute=_grpo_passk, needs_groups=True)
+RLOO = AdvantageEstimator("rloo", needs_critic=False, compute=_rloo, needs_groups=True)
+OPO = AdvantageEstimator("opo", needs_critic=False, compute=_opo, needs_groups=True)
+GPG = AdvantageEstimator("gpg", needs_critic=False, compute=_gpg, needs_groups=True)
+REINFORCE_PLUS_PLUS = AdvantageEstimator("reinforce_plus_plus", needs_critic=False, compute=_rpp)
+REINFORCE_PLUS_PLUS_BASELINE = AdvantageEstimator("reinforce_plus_plus_baseline", needs_critic=False,
+                                                  compute=_rpp_baseline, needs_groups=True)

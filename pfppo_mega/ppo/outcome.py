@@ -1,0 +1,152 @@
+"""Critic-free advantage estimators on outcome rewards (one score per response), as verl defines them.
+
+Every function takes the per-token rewards [B, T] (the score on the last response token, minus the
+KL penalty when it is in the reward), the response mask [B, T] and, for the group estimators, the
+group ids [B] (rows answering the same prompt share one), and returns (advantages, returns), both
+[B, T] and zero on padding. A row's score is ``token_rewards.sum(-1)``.
+
+Group statistics follow verl (verl/trainer/ppo/core_algos.py): a group of one has mean 0 and std 1
+(its advantage is its own score, scaled by 1 / (1 + epsilon) under GRPO); the std is the unbiased
+one (torch.std), and a group of equal scores has std 0, so it is divided by epsilon only (its
+centred scores are exactly 0). Groups are local to the batch given: the trainer keeps every row of
+a prompt on one data-parallel rank, so no group statistic needs a collective. The batch-wide
+statistics (REINFORCE++ whitening, GPG's alpha) take ``reduce_sum`` to cover the global batch.
+
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pfppo_mega.ppo.masked import ReduceSum, masked_whiten, zero_padding
+
+GRPO_EPSILON = 1e-6  # verl's epsilon in the GRPO / GPG / pass@k denominators
+
+
+def _scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return zero_padding(token_rewards, mask).sum(-1)                      # [B]
+
+
+def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return zero_padding(per_row[:, None].expand(mask.shape), mask)       # [B] -> [B, T]
+
+
+def group_mean_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (mean, unbiased std, size) of its group; a group of one: mean 0, std 1 (verl).
+
+    scores, group_ids: [B] -> three [B] tensors."""
+    _, inv = torch.unique(group_ids, return_inverse=True)                 # [B] dense group index
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    n = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, inv, torch.ones_like(scores))
+    total = torch.zeros_like(n).index_add_(0, inv, scores)
+    mean = total / n                                                       # [G]
+    sq = torch.zeros_like(n).index_add_(0, inv, (scores - mean[inv]) ** 2)
+    std = (sq / (n - 1).clamp(min=1)).sqrt()                               # unbiased (torch.std)
+    single = n == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[inv], std[inv], n[inv]
+
+
+def grpo_advantages(token_rewards, mask, group_ids, *, norm_adv_by_std_in_grpo: bool = True,
+                    epsilon: float = GRPO_EPSILON):
+    """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + epsilon); Dr.GRPO (Liu et al. 2025)
+    drops the std: A_i = r_i - mean_g (norm_adv_by_std_in_grpo=False)."""
+    s = _scores(token_rewards, mask)
+    mean, std, _ = group_mean_std(s, group_ids)
+    a = (s - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else s - mean
+    adv = _broadcast(a, mask)
+    return adv, adv
+
+
+def rloo_advantages(token_rewards, mask, group_ids):
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other n - 1 scores of its group
+    = (n r_i - n mean_g) / (n - 1). A group of one keeps its score (verl's ``rloo``)."""
+    s = _scores(token_rewards, mask)
+    mean, _, n = group_mean_std(s, group_ids)
+    a = torch.where(n > 1, (s * n - mean * n) / (n - 1).clamp(min=1), s)
+    adv = _broadcast(a, mask)
+    return adv, adv
+
+
+def opo_advantages(token_rewards, mask, group_ids):
+    """OPO (Hao et al. 2025): the length-weighted group baseline b_g = sum_i |y_i| r_i / sum_i |y_i|;
+    A_i = r_i - b_g (b = 0 for a group of one)."""
+    s = _scores(token_rewards, mask)
+    length = mask.to(s.dtype).sum(-1)                                      # [B]
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    zeros = torch.zeros(G, dtype=s.dtype, device=s.device)
+    n = zeros.clone().index_add_(0, inv, torch.ones_like(s))
+    wsum = zeros.clone().index_add_(0, inv, length * s)
+    lsum = zeros.clone().index_add_(0, inv, length)
+    b = torch.where(n > 1, wsum / lsum, zeros)                             # [G]
+    adv = _broadcast(s - b[inv], mask)
+    return adv, adv
+
+
+def gpg_advantages(token_rewards, mask, group_ids, *, f_norm: float = 1.0,
+                   reduce_sum: ReduceSum | None = None):
+    """GPG (Chu et al. 2025): A_i = alpha (r_i - mean_g) / f_norm with alpha = B / #{i: r_i != 0}
+    over the batch (at least 1 in the denominator); mean 0 for a group of one, no std."""
+    s = _scores(token_rewards, mask)
+    counts = torch.stack([torch.tensor(float(s.numel()), dtype=s.dtype, device=s.device),
+                          (s != 0).sum().to(s.dtype)])
+    if reduce_sum is not None:  # B and the non-zero count of the global batch (every rank's rows)
+        counts = reduce_sum(counts)
+    alpha = counts[0] / counts[1].clamp(min=1)
+    mean, _, _ = group_mean_std(s, group_ids)
+    adv = _broadcast(alpha * (s - mean) / f_norm, mask)
+    return adv, adv
+
+
+def grpo_passk_advantages(token_rewards, mask, group_ids, *, norm_adv_by_std_in_grpo: bool = True,
+                          epsilon: float = GRPO_EPSILON):
+    """Pass@k (Chen et al. 2025, arXiv 2503.19595): only the best row of a group gets a non-zero
+    advantage, r_max - r_second_max (divided by std_g + epsilon when normalising). Needs groups of
+    at least two; a tie for the best gives 0."""
+    s = _scores(token_rewards, mask)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    a = torch.zeros_like(s)
+    for g in range(int(inv.max()) + 1 if inv.numel() else 0):              # one small group at a time
+        rows = torch.nonzero(inv == g).flatten()
+        r = s[rows]
+        if r.numel() < 2:
+            raise ValueError(f"grpo_passk: group {int(group_ids[rows[0]])} has {r.numel()} sample; "
+                             f"pass@k needs at least 2 samples per prompt")
+        top, idx = torch.topk(r, 2)
+        gap = top[0] - top[1]
+        if norm_adv_by_std_in_grpo:
+            gap = gap / (torch.std(r) + epsilon)
+        a[rows[idx[0]]] = gap
+    adv = _broadcast(a, mask)
+    return adv, adv
+
+
+def discounted_returns(token_rewards, mask, *, gamma: float):
+    """G_t = r_t + gamma G_{t+1} within each response (0 after its last token). [B, T] -> [B, T]."""
+    r = zero_padding(token_rewards, mask)
+    m = mask.to(r.dtype)
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]                                        # reset past the response
+    return zero_padding(returns, mask)
+
+
+def reinforce_plus_plus_advantages(token_rewards, mask, *, gamma: float, reduce_sum: ReduceSum | None = None):
+    """REINFORCE++ (Hu 2025): the discounted return, whitened over the batch's response tokens."""
+    returns = discounted_returns(token_rewards, mask, gamma=gamma)
+    return masked_whiten(returns, mask, reduce_sum=reduce_sum), returns
+
+
+def reinforce_plus_plus_baseline_advantages(token_rewards, mask, group_ids, *, reduce_sum: ReduceSum | None = None):
+    """REINFORCE++-baseline: r_i - mean_g (0 for a group of one) on every token, whitened over the
+    batch's response tokens."""
+    s = _scores(token_rewards, mask)
+    mean, _, _ = group_mean_std(s, group_ids)
+    adv = masked_whiten(_broadcast(s - mean, mask), mask, reduce_sum=reduce_sum)
+    return adv, adv
