@@ -48,7 +48,7 @@ def test_70b_configs_hold_the_features_the_plan_assumes():
     for path, recompute in ((H200, "selective"), (H100, "full")):
         cfg = load_config(path, [])
         assert (cfg.training.recompute, cfg.parallel.sequence_parallel, cfg.parallel.use_distributed_optimizer,
-                cfg.model.layer_spec, cfg.model.params_dtype) == (recompute, True, True, "local", "bfloat16"), path
+                cfg.model.layer_spec, cfg.model.params_dtype) == (recompute, False, True, "local", "bfloat16"), path
 
 
 @pytest.mark.parametrize("overrides", [[], ["training.recompute=full", "parallel.sequence_parallel=false",

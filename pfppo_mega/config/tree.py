@@ -787,6 +787,12 @@ class Config(Section):
             p.append(Problem("parallel.virtual_pipeline_size", vpp,
                              f"model.num_layers ({layers}) must be divisible by pipeline_model_parallel_size x "
                              f"virtual_pipeline_size ({pp} x {vpp} = {pp * vpp} chunks)"))
+        if self.parallel.sequence_parallel is True and self.parallel.tensor_model_parallel_size != 1 \
+                and self.model.layer_spec == "local":  # on any device (models.gpt.check_features)
+            p.append(Problem("parallel.sequence_parallel", True,
+                             "must be false with model.layer_spec 'local': megatron's local spec norms "
+                             "(WrappedTorchNorm) refuse sequence parallelism on every device; sequence parallelism "
+                             "needs model.layer_spec transformer_engine (where transformer-engine is installed)"))
         if self.actor_rollout.model_path is None and not self.model.is_complete():
             missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(self.model, k) is None]
             p.append(Problem("model", "incomplete",

@@ -136,17 +136,25 @@ def check_features(model: ModelConfig, features: Features, *, device_type: Optio
     """Refuse at start, by config key, what megatron or the machine cannot run (FeatureError lists
     every such key). ``device_type``: where the models will live ("cpu" / "cuda"; default: cuda
     when visible). Runs on CPU: the distributed optimizer, bf16 parameters with fp32 main weights.
-    GPU only: sequence parallelism (megatron's torch RMSNorm refuses it), selective / full
-    recompute (megatron's recompute makes CUDA tensors inside the backward pass), the
-    transformer_engine layer spec. Not wired into the trainer: the interleaved pipeline."""
+    Refused on every device: sequence parallelism with the local layer spec (its WrappedTorchNorm
+    asserts it off), and without TP. GPU only: selective / full recompute (megatron's recompute
+    makes CUDA tensors inside the backward pass), the transformer_engine layer spec (and so
+    sequence parallelism). Not wired into the trainer: the interleaved pipeline."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     tp = _layout(tp, None)[0]
     problems = []
     if features.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (TP is 1)")
+    elif features.sequence_parallel and model.layer_spec == "local":
+        # On every device: the local spec's norm is megatron's WrappedTorchNorm, whose constructor
+        # asserts `not config.sequence_parallel` (GPU or CPU alike).
+        problems.append("parallel.sequence_parallel = true with model.layer_spec = 'local' (any device): megatron's "
+                        "local spec norms (WrappedTorchNorm) refuse sequence parallelism; set "
+                        "parallel.sequence_parallel false, or use model.layer_spec transformer_engine where "
+                        "transformer-engine is installed")
     elif features.sequence_parallel and device_type != "cuda":
-        problems.append(f"parallel.sequence_parallel = true needs CUDA devices (device {device_type!r}): megatron's "
-                        f"torch RMSNorm refuses sequence parallelism; set it false on CPU")
+        problems.append(f"parallel.sequence_parallel = true needs CUDA devices (device {device_type!r}); set it "
+                        f"false on CPU")
     if model.layer_spec == "transformer_engine":
         try:
             with _quiet_megatron():
@@ -184,7 +192,7 @@ def _recompute_kwargs(recompute: str) -> dict:
 
 def transformer_config(
     model: ModelConfig, *, tp: Optional[int] = None, pp: Optional[int] = None, qkv_bias: bool = False,
-    arch: Optional[Architecture] = None, features: Optional[Features] = None,
+    arch: Optional[Architecture] = None, features: Optional[Features] = None, device_type: Optional[str] = None,
 ) -> TransformerConfig:
     """megatron TransformerConfig of the decoder described by ``model`` and ``arch`` (None: Llama,
     or Qwen2 when the older flag ``qkv_bias`` is set).
@@ -192,13 +200,14 @@ def transformer_config(
     tp / pp default to the sizes of megatron's initialised parallel state (1 when none is);
     check_layout runs first. Dropout is 0 (RL fine-tuning; also makes the actor deterministic
     for log-prob ratios). ``features`` (default: all off) sets sequence parallelism and
-    recomputation; check_features refuses what this machine cannot run.
+    recomputation; check_features refuses what this machine cannot run (``device_type``: where the
+    models will live, default cuda when visible; the dry run builds for "cuda" on the meta device).
     """
     shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
     tp, pp = _layout(tp, pp)
     check_layout(model, tp=tp, pp=pp)
     features = features or Features()
-    check_features(model, features, tp=tp)
+    check_features(model, features, device_type=device_type, tp=tp)
     dtype = _DTYPES[model.params_dtype]
     return TransformerConfig(
         num_layers=shape.num_layers,

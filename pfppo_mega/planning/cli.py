@@ -210,13 +210,14 @@ def main(argv: list[str]) -> int:
     report = plan.to_json()
     status = 0 if plan.fits() else 2
     if ranks:
+        from pfppo_mega.models.gpt import features_from_config
         from pfppo_mega.planning.dryrun import dry_run_rank
 
         print("\ndry run (fake process group, meta-device megatron models):")
         report["dry_run"] = []
         for r in ranks:
             res = dry_run_rank(cfg.model, tp=plan.layout.tp, pp=plan.layout.pp, world_size=hw.world_size, rank=r,
-                               arch=arch)
+                               arch=arch, features=features_from_config(cfg))
             c = res.coords
             verdict = "OK" if res.ok else "MISMATCH"
             print(f"  rank {r:>3}/{res.world_size}: tp {c['tp_rank']} dp {c['dp_rank']} pp {c['pp_rank']}; "

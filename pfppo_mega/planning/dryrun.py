@@ -9,7 +9,7 @@ For each requested rank r of WORLD = nodes x gpus_per_node:
    absent, ranks); the rank's tp / dp / pp coordinates and its tensor, data, pipeline and
    embedding groups are compared with ``shapes.rank_coords`` / ``shapes.group_ranks``;
 3. the actor (GPTModel, LM head) and the critic (same trunk, ValueHead) of the config's shape
-   are built for that rank's stage on the meta device (megatron-core 0.16.1 supports it with
+   and training features (sequence parallelism, recompute, dtype, layer spec: as on a GPU) are built for that rank's stage on the meta device (megatron-core 0.16.1 supports it with
    ``use_cpu_initialization=True, perform_initialization=False`` inside ``torch.device("meta")``:
    no parameter memory is allocated, a 70B rank builds in ~0.1 s), and every parameter's name
    and shape is compared with ``shapes.param_shapes``, hence the per-rank counts the memory
@@ -81,13 +81,16 @@ def _megatron_groups() -> tuple[dict[str, int], dict[str, list[int]]]:
     return coords, groups
 
 
-def _meta_models(model_cfg, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
+def _meta_models(model_cfg, arch=None, features=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """Actor and critic of this rank's stage on the meta device: name -> shape of each.
-    ``arch``: the checkpoint's pfppo_mega.families.Architecture (None: Llama)."""
+    ``arch``: the checkpoint's pfppo_mega.families.Architecture (None: Llama). ``features``: the
+    config's training features (``gpt.features_from_config``; None: all off), checked and built as
+    on a GPU (``device_type="cuda"``), so what megatron asserts at construction there (a norm that
+    refuses sequence parallelism, a recompute setting it rejects) fails here too."""
     from pfppo_mega.models import gpt
 
     shape = DecoderShape.from_model_config(model_cfg, arch)
-    config = gpt.transformer_config(model_cfg, arch=shape.arch)
+    config = gpt.transformer_config(model_cfg, arch=shape.arch, features=features, device_type="cuda")
     config.use_cpu_initialization = True   # weights created with torch.empty(...) and no device=
     config.perform_initialization = False  # no init kernels (they cannot run on meta tensors)
 
@@ -114,8 +117,10 @@ def _compare(label: str, got: dict[str, tuple], want: dict[str, tuple]) -> list[
     return out
 
 
-def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int, arch=None) -> DryRunResult:
-    """Build rank ``rank``'s megatron groups and meta-device models; compare with the planner."""
+def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int, arch=None,
+                 features=None) -> DryRunResult:
+    """Build rank ``rank``'s megatron groups and meta-device models (with the config's ``features``,
+    ``gpt.features_from_config``) and compare with the planner."""
     from pfppo_mega.compat import megatron_cpu
 
     with warnings.catch_warnings():
@@ -131,7 +136,7 @@ def dry_run_rank(model_cfg, *, tp: int, pp: int, world_size: int, rank: int, arc
                                      create_gloo_process_groups=False)
         try:
             coords, groups = _megatron_groups()
-            actor, critic = _meta_models(model_cfg, arch)
+            actor, critic = _meta_models(model_cfg, arch, features)
         finally:
             ps.destroy_model_parallel()
 
