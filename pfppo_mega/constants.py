@@ -31,8 +31,16 @@ POOL_ASSIGN = ("group", "step")
 # Per-token KL estimators (algorithm.kl_estimator, ppo/kl.py) and verl's names for them.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-# Token-loss aggregation (algorithm.loss_agg_mode, ppo/losses.py, the fused policy loss).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# Token-loss aggregation (algorithm.loss_agg_mode, ppo/losses.py, the fused policy loss);
+# seq-mean-token-sum-norm is Dr.GRPO's: the token sum over a constant (algorithm.loss_scale_factor).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# the modes the C++/CUDA policy-loss op computes itself; kernels/backends.py maps
+# seq-mean-token-sum-norm onto seq-mean-token-sum times (rows / constant)
+KERNEL_LOSS_AGG_MODES = LOSS_AGG_MODES[:3]
+# Policy losses a config may choose (algorithm.policy_loss, trainer/policy_loss.py; verl's names);
+# "tis" is chosen by algorithm.pool.is_mode, not here. verl's "vanilla" is ppo_clip.
+POLICY_LOSSES = ("ppo_clip", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo")
+POLICY_LOSS_ALIASES = {"vanilla": "ppo_clip"}
 # Sequence-score normalisation (reward.scaling, ppo/rewards.py).
 REWARD_SCALING = ("none", "batch_zscore", "running_zscore")
 # Gameable wrappers around an honest reward (reward.shaping.kind, rewards/shaping.py).

@@ -271,10 +271,12 @@ def test_apply_kl_penalty_vs_loop(estimator):
 # ---------------------------------------------------------------- agg_loss
 
 
-def ref_agg(loss_rows, mode):
+def ref_agg(loss_rows, mode, width=T):
     nonempty = [r for r in loss_rows if r]
     if not nonempty:
         return 0.0
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO as verl: every token's loss over a constant (the padded width)
+        return sum(sum(r) for r in nonempty) / width
     if mode == "token-mean":
         return sum(sum(r) for r in nonempty) / sum(len(r) for r in nonempty)
     if mode == "seq-mean-token-sum":

@@ -395,7 +395,22 @@ class AlgorithmConfig(Section):
     vf_coef: float = opt(0.1, "Weight of the value loss.")
     value_clip: Optional[float] = opt(0.2, "Clip range of the value update; null = unclipped.")
     entropy_coeff: float = opt(0.0, "Entropy bonus weight (>= 0).")
-    loss_agg_mode: str = opt("token-mean", "How token losses are averaged.")
+    loss_agg_mode: str = opt("token-mean", "How token losses are averaged: token-mean, seq-mean-token-sum, "
+                             "seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO: the token sum over the "
+                             "constant loss_scale_factor, as verl).")
+    loss_scale_factor: Optional[float] = opt(None, "seq-mean-token-sum-norm's constant (> 0); null = "
+                                                   "max_response_length (verl: the padded response length).")
+    policy_loss: str = opt("ppo_clip", "Policy loss (verl's names; 'vanilla' = ppo_clip): ppo_clip, gspo "
+                           "(sequence ratio), sapo (smooth gate), gpg (plain -logp A), clip_cov, kl_cov, "
+                           "geo_mean (GMPO), cispo. gspo, sapo and geo_mean aggregate seq-mean-token-mean "
+                           "whatever loss_agg_mode, as verl. PF-PPO's is_mode tis is its own loss (ppo_clip only).")
+    clip_cov_ratio: float = opt(0.0002, "clip_cov: fraction of tokens whose gradient is cut, in (0, 1].")
+    clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of the covariance of a token that may be cut.")
+    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of that covariance (> clip_cov_lb).")
+    kl_cov_ratio: float = opt(0.0002, "kl_cov: fraction of tokens (largest covariance) given the KL term, in (0, 1].")
+    ppo_kl_coef: float = opt(0.1, "kl_cov: weight of |log ratio| on those tokens (>= 0).")
+    tau_pos: float = opt(1.0, "sapo: gate temperature where the advantage is > 0 (> 0).")
+    tau_neg: float = opt(1.05, "sapo: gate temperature where the advantage is <= 0 (> 0).")
     max_response_length: int = opt(32, "Longest response in tokens; generation stops there.")
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
     pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
@@ -415,11 +430,12 @@ class AlgorithmConfig(Section):
     }
     # verl's estimator names, accepted as values of kl_estimator.
     KL_VALUE_ALIASES: ClassVar[dict[str, str]] = C.KL_ESTIMATOR_ALIASES
-    VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES}
+    VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES,
+                                                          "policy_loss": C.POLICY_LOSS_ALIASES}
     # kl_estimator is checked after __post_init__ has rewritten the verl names above.
     CHOICES: ClassVar[dict[str, tuple]] = {
         "name": C.ALGORITHMS, "kl_estimator": C.KL_ESTIMATORS, "adv_estimator": ADV_ESTIMATORS,
-        "loss_agg_mode": C.LOSS_AGG_MODES,
+        "loss_agg_mode": C.LOSS_AGG_MODES, "policy_loss": C.POLICY_LOSSES,
     }
 
     def __post_init__(self) -> None:
@@ -428,6 +444,7 @@ class AlgorithmConfig(Section):
                                        "is the reward of one extra greedy response per prompt, which this "
                                        "trainer does not generate; use grpo or rloo")])
         self.kl_estimator = self.KL_VALUE_ALIASES.get(self.kl_estimator, self.kl_estimator)
+        self.policy_loss = C.POLICY_LOSS_ALIASES.get(self.policy_loss, self.policy_loss)
         if self.clip_ratio_low is None:
             self.clip_ratio_low = self.clip_ratio
         if self.clip_ratio_high is None:
@@ -448,6 +465,18 @@ class AlgorithmConfig(Section):
         _range(p, "entropy_coeff", self.entropy_coeff, ge=0)
         _range(p, "max_response_length", self.max_response_length, ge=1, le=C.MAX_TOKENS)
         _range(p, "ppo_epochs", self.ppo_epochs, ge=1, le=C.MAX_STEPS)
+        _range(p, "loss_scale_factor", self.loss_scale_factor, gt=0, optional=True)
+        _range(p, "clip_cov_ratio", self.clip_cov_ratio, gt=0, le=1)
+        _range(p, "kl_cov_ratio", self.kl_cov_ratio, gt=0, le=1)
+        _range(p, "ppo_kl_coef", self.ppo_kl_coef, ge=0)
+        _range(p, "tau_pos", self.tau_pos, gt=0)
+        _range(p, "tau_neg", self.tau_neg, gt=0)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            p.append(Problem("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})"))
+        if self.use_pf_ppo and self.pool.is_mode == "tis" and self.policy_loss != "ppo_clip":
+            p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with use_pf_ppo and pool.is_mode "
+                             "'tis': tis is a policy loss of its own (truncated IS, no proximal clip); use "
+                             "pool.is_mode truncate or mask with this loss"))
 
 
 @dataclass

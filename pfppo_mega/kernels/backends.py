@@ -61,8 +61,10 @@ class KernelBackend(Protocol):
         dual_clip_c: float | None = None,
         loss_agg_mode: str = "token-mean",
         is_weights: torch.Tensor | None = None,
+        loss_scale_factor: float | None = None,
     ) -> PolicyLossOutput:
-        """PPO clipped loss over [B, T] (formulas: pfppo_mega.ppo.policy_loss)."""
+        """PPO clipped loss over [B, T] (formulas: pfppo_mega.ppo.policy_loss); loss_scale_factor:
+        the constant of seq-mean-token-sum-norm (None = T, as ppo.agg_loss)."""
         ...
 
     def gae(
@@ -220,7 +222,7 @@ class FusedBackend:
 
     def policy_loss(
         self, logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_high,
-        dual_clip_c=None, loss_agg_mode="token-mean", is_weights=None,
+        dual_clip_c=None, loss_agg_mode="token-mean", is_weights=None, loss_scale_factor=None,
     ):
         _check_bt("FusedBackend.policy_loss", logp=logp, old_logp=old_logp, advantages=advantages,
                   mask=mask, is_weights=is_weights)
@@ -229,14 +231,23 @@ class FusedBackend:
             named.append(("is_weights", is_weights))
         dtype = _kernel_dtype("policy_loss", *named)
         cast = [t.to(dtype).contiguous() for _, t in named]
+        kernel_mode, norm_scale = loss_agg_mode, 1.0
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            # sum / C = seq-mean-token-sum x rows / C (rows with >= 1 token): the kernel's own mode,
+            # times a constant (a host sync for the row count)
+            c = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+            if not c > 0:
+                raise ValueError(f"FusedBackend.policy_loss: loss_scale_factor={loss_scale_factor} must be > 0")
+            kernel_mode = "seq-mean-token-sum"
+            norm_scale = float((mask.sum(-1) > 0).sum()) / c
         out = ops.policy_loss(
             cast[0], cast[1].detach(), cast[2].detach(), _as_mask(mask),
             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-            dual_clip_c=dual_clip_c, loss_agg_mode=loss_agg_mode,
+            dual_clip_c=dual_clip_c, loss_agg_mode=kernel_mode,
             is_weights=cast[3].detach() if is_weights is not None else None,
         )
         return PolicyLossOutput(
-            loss=out.loss,
+            loss=out.loss * norm_scale,
             pg_clipfrac=out.pg_clipfrac,
             pg_clipfrac_lower=out.pg_clipfrac_lower,
             approx_kl=out.approx_kl,

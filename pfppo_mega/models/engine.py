@@ -103,7 +103,10 @@ def global_normalizers(mask: Tensor) -> Normalizers:
 def share_scale(mask: Tensor, norm: Normalizers, *, mode: str) -> float:
     """Factor turning ppo.agg_loss(loss_mat, mask, mode=mode) over a micro-batch into its share of
     the same aggregate over the global batch: local tokens / global tokens (token-mean) or local
-    rows with tokens / global rows (seq-mean-*). 1.0 when the micro-batch is the global batch."""
+    rows with tokens / global rows (seq-mean-*). 1.0 when the micro-batch is the global batch, and
+    for seq-mean-token-sum-norm (sum / constant: the shares add up to the global sum / constant)."""
+    if mode == "seq-mean-token-sum-norm":  # a sum over a constant: each micro-batch's is its share
+        return 1.0
     if mode == "token-mean":
         local, total = float(mask.float().sum()), norm.tokens
     elif mode in ppo.LOSS_AGG_MODES:
@@ -115,10 +118,12 @@ def share_scale(mask: Tensor, norm: Normalizers, *, mode: str) -> float:
     return local / total if total > 0 else 0.0
 
 
-def agg_loss_share(loss_mat: Tensor, mask: Tensor, norm: Normalizers, *, mode: str) -> Tensor:
+def agg_loss_share(loss_mat: Tensor, mask: Tensor, norm: Normalizers, *, mode: str,
+                   loss_scale_factor: float | None = None) -> Tensor:
     """ppo.agg_loss over the micro-batch times share_scale: this micro-batch's share of the
     global-batch aggregate (the value loss_fn returns)."""
-    return ppo.agg_loss(loss_mat, mask, mode=mode) * share_scale(mask, norm, mode=mode)
+    return ppo.agg_loss(loss_mat, mask, mode=mode, loss_scale_factor=loss_scale_factor) * share_scale(
+        mask, norm, mode=mode)
 
 
 # ----------------------------------------------------------------------------- micro-batches

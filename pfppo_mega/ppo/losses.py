@@ -9,12 +9,16 @@ from pfppo_mega.ppo.masked import check_same_shape, masked_mean, masked_sum
 from pfppo_mega.constants import LOSS_AGG_MODES, LOG_RATIO_LIMIT as _LOG_RATIO_LIMIT
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a scalar over the real tokens.
 
-        token-mean          = sum_{b,t} l*m / sum_{b,t} m
-        seq-mean-token-sum  = mean over rows with >= 1 token of sum_t l*m
-        seq-mean-token-mean = mean over rows with >= 1 token of (sum_t l*m / sum_t m)
+        token-mean              = sum_{b,t} l*m / sum_{b,t} m
+        seq-mean-token-sum      = mean over rows with >= 1 token of sum_t l*m
+        seq-mean-token-mean     = mean over rows with >= 1 token of (sum_t l*m / sum_t m)
+        seq-mean-token-sum-norm = sum_{b,t} l*m / loss_scale_factor   (Dr.GRPO; verl's definition:
+                                  a sum over the rows, no row mean; loss_scale_factor None = T,
+                                  the padded length, as verl; the trainer passes a constant)
 
     An all-masked batch gives 0, still connected to loss_mat (its gradient is 0, not missing).
     The normalisers are local to this batch; a data-parallel caller rescales if it wants a
@@ -25,6 +29,11 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str) -> torch.
         return masked_mean(loss_mat, mask)
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"agg_loss: mode={mode!r} is not one of {LOSS_AGG_MODES}")
+    if mode == "seq-mean-token-sum-norm":
+        c = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        if not c > 0:
+            raise ValueError(f"agg_loss: loss_scale_factor={loss_scale_factor} must be > 0")
+        return masked_sum(loss_mat, mask) / c
     row_sum = masked_sum(loss_mat, mask, dim=1)  # [B]
     row_count = masked_sum(torch.ones_like(loss_mat), mask, dim=1)  # [B]
     row_has_tokens = row_count > 0  # [B]
@@ -57,6 +66,7 @@ def policy_loss(
     dual_clip_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and optional dual clip.
 
@@ -110,7 +120,7 @@ def policy_loss(
         is_weights = is_weights.detach().to(pg.dtype)
         pg = pg * is_weights
 
-    loss = agg_loss(pg, mask, mode=loss_agg_mode)
+    loss = agg_loss(pg, mask, mode=loss_agg_mode, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         return PolicyLossOutput(
             loss=loss,
@@ -137,6 +147,7 @@ def value_loss(
     *,
     value_clip: float | None,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> ValueLossOutput:
     """Clipped value loss.
 
@@ -164,7 +175,7 @@ def value_loss(
         err_sq_clipped = (v_clipped - returns).square()
         loss_mat = 0.5 * torch.maximum(err_sq, err_sq_clipped)
         clip_active = err_sq_clipped > err_sq
-    loss = agg_loss(loss_mat, mask, mode=loss_agg_mode)
+    loss = agg_loss(loss_mat, mask, mode=loss_agg_mode, loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         vf_clipfrac = masked_mean(clip_active.to(values.dtype), mask)
     return ValueLossOutput(loss=loss, vf_clipfrac=vf_clipfrac)

@@ -34,7 +34,7 @@ from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engin
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.generation import Generation
 from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
-from pfppo_mega.trainer.policy_loss import PolicyLossParams, get_policy_loss
+from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
 from pfppo_mega.types import PromptSource, RewardFn, Sample
@@ -106,6 +106,7 @@ class Run:
     behaviour: BehaviourPolicy
     estimator: AdvantageEstimator
     policy_loss: Callable
+    policy_loss_name: str               # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
     policy_loss_params: PolicyLossParams
     rng: random.Random                  # this DP rank's prompt and sampling-seed stream
     assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
@@ -282,11 +283,17 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                      dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     params = PolicyLossParams(kernel_policy_loss=kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
                               clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
-                              loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip)
+                              loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip,
+                              loss_scale_factor=a.loss_scale_factor or a.max_response_length,
+                              clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
+                              kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
+                              tau_neg=a.tau_neg,
+                              generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
+    loss_name = choose_policy_loss(use_pool=a.use_pf_ppo, is_mode=a.pool.is_mode, name=a.policy_loss)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
                behaviour=behaviour, estimator=estimator,
-               policy_loss=get_policy_loss(behaviour.policy_loss_name), policy_loss_params=params, rng=rng,
+               policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

@@ -8,6 +8,10 @@ only the stats the variant returns.
                weights under PF-PPO (is_mode truncate / mask), through the kernels backend
     tis        truncated IS against the behaviour policy, no proximal clip (is_mode tis,
                pfppo_mega.pool.correction.tis_policy_loss)
+    gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo
+               verl's losses under verl's names (algorithm.policy_loss; math in
+               pfppo_mega.ppo.pg_variants); the behaviour IS weights multiply their token losses
+               and they train on pg_mask, as ppo_clip
 
 `choose_policy_loss` picks the variant from the run's settings; `register_policy_loss` adds one.
 """
@@ -21,6 +25,7 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.constants import LOG_RATIO_LIMIT
+from pfppo_mega.ppo import pg_variants as pgv
 from pfppo_mega.pool.correction import tis_policy_loss
 
 
@@ -48,6 +53,15 @@ class PolicyLossParams:
     dual_clip_c: Optional[float]
     loss_agg_mode: str
     is_clip: float
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant
+    clip_cov_ratio: float = 0.0002              # clip_cov / kl_cov: verl's defaults
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0                        # sapo
+    tau_neg: float = 1.05
+    generator: Optional[torch.Generator] = None  # clip_cov's random choice of tokens (CPU)
 
 
 @dataclass
@@ -55,6 +69,7 @@ class PolicyLossResult:
     loss: torch.Tensor                  # 0-dim aggregate over `mask` (loss_agg_mode)
     mask: torch.Tensor                  # [b, T] the mask the aggregate is over
     stats: dict[str, torch.Tensor]      # this variant's own stats (detached scalars)
+    agg_mode: Optional[str] = None      # the aggregation `loss` used when not loss_agg_mode (gspo, ...)
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], PolicyLossResult]
@@ -74,7 +89,8 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 def _ppo_clip(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
     out = p.kernel_policy_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, clip_ratio_low=p.clip_ratio_low,
                                clip_ratio_high=p.clip_ratio_high, dual_clip_c=p.dual_clip_c,
-                               loss_agg_mode=p.loss_agg_mode, is_weights=x.is_weights)
+                               loss_agg_mode=p.loss_agg_mode, is_weights=x.is_weights,
+                               loss_scale_factor=p.loss_scale_factor)
     return PolicyLossResult(loss=out.loss, mask=x.pg_mask, stats={
         "policy/pg_loss": out.loss.detach(), "policy/clipfrac": out.pg_clipfrac,
         "policy/clipfrac_dual": out.pg_clipfrac_lower, "policy/approx_kl": out.approx_kl})
@@ -85,7 +101,7 @@ def _tis(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
     # On-policy rows: the behaviour policy is the proximal one (weight 1 at the start).
     behav = torch.where(x.on_policy[:, None], x.old_logp, x.behav_logp)             # [b, T]
     loss = ppo.agg_loss(tis_policy_loss(x.logp, behav, x.advantages, x.mask, is_clip=p.is_clip), x.mask,
-                        mode=p.loss_agg_mode)
+                        mode=p.loss_agg_mode, loss_scale_factor=p.loss_scale_factor)
     with torch.no_grad():
         real = x.mask.bool()
         zero = torch.zeros((), dtype=x.logp.dtype, device=x.logp.device)
@@ -99,9 +115,48 @@ def _tis(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
         "policy/approx_kl": approx_kl})
 
 
-def choose_policy_loss(*, use_pool: bool, is_mode: str) -> str:
-    """The variant a run uses: tis when PF-PPO runs with is_mode tis, else the clipped surrogate."""
-    return "tis" if use_pool and is_mode == "tis" else "ppo_clip"
+def _register_variant(name: str, compute) -> None:
+    """One of pg_variants' losses over pg_mask (the tokens the clipped loss trains on)."""
+    def fn(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
+        loss, st = compute(x, p)
+        stats = {"policy/pg_loss": loss.detach()}
+        for key, label in (("pg_clipfrac", "policy/clipfrac"), ("pg_clipfrac_lower", "policy/clipfrac_dual"),
+                           ("ppo_kl", "policy/ppo_kl")):
+            if key in st:
+                stats[label] = st[key]
+        return PolicyLossResult(loss=loss, mask=x.pg_mask, stats=stats, agg_mode=pgv.AGG_MODE.get(name))
+    register_policy_loss(name)(fn)
+
+
+_clip = lambda p: dict(clip_ratio_low=p.clip_ratio_low, clip_ratio_high=p.clip_ratio_high)  # noqa: E731
+_agg = lambda p: dict(loss_agg_mode=p.loss_agg_mode, loss_scale_factor=p.loss_scale_factor)  # noqa: E731
+_register_variant("gspo", lambda x, p: pgv.gspo_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, **_clip(p),
+                                                     is_weights=x.is_weights))
+_register_variant("sapo", lambda x, p: pgv.sapo_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, tau_pos=p.tau_pos,
+                                                     tau_neg=p.tau_neg, is_weights=x.is_weights))
+_register_variant("gpg", lambda x, p: pgv.gpg_loss(x.logp, x.advantages, x.pg_mask, **_agg(p), is_weights=x.is_weights))
+_register_variant("cispo", lambda x, p: pgv.cispo_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, **_clip(p),
+                                                       **_agg(p), is_weights=x.is_weights))
+_register_variant("clip_cov", lambda x, p: pgv.clip_cov_loss(
+    x.logp, x.old_logp, x.advantages, x.pg_mask, **_clip(p), clip_cov_ratio=p.clip_cov_ratio,
+    clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub, **_agg(p), is_weights=x.is_weights, generator=p.generator))
+_register_variant("kl_cov", lambda x, p: pgv.kl_cov_loss(
+    x.logp, x.old_logp, x.advantages, x.pg_mask, kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef, **_agg(p),
+    is_weights=x.is_weights))
+_register_variant("geo_mean", lambda x, p: pgv.geo_mean_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, **_clip(p),
+                                                             is_weights=x.is_weights))
+
+
+def choose_policy_loss(*, use_pool: bool, is_mode: str, name: str = "ppo_clip") -> str:
+    """The variant a run uses: tis when PF-PPO runs with is_mode tis, else algorithm.policy_loss
+    (ppo_clip by default). tis is a loss of its own: with any other configured loss it is refused."""
+    if use_pool and is_mode == "tis":
+        if name != "ppo_clip":
+            raise ValueError(f"algorithm.policy_loss = {name!r} with algorithm.pool.is_mode = 'tis': tis is a "
+                             f"policy loss of its own (truncated IS, no proximal clip); use is_mode truncate or mask "
+                             f"with {name}, or policy_loss ppo_clip with tis")
+        return "tis"
+    return name
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

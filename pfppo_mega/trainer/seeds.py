@@ -11,11 +11,14 @@ ones the trainer has always used, so seeded runs (tests, the figures in the docs
     minibatches    seed * 1_000_003 + step                     mini-batch shuffles of one update
     kl_probe       seed + step                                 sampling of the KL probe
     eval           seed                                        sampling of the held-out evaluation
+    clip_cov       seed + 104_729                              the tokens algorithm.policy_loss clip_cov
+                                                               cuts (not checkpointed: a resumed run
+                                                               draws anew)
 """
 
 from __future__ import annotations
 
-STREAMS = ("prompts", "assignment", "minibatches", "kl_probe", "eval")
+STREAMS = ("prompts", "assignment", "minibatches", "kl_probe", "eval", "clip_cov")
 
 
 def stream_seed(stream: str, seed: int, *, dp_rank: int = 0, step: int = 0) -> int:
@@ -30,4 +33,6 @@ def stream_seed(stream: str, seed: int, *, dp_rank: int = 0, step: int = 0) -> i
         return seed + step
     if stream == "eval":
         return seed
+    if stream == "clip_cov":
+        return seed + 104_729
     raise ValueError(f"random stream {stream!r} is not one of {STREAMS}")

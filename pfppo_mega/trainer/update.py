@@ -50,10 +50,9 @@ def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
     """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
     share of the mini-batch aggregate (see pfppo_mega.models.engine)."""
     a = run.cfg.algorithm
-    mode = a.loss_agg_mode
-    # The chosen variant's loss aggregates over pg_mask (ppo_clip) or the response mask (tis).
-    pg_norm = mengine.global_normalizers(eb.pg_mask if run.behaviour.policy_loss_name == "ppo_clip"
-                                         else eb.inputs.response_mask)
+    mode, c = a.loss_agg_mode, run.policy_loss_params.loss_scale_factor
+    # The chosen variant's loss aggregates over pg_mask (ppo_clip and verl's losses) or the response mask (tis).
+    pg_norm = mengine.global_normalizers(eb.inputs.response_mask if run.policy_loss_name == "tis" else eb.pg_mask)
 
     def loss_fn(logp, entropy, micro: mengine.MicroBatch):
         r = micro.rows
@@ -64,13 +63,14 @@ def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
             on_policy=eb.on_policy[r])
         devicecheck.expect("policy loss", run.device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
         pl = run.policy_loss(pl_in, run.policy_loss_params)
-        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=mode)
+        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode)
         resp_share = mengine.share_scale(m, micro.norm, mode=mode)
         kl_loss = logp.new_zeros(())
         if a.use_kl_loss and a.kl_coeff > 0:
-            kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode)
+            kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode,
+                                   loss_scale_factor=c)
             share = share + a.kl_coeff * kl_loss * resp_share
-        ent = ppo.agg_loss(entropy, m, mode=mode)
+        ent = ppo.agg_loss(entropy, m, mode=mode, loss_scale_factor=c)
         if a.entropy_coeff > 0:
             share = share - a.entropy_coeff * ent * resp_share
         return share, {**pl.stats, "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
@@ -92,7 +92,8 @@ def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
         devicecheck.expect("value loss", run.device, values=values, old_values=eb.old_values[r],
                            returns=eb.returns[r], mask=m)
         out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
-                             loss_agg_mode=a.loss_agg_mode)
+                             loss_agg_mode=a.loss_agg_mode,
+                             loss_scale_factor=run.policy_loss_params.loss_scale_factor)
         share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode)
         return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
 
