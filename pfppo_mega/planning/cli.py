@@ -10,7 +10,9 @@ Hardware facts come from flags (--gpu, --nodes, --gpus-per-node, --gpu-memory-gi
 --host-memory-gib); the model, the layout and the training features (training.recompute,
 parallel.sequence_parallel, parallel.use_distributed_optimizer, model.layer_spec) from the config,
 as the trainer and scripts/slurm/70b_pfppo.sh read them; runtime choices the config tree does not
-hold (engine TP, pool placement, reserves) from flags. The offload of the trainer's states during
+hold (pool placement, reserves) from flags. The rollout engine's TP, dtype and sleep level are the
+config's actor_rollout.tensor_model_parallel_size / dtype / sleep_level, as the engine reads them;
+``--rollout-tp`` overrides the TP only when given, with a printed note. The offload of the trainer's states during
 rollout is the config's training.offload_during_rollout (null: on, as the trainer does on GPUs).
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.planning.memory import (
-    GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan, offload_from_config,
+    GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
 )
 from pfppo_mega.planning.shapes import total_param_count
 
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-offload", dest="offload_during_rollout", action="store_false",
                     help="keep the trainer's states on the GPU during rollout (the same as the override "
                          "training.offload_during_rollout=false, which the trainer reads)")
-    tr.add_argument("--rollout-tp", type=int, default=None, help="rollout engine TP (default: GPUs per node)")
+    tr.add_argument("--rollout-tp", type=int, default=None,
+                    help="override the rollout engine TP (default: the config's actor_rollout.tensor_model_parallel_size, "
+                         "which the engine uses; a note is printed when they differ)")
     tr.add_argument("--reserve-gib", type=float, default=d.reserve_gib)
     tr.add_argument("--rollout-workspace-gib", type=float, default=d.rollout_workspace_gib)
     tr.add_argument("--host-reserve-gib", type=float, default=d.host_reserve_gib)
@@ -87,7 +91,8 @@ def format_plan(plan: Plan, config: str) -> str:
         f"({hw.gpu_memory / GiB:.2f} GiB per GPU, {hw.host_memory / GiB:.0f} GiB host per node)",
         f"model: actor {plan.actor_params_total / 1e9:.2f} B params, critic {plan.critic_params_total / 1e9:.2f} B, "
         f"reference {'yes' if r.reference else 'no (kl_coeff = 0)'}; layout tp={lay.tp} pp={lay.pp} dp={lay.dp} "
-        f"(world {lay.world_size}); rollout engine tp={plan.rollout_tp} ({kv.replicas} replicas)",
+        f"(world {lay.world_size}); rollout engine tp={plan.rollout_tp} ({kv.replicas} replicas), "
+        f"{r.engine_dtype}, sleep level {r.sleep_level}",
         f"sequence {r.seq_len} tokens (prompt {r.max_prompt_length} + response {r.max_response_length}); "
         f"micro-batch {plan.micro_batch}; {plan.num_microbatches} micro-batches per mini-batch of {r.mini_batch} "
         f"per DP rank; pipeline bubble {plan.bubble:.1%}",
@@ -184,14 +189,10 @@ def main(argv: list[str]) -> int:
         print("pfppo plan: these flags are config keys now (the trainer and the Slurm script read the same "
               "values):\n" + "\n".join(f"  - {u}" for u in used), file=sys.stderr)
         return 2
-    knobs = Knobs(micro_batch=args.micro_batch, recompute=cfg.training.recompute,
-                  sequence_parallel=cfg.parallel.sequence_parallel,
-                  layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
-                  distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                  offload_during_rollout=offload_from_config(cfg) and args.offload_during_rollout,
-                  rollout_tp=args.rollout_tp,
-                  reserve_gib=args.reserve_gib, rollout_workspace_gib=args.rollout_workspace_gib,
-                  host_reserve_gib=args.host_reserve_gib, pool_placement=args.pool_placement)
+    knobs = Knobs.from_config(cfg, micro_batch=args.micro_batch, offload_during_rollout=args.offload_during_rollout,
+                              rollout_tp=args.rollout_tp, reserve_gib=args.reserve_gib,
+                              rollout_workspace_gib=args.rollout_workspace_gib,
+                              host_reserve_gib=args.host_reserve_gib, pool_placement=args.pool_placement)
     try:
         hw = Hardware.preset(args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
@@ -203,6 +204,12 @@ def main(argv: list[str]) -> int:
         print(f"pfppo plan: {args.config}: {e}", file=sys.stderr)
         return 2
 
+    if args.rollout_tp is not None and args.rollout_tp != cfg.actor_rollout.tensor_model_parallel_size:
+        note = (f"--rollout-tp {args.rollout_tp} overrides the config's actor_rollout.tensor_model_parallel_size "
+                f"({cfg.actor_rollout.tensor_model_parallel_size}), which the trainer's engine uses: this plan is not "
+                f"the run's unless you pass actor_rollout.tensor_model_parallel_size={args.rollout_tp}")
+        plan.notes.insert(0, note)
+        print(f"pfppo plan: note: {note}", file=sys.stderr)
     print(format_plan(plan, args.config))
     print(arch_line)
     if rm_line:

@@ -7,11 +7,12 @@ GPU of the job holds a shard of each of the four models and the run alternates t
   train states (bf16 weights, fp32 grads, fp32 Adam states), the reference policy's bf16 weights
   and a reward model's (``reward.model_path``, scalar head), all in the megatron layout
   tp x pp x dp; the activations of the one update running (the actor's and the critic's updates
-  are sequential, so the larger counts). The rollout engine sleeps:
-  KV cache freed and weights discarded (vLLM sleep level 2); the next weight sync refills them.
-- Rollout phase: the rollout engine, one replica per ``rollout_tp`` GPUs (default: one node),
-  claims ``gpu_memory_utilization`` of each GPU for its bf16 weights, a workspace and the KV
-  cache. The trainer's states are offloaded to host memory (``offload_during_rollout``);
+  are sequential, so the larger counts). The rollout engine sleeps (``actor_rollout.sleep_level``):
+  level 2 frees its KV cache and discards its weights (the next weight sync refills them); level 1
+  frees the KV cache and moves its weights to host memory (counted per node in the host budget).
+- Rollout phase: the rollout engine, one replica per ``actor_rollout.tensor_model_parallel_size``
+  GPUs, claims ``gpu_memory_utilization`` of each GPU for its weights and KV cache in the engine
+  dtype (``actor_rollout.dtype``; auto = ``model.params_dtype``), a workspace and the KV cache. The trainer's states are offloaded to host memory (``offload_during_rollout``);
   without offload they stay and the engine must fit beside them.
 - Host, per node: the offloaded trainer states of the node's GPUs, the PF-PPO snapshot pool and
   a fixed reserve. Pool placement "node" (default): each node keeps every snapshot whole in the
@@ -54,8 +55,8 @@ stage k keeps min(pp - k, m) micro-batches in flight, each with the stage's L/pp
 actor's last stage also holds the logits [s, b, V/tp]: bf16 logits 2 + fp32 log-softmax 4 + fp32
 gradient 4 = 10 s b V / tp bytes.
 
-KV cache of the rollout engine, per GPU: 2 (K and V) x L x max(1, g / rollout_tp) x d x 2 bytes
-per token; the engine's budget is gpu_memory_utilization x GPU memory - weights - workspace.
+KV cache of the rollout engine, per GPU: 2 (K and V) x L x max(1, g / rollout_tp) x d x e bytes
+per token (e: the engine dtype's bytes, 2 bf16 / 4 fp32); the engine's budget is gpu_memory_utilization x GPU memory - weights - workspace.
 
 Only the standard library is imported here (and ``shapes``, ``pfppo_mega.families``).
 """
@@ -82,6 +83,7 @@ POOL_PLACEMENT = ("node", "sharded")
 BYTES_WEIGHT = 2       # bf16
 BYTES_GRAD = 4         # fp32 grad buffer (grad_reduce_in_fp32)
 BYTES_OPTIMIZER = 12   # fp32 main params + Adam exp_avg + exp_avg_sq
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # the rollout engine's weights and KV cache
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -129,19 +131,31 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Knobs:
-    """Training / runtime choices the config tree does not hold yet (they come from flags)."""
+    """The training features (config keys: ``Knobs.from_config``) and the runtime choices the
+    config tree does not hold (flags)."""
 
     micro_batch: Optional[int] = None   # None: the config's training.micro_batch_size
     recompute: str = "selective"
-    sequence_parallel: bool = True
+    sequence_parallel: bool = False
     layer: str = "local"                # local: as pfppo_mega.models builds it; fused: flash + fused SwiGLU
     distributed_optimizer: bool = True
     offload_during_rollout: bool = True  # training.offload_during_rollout (offload_from_config)
-    rollout_tp: Optional[int] = None    # None: GPUs per node (one engine replica per node)
+    rollout_tp: Optional[int] = None    # an explicit --rollout-tp override; None: the config's (RunShape)
     reserve_gib: float = 4.0            # per GPU: CUDA context, NCCL buffers, allocator slack
     rollout_workspace_gib: float = 2.0  # per GPU: engine activations / sampler (vLLM profiles it)
     host_reserve_gib: float = 64.0      # per node: OS, Python processes, data, pinned buffers
     pool_placement: str = "node"
+
+    @classmethod
+    def from_config(cls, cfg, **flags) -> "Knobs":
+        """The features as the trainer reads them (training.recompute, parallel.sequence_parallel,
+        model.layer_spec, parallel.use_distributed_optimizer, training.offload_during_rollout);
+        ``flags``: the runtime choices (micro_batch, rollout_tp override, reserves, pool placement)."""
+        offload = offload_from_config(cfg) and flags.pop("offload_during_rollout", True)
+        return cls(recompute=cfg.training.recompute, sequence_parallel=cfg.parallel.sequence_parallel,
+                   layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
+                   distributed_optimizer=cfg.parallel.use_distributed_optimizer, offload_during_rollout=offload,
+                   **flags)
 
 
 def offload_from_config(cfg) -> bool:
@@ -170,6 +184,9 @@ class RunShape:
     reference: bool              # a reference policy is kept (kl_coeff > 0)
     reward_model: Optional[DecoderShape] = None  # reward.model_path's shape: forward-only weights on the actor's ranks
     critic: bool = True          # the advantage estimator needs a critic (GAE); else none is built
+    rollout_tp: Optional[int] = None  # actor_rollout.tensor_model_parallel_size; None: GPUs per node
+    engine_dtype: str = "bfloat16"    # actor_rollout.dtype resolved (auto -> model.params_dtype)
+    sleep_level: int = 2              # actor_rollout.sleep_level: 1 keeps engine weights in host memory
 
     @classmethod
     def from_config(cls, cfg, arch=None, reward_model: Optional[DecoderShape] = None) -> "RunShape":
@@ -194,6 +211,9 @@ class RunShape:
             reference=cfg.algorithm.kl_coeff > 0,
             reward_model=reward_model,
             critic=ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_critic,
+            rollout_tp=cfg.actor_rollout.tensor_model_parallel_size,
+            engine_dtype=m.params_dtype if cfg.actor_rollout.dtype == "auto" else cfg.actor_rollout.dtype,
+            sleep_level=cfg.actor_rollout.sleep_level,
         )
 
 
@@ -454,7 +474,9 @@ def _check_inputs(run: RunShape, hw: Hardware, knobs: Knobs) -> tuple[Layout, in
                                 ("pool_placement", knobs.pool_placement, POOL_PLACEMENT)):
         if value not in allowed:
             raise ValueError(f"{key}({value!r}) must be one of {allowed}")
-    rt = knobs.rollout_tp or hw.gpus_per_node
+    rt = knobs.rollout_tp or run.rollout_tp or hw.gpus_per_node  # an explicit flag, else the config
+    if run.engine_dtype not in DTYPE_BYTES:
+        raise ValueError(f"engine dtype({run.engine_dtype!r}) must be one of {tuple(DTYPE_BYTES)}")
     if hw.world_size % rt or sh.num_attention_heads % rt:
         raise ValueError(f"rollout_tp({rt}) must divide the world size ({hw.world_size}) and "
                          f"num_attention_heads({sh.num_attention_heads})")
@@ -491,7 +513,9 @@ def _training_phase(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, b
         which, act, formula = ("actor", act_a, f_a) if act_a >= act_c or not run.critic else ("critic", act_c, f_c)
         comps += [Component(f"activations ({which} update)", act, formula), reserve]
         title = f"GPU, training phase, pipeline stage {k} of {layout.pp}"
-        budget = Budget(title, hw.gpu_memory, comps, "rollout engine asleep (KV freed, weights dropped)")
+        asleep = ("rollout engine asleep (KV freed, weights dropped)" if run.sleep_level == 2 else
+                  "rollout engine asleep (KV freed, weights in host memory)")
+        budget = Budget(title, hw.gpu_memory, comps, asleep)
         stages.append(StageMemory(k, na, nc, budget))
     return stages
 
@@ -501,9 +525,10 @@ def _rollout_phase(run: RunShape, hw: Hardware, knobs: Knobs, rt: int, trainer_s
     """The engine's weights, workspace and KV cache (+ the trainer's states without offload)."""
     sh, util = run.model, run.gpu_memory_utilization
     ne = engine_param_count(sh, rt)
-    engine_w = BYTES_WEIGHT * ne
+    e = DTYPE_BYTES[run.engine_dtype]
+    engine_w = e * ne
     kv_heads = sh.kv_heads(rt)
-    per_token = 2 * sh.num_layers * kv_heads * sh.head_dim * BYTES_WEIGHT
+    per_token = 2 * sh.num_layers * kv_heads * sh.head_dim * e
     workspace = knobs.rollout_workspace_gib * GiB
     kv_budget = util * hw.gpu_memory - engine_w - workspace
     tokens = max(0, int(kv_budget // per_token))
@@ -513,11 +538,11 @@ def _rollout_phase(run: RunShape, hw: Hardware, knobs: Knobs, rt: int, trainer_s
     waves = ceil(per_replica / concurrent) if concurrent else 0
     kv = KVCache(per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
     comps = [
-        Component(f"engine weights (bf16, tp {rt})", engine_w, f"2 B x {ne / 1e9:.3f} B params per GPU"),
+        Component(f"engine weights ({run.engine_dtype}, tp {rt})", engine_w, f"{e} B x {ne / 1e9:.3f} B params per GPU"),
         Component("engine workspace", workspace, "activations and sampler (--rollout-workspace-gib)"),
         Component("engine KV cache", max(0.0, kv_budget),
                   f"gpu_memory_utilization({util}) x GPU - weights - workspace; 2 x {sh.num_layers} layers "
-                  f"x {kv_heads} KV heads x {sh.head_dim} x 2 B = {per_token / 1024:.0f} KiB per token"),
+                  f"x {kv_heads} KV heads x {sh.head_dim} x {e} B = {per_token / 1024:.0f} KiB per token"),
     ]
     if knobs.offload_during_rollout:
         note = "trainer states offloaded to host"
@@ -541,16 +566,20 @@ def _host_memory(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, rt: 
         comps.append(Component("trainer states offloaded during rollout", per_node,
                                f"{hw.gpus_per_node} GPUs x ({_trained(run)} train states + reference weights)"))
     if run.use_pf_ppo:
-        full = BYTES_WEIGHT * total_param_count(run.model, "lm")
+        full = DTYPE_BYTES[run.engine_dtype] * total_param_count(run.model, "lm")  # snapshots: engine dtype
         if knobs.pool_placement == "node":
             share = min(1.0, hw.gpus_per_node / rt)  # < 1 only when one engine replica spans nodes
             pool = run.pool_size * full * share
-            how = (f"pool_size({run.pool_size}) x full bf16 actor {_gib(full)}"
+            how = (f"pool_size({run.pool_size}) x full {run.engine_dtype} actor {_gib(full)}"
                    + ("" if share == 1 else f" x {share:g} (engine spans nodes)") + ", every node")
         else:
             pool = run.pool_size * full / hw.nodes
-            how = f"pool_size({run.pool_size}) x full bf16 actor {_gib(full)} / nodes({hw.nodes})"
+            how = f"pool_size({run.pool_size}) x full {run.engine_dtype} actor {_gib(full)} / nodes({hw.nodes})"
         comps.append(Component(f"PF-PPO snapshot pool ({knobs.pool_placement})", pool, how))
+    if run.sleep_level == 1:  # vLLM's level 1 keeps the sleeping engine's weights in host memory
+        ew = DTYPE_BYTES[run.engine_dtype] * engine_param_count(run.model, rt)
+        comps.append(Component(f"sleeping engine weights (sleep level 1, {run.engine_dtype})", hw.gpus_per_node * ew,
+                               f"{hw.gpus_per_node} GPUs x {_gib(ew)} engine weights (tp {rt})"))
     comps.append(Component("host reserve", knobs.host_reserve_gib * GiB,
                            "OS, Python processes, data, pinned buffers (--host-reserve-gib)"))
     return Budget("host memory per node", hw.host_memory, comps)
