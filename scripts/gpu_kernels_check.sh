@@ -4,7 +4,9 @@
 #   2. run the kernel tests (CUDA ones included)             (pytest, <= 2.5 min)
 #   3. run the GPU kernel benchmark                          (pfppo bench kernels --device cuda)
 #      without torch.compile (<= 2.5 min), then with it in the time left
-# Logs, bench_cuda.json and bench_cuda_compile.json go to $OUT (default build/gpu_check).
+# Logs, bench_cuda.json and bench_cuda_compile.json go to $OUT (default build/gpu_check); when the
+# kernel tests pass, the marker that lets `kernels: auto` use the CUDA kernels on this GPU kind
+# (build/kernels_verified/<device>.json) is written, and copied to $OUT.
 # Exit status 0 when the build, the tests and the first benchmark pass.
 #
 # The GPU machine may lack pytest (and has no network). Beforehand, on the CPU machine, run
@@ -60,6 +62,13 @@ rc=$?
 tail -15 "$OUT/tests.log"
 log "tests: exit $rc in $((SECONDS - t0)) s"
 [ $rc -eq 0 ] || status=1
+# The kernel tests passed on this GPU: record it for the device name, so that `kernels: auto` uses
+# the fused CUDA kernels on this machine kind (pfppo_mega.kernels.backends.marker_path; without a
+# marker auto means torch on GPUs). A copy goes to $OUT.
+if [ $rc -eq 0 ]; then
+  marker=$("$PY" -c "from pfppo_mega.kernels.backends import write_marker; print(write_marker('cuda'))" 2>>"$OUT/tests.log") \
+    && cp "$marker" "$OUT/" && log "kernels verified on this GPU: $marker"
+fi
 
 # 3. Benchmark: first without torch.compile (bandwidth targets; triton compiles take minutes),
 #    then, with the time left of the 8 minutes, again with the torch.compile baselines.

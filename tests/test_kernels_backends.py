@@ -265,3 +265,31 @@ def test_temperature_divides_bf16_logits_in_fp32(backend):
     ref = torch.log_softmax(x.double() / 0.7, dim=-1)
     assert (logp.double() - ref.gather(1, labels[:, None])[:, 0]).abs().max() < 1e-4
     assert (ent.double() + (ref.exp() * ref).sum(-1)).abs().max() < 1e-4
+
+
+def test_auto_on_a_gpu_means_torch_until_the_gpu_check_verified_that_machine_kind(monkeypatch, tmp_path):
+    """kernels: auto on CUDA uses the fused kernels only where scripts/gpu_kernels_check.sh wrote a
+    marker for the device's name; else torch, said once. `fused` stays available by name. The
+    device-kind lookup and the CUDA build are faked (this machine has no GPU)."""
+    from pfppo_mega.kernels import backends
+
+    monkeypatch.setenv(backends.MARKER_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(backends, "_SAID", set())
+    monkeypatch.setattr(ops, "_C", type("FakeC", (), {"has_cuda": True})())  # built, with CUDA kernels
+    kind = {"name": "NVIDIA H200"}
+    monkeypatch.setattr(backends, "device_kind", lambda device: kind["name"])
+    said: list[str] = []
+    for _ in range(2):
+        assert isinstance(get_backend("auto", "cuda", log=said.append), TorchBackend)
+    assert len(said) == 1 and "NVIDIA H200" in said[0] and "nvidia_h200.json" in said[0], said
+    assert isinstance(get_backend("fused", "cuda"), FusedBackend)  # by name: always
+    # the GPU check passed on this kind: the marker makes auto choose the fused kernels
+    path = backends.write_marker("cuda")
+    assert path == tmp_path / "nvidia_h200.json" and '"device": "NVIDIA H200"' in path.read_text()
+    assert isinstance(get_backend("auto", "cuda", log=said.append), FusedBackend)
+    # another machine kind is not covered by that marker
+    kind["name"] = "NVIDIA H100 80GB HBM3"
+    assert isinstance(get_backend("auto", "cuda", log=said.append), TorchBackend)
+    assert len(said) == 2 and "nvidia_h100_80gb_hbm3.json" in said[1]
+    # on CPU tensors auto is unchanged: fused when built (the CPU kernels are tested everywhere)
+    assert isinstance(get_backend("auto", "cpu"), FusedBackend)

@@ -1,7 +1,8 @@
 """Fused PPO kernels (pfppo_mega._C) and the backend interface the trainer selects with
 `kernels: auto | torch | fused`.
 
-    get_backend("auto")      FusedBackend when pfppo_mega._C is built, else TorchBackend
+    get_backend("auto")      FusedBackend when pfppo_mega._C is built for the device (on a GPU:
+                             and verified there by scripts/gpu_kernels_check.sh), else TorchBackend
     backend.logprob_entropy(logits, labels, *, temperature=1.0, vocab_size=None)
                                                         -> (logp, entropy)
     backend.policy_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, ...)

@@ -6,7 +6,12 @@ so they are interchangeable; tests/test_kernels_backends.py runs one conformance
 every available backend.
 """
 
-from typing import Protocol
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
@@ -270,16 +275,78 @@ def fused_available(device: torch.device | str = "cpu") -> bool:
     return ops.is_built() and (device.type == "cpu" or (device.type == "cuda" and ops.has_cuda()))
 
 
-def get_backend(mode: str, device: torch.device | str = "cpu") -> KernelBackend:
-    """The backend for `kernels: mode`. auto: fused when built for `device`, else torch;
-    fused when not built: RuntimeError saying how to build it."""
+# ----------------------------------------------------------------------------- GPU verification
+# `kernels: auto` on a GPU uses the fused CUDA kernels only on a machine kind where the GPU check
+# (scripts/gpu_kernels_check.sh: build, kernel tests vs torch and fp64) has passed and written a
+# marker for the device name; without one, auto means torch there (said once). `fused` by name is
+# always honoured.
+
+MARKER_DIR_ENV = "PFPPO_KERNELS_VERIFIED_DIR"
+_REPO = Path(__file__).resolve().parents[2]
+_SAID: set[str] = set()
+
+
+def device_kind(device: torch.device) -> str:
+    """The machine kind a marker is for: the GPU's name (e.g. "NVIDIA H200")."""
+    return torch.cuda.get_device_name(device)
+
+
+def marker_dir() -> Path:
+    """Where markers live: $PFPPO_KERNELS_VERIFIED_DIR, else build/kernels_verified of the checkout."""
+    return Path(os.environ.get(MARKER_DIR_ENV) or _REPO / "build" / "kernels_verified")
+
+
+def marker_path(kind: str) -> Path:
+    return marker_dir() / (re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") + ".json")
+
+
+def write_marker(device: torch.device | str = "cuda") -> Path:
+    """Record that the fused kernels passed the GPU check on this device kind (the check calls it)."""
+    device = torch.device(device)
+    kind = device_kind(device)
+    path = marker_path(kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": kind, "torch": torch.__version__, "cuda": torch.version.cuda}) + "\n")
+    return path
+
+
+def fused_verified(device: torch.device | str) -> bool:
+    """True when the GPU check has verified the fused kernels on this device's kind (CPU: always,
+    the CPU kernels are tested by the test suite on every machine)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return marker_path(device_kind(device)).is_file()
+
+
+def _say_once(key: str, msg: str, log: Callable[[str], None] | None) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        (log or (lambda m: print(m, file=sys.stderr)))(msg)
+
+
+def get_backend(mode: str, device: torch.device | str | None = None, *,
+                log: Callable[[str], None] | None = None) -> KernelBackend:
+    """The backend for `kernels: mode` on ``device`` (None: cuda when visible, else cpu).
+    auto: fused when built for the device and, on a GPU, verified there by the GPU check (a
+    marker for the device kind, ``marker_path``); else torch, said once through ``log``.
+    fused: always (RuntimeError saying how to build it when not built)."""
     if mode == "torch":
         return TorchBackend()
     if mode == "fused":
         return FusedBackend()
-    if mode == "auto":
-        return FusedBackend() if fused_available(device) else TorchBackend()
-    raise ValueError(f"kernels={mode!r} is not one of {KERNEL_MODES}")
+    if mode != "auto":
+        raise ValueError(f"kernels={mode!r} is not one of {KERNEL_MODES}")
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not fused_available(device):
+        return TorchBackend()
+    if fused_verified(device):
+        return FusedBackend()
+    kind = device_kind(device)
+    _say_once(kind, f"kernels: auto -> torch on {kind}: the fused CUDA kernels are not verified on this machine "
+                    f"kind (no {marker_path(kind)}; scripts/gpu_kernels_check.sh writes it when the kernel tests "
+                    f"pass). `kernels: fused` uses them anyway.", log)
+    return TorchBackend()
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[KernelBackend]:
