@@ -101,7 +101,8 @@ def test_every_arm_is_a_valid_override_set_and_the_settings_folder_loads():
     for f in files:
         for arm, overrides in C.ARMS.items():
             cfg = load_config(str(f), list(overrides))
-            assert cfg.algorithm.use_pf_ppo == (arm != "ppo"), (f, arm)
+            assert cfg.algorithm.use_pf_ppo == arm.startswith("pf_"), (f, arm)
+            assert (cfg.algorithm.adv_estimator == "grpo") == (arm in ("grpo", "drgrpo")), (f, arm)
     kinds = {f.stem: load_config(str(f), []).reward.shaping.kind for f in files}
     assert kinds["control"] == "none" and kinds["scaled"] == "scaled"
 
@@ -131,3 +132,13 @@ def test_doctor_findings_per_run_and_their_table(tmp_path):
     found = {("length_bias", "ppo"): [C.doctor_findings(write("a", hack)), C.doctor_findings(write("b", calm))]}
     assert found[("length_bias", "ppo")] == [["reward_hacking"], []]
     assert C.doctor_table(found)[2] == "| length_bias | ppo | reward_hacking 1/2, no finding 1/2 |"
+
+
+def test_arm_set_is_checked_before_any_run(capsys):
+    with pytest.raises(SystemExit):
+        C.main(["configs/demo.yaml", "--arms", "ppo,grpo", "--arm-set", "drgrpo:training.rollout_batch_size=32"])
+    assert "must be ARM:KEY=VALUE with ARM one of --arms (ppo, grpo)" in capsys.readouterr().err
+    cfg = load_config("configs/demo.yaml", [*C.ARMS["drgrpo"], "training.rollout_batch_size=32"])
+    a = cfg.algorithm
+    assert (a.adv_estimator, a.norm_adv_by_std_in_grpo, a.loss_agg_mode) == ("grpo", False, "seq-mean-token-sum-norm")
+    assert cfg.training.rollout_batch_size * cfg.actor_rollout.n_samples_per_prompt == 128  # the ppo arm's

@@ -48,6 +48,12 @@ ARMS: dict[str, tuple[str, ...]] = {
     "pf_isclip": (_POOL, "algorithm.pool.pool_size=5", "algorithm.pool.snapshot_interval=10",
                   "algorithm.pool.sampling=uniform", "algorithm.pool.is_clip=1.2"),
 }
+# critic-free arms at the ppo arm's samples per step (n prompts x 4 samples = the ppo arm's prompts x its n
+# when it samples 1 per prompt, as configs/demo.yaml): GRPO, and Dr.GRPO (no std, token sum over a constant)
+_GROUPS = ("algorithm.use_pf_ppo=false", "actor_rollout.n_samples_per_prompt=4")
+ARMS["grpo"] = (*_GROUPS, "algorithm.adv_estimator=grpo")
+ARMS["drgrpo"] = (*_GROUPS, "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false",
+                  "algorithm.loss_agg_mode=seq-mean-token-sum-norm")
 DEFAULT_ARMS = ("ppo", "pf_article", "pf_default", "pf_kl")
 __doc__ += "\n".join(f"    {k:<11} {' '.join(v)}" for k, v in ARMS.items()) + "\n"
 
@@ -396,11 +402,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", default=None, help="with a folder: comma-separated setting names (file stems) to run")
     ap.add_argument("--reuse", action="store_true", help="keep finished runs (summary.json present) instead of "
                                                          "rerunning them")
+    ap.add_argument("--arm-set", action="append", default=[], metavar="ARM:KEY=VALUE",
+                    help="an override for one arm only, after the arm's own (repeatable), e.g. "
+                         "grpo:training.rollout_batch_size=32 to keep the samples per step of a ppo arm")
     args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         ap.error(f"--arms: {unknown} not among {list(ARMS)}")
+    arm_sets: dict[str, list[str]] = {}
+    for item in args.arm_set:
+        arm, sep, kv = item.partition(":")
+        if not sep or "=" not in kv or arm not in arms:
+            ap.error(f"--arm-set {item!r}: must be ARM:KEY=VALUE with ARM one of --arms ({', '.join(arms)})")
+        arm_sets.setdefault(arm, []).append(kv)
 
     files = setting_files(args.config)
     if args.only:
@@ -431,6 +446,7 @@ def main(argv: list[str]) -> int:
                     print(f"[compare] {name} {arm} seed {seed}: reusing {run_dir}", flush=True)
                 else:
                     cfg = load_config(str(f), [*args.overrides, f"training.seed={seed}", *ARMS[arm],
+                                               *arm_sets.get(arm, ()),
                                                f"logging.output_dir={run_dir}", "checkpoint.resume=false",
                                                f"logging.kl_probe_size={args.kl_probe}",
                                                "checkpoint.export_hf=false", "logging.progress=false"])
@@ -454,7 +470,7 @@ def main(argv: list[str]) -> int:
         sh = base.reward.shaping
         desc = (f"Setting `{f}` (reward.shaping.kind {sh.kind}) {' '.join(args.overrides)}; "
                 f"{base.training.total_training_steps} steps, seeds {args.seed_start}.."
-                f"{args.seed_start + args.seeds - 1}; arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms)
+                f"{args.seed_start + args.seeds - 1}; arms: " + "; ".join(f"{a}: {' '.join((*ARMS[a], *arm_sets.get(a, ())))}" for a in arms)
                 + f". 'First steps' = {args.early}; reward threshold {args.threshold}; the config's own pool "
                   f"(pool_size {p.pool_size}, is_mode {p.is_mode}, is_clip {p.is_clip}) fills what an arm leaves.")
         md = write_report(stats, curves, out, title=f"PPO vs PF-PPO pool arms: {name}", settings=desc)
