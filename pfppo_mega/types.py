@@ -96,18 +96,22 @@ class PackedInputs:
 
 
 def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor,
-         *, pad_id: int, device: torch.device | None = None) -> PackedInputs:
-    """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row.
+         *, pad_id: int, device: torch.device | None = None, multiple_of: int = 1) -> PackedInputs:
+    """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row,
+    rounded up to a multiple of ``multiple_of`` (tp under sequence parallelism, which splits S
+    over the TP ranks; the padding is masked and, attention being causal, changes no log-prob).
 
     The rows are assembled on the host from Python lists (a per-row loop) and moved to ``device``
     (the model's; None: the responses' device) in one copy per tensor."""
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of({multiple_of!r}) must be an int >= 1")
     B, T = responses.shape
     if device is None and responses.device.type != "cpu":
         device = responses.device
     lengths = response_mask.sum(1).long().tolist()
     responses, response_mask = responses.cpu(), response_mask.cpu()
     rows = [p + responses[i, : lengths[i]].tolist() for i, p in enumerate(prompt_ids)]
-    S = max(len(r) for r in rows)
+    S = -(-max(len(r) for r in rows) // multiple_of) * multiple_of
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(B, S, dtype=torch.bool)
     for i, r in enumerate(rows):

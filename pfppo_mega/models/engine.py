@@ -136,10 +136,22 @@ class _Chunk:
     real: int
 
 
-def _chunks(input_ids: Tensor, micro_batch_size: int, *, pad: bool, device: torch.device) -> list[_Chunk]:
+def seq_multiple(model: torch.nn.Module) -> int:
+    """What S must be a multiple of for ``model``: tp under sequence parallelism (megatron splits
+    the sequence over the TP ranks), else 1."""
+    config = getattr(unwrap(model), "config", None)
+    return config.tensor_model_parallel_size if config is not None and config.sequence_parallel else 1
+
+
+def _chunks(input_ids: Tensor, micro_batch_size: int, *, pad: bool, device: torch.device,
+            multiple: int = 1) -> list[_Chunk]:
     """Split [B, S] into ceil(B / mbs) micro-batches. With ``pad`` (pipeline parallelism: every
-    micro-batch must have the shape the stages exchange) the last one is filled with token-0 rows."""
-    b = input_ids.shape[0]
+    micro-batch must have the shape the stages exchange) the last one is filled with token-0 rows.
+    S is right-padded with token 0 to a multiple of ``multiple`` (``seq_multiple``) unless
+    ``pack(..., multiple_of=)`` did it: causal attention, so no real position sees the padding."""
+    b, s = input_ids.shape
+    if s % multiple:
+        input_ids = torch.cat([input_ids, input_ids.new_zeros((b, multiple - s % multiple))], dim=1)
     out = []
     for start in range(0, b, micro_batch_size):
         ids = input_ids[start:start + micro_batch_size].to(device)
@@ -252,7 +264,7 @@ def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_s
     _check_inputs(inputs, micro_batch_size)
     mbs = min(micro_batch_size, inputs.labels.shape[0])
     device = _device(model)
-    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=device)
+    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=device, multiple=seq_multiple(model))
     parts: list[Tensor] = []
 
     def head(chunk: _Chunk, output: Tensor):
@@ -303,7 +315,7 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, *, micro_batch_siz
 
     def compute(logits: Tensor, mb: PackedInputs) -> Tensor:
         full = gather_from_tensor_model_parallel_region(logits) if _tp()[0] > 1 else logits
-        return full[:mb.input_ids.shape[0], :, :vocab_size]
+        return full[:mb.input_ids.shape[0], :s, :vocab_size]  # S padding (seq_multiple) dropped
 
     return _forward_collect(model, inputs, micro_batch_size, compute, (b, s, vocab_size))
 
@@ -359,7 +371,7 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
     _require_ddp(model, optimizer)
     _check_inputs(inputs, micro_batch_size)
     mbs = min(micro_batch_size, inputs.labels.shape[0])
-    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=_device(model))
+    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=_device(model), multiple=seq_multiple(model))
     norm = global_normalizers(inputs.response_mask)
     # megatron divides the returned loss by the number of micro-batches and DDP averages over dp.
     undo = float(len(chunks) * (ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1))
