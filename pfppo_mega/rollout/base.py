@@ -34,11 +34,21 @@ from pfppo_mega.rollout.weights import (Bucket, BucketReceiver, BucketSpec, Weig
                                         plan_buckets)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+WAKE_TAGS = ("weights", "kv_cache")  # what wake_up() can bring back, in the colocated order
 
 
 class EngineSetupError(ValueError):
     """The configured rollout engine cannot run in this job; the message names the key, the value
     and the rule."""
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(cfg) -> torch.dtype:
+    """actor_rollout.dtype: auto = the training dtype (model.params_dtype)."""
+    name = cfg.actor_rollout.dtype
+    return _DTYPES[cfg.model.params_dtype if name == "auto" else name]
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,11 @@ class EngineSpec:
     unavailable: Callable[[], str] = lambda: ""
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` of a request seeded ``seed`` (every engine uses this rule)."""
+    return (seed * 1_000_003 + row) % (2 ** 31)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float
@@ -73,8 +88,11 @@ class SamplingParams:
     greedy: bool = False
     """Take argmax instead of sampling; temperature and top_p are then ignored."""
     seed: int | None = None
-    """Seed of a private generator: same seed, weights and prompts -> same output.
+    """Seeds every row's own generator, row_seed(seed, row_offset + i) for row i of the call: the same
+    seed, weights and prompt give the same response whichever call, batch or engine the row is in.
     None draws from torch's global generator."""
+    row_offset: int = 0
+    """Index of this call's first row in the request it is a share of (rollout split across engines)."""
 
     def __post_init__(self) -> None:
         if not self.greedy and not self.temperature > 0:
@@ -240,8 +258,9 @@ class RolloutEngine(abc.ABC):
             self._logged_sleep = True
             self.log(line)
 
-    def wake_up(self) -> None:
-        """Undo sleep() before the next generate()."""
+    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """Undo sleep() before the next generate(): ``tags`` among WAKE_TAGS ("weights" first, so a
+        refit can land before the KV cache takes its memory; None: all)."""
 
     # -------------------------------------------------------------- generation
     @abc.abstractmethod

@@ -13,7 +13,7 @@ import torch
 
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
-                                     SamplingParams, check_prompts)
+                                     SamplingParams, check_prompts, engine_dtype, row_seed)
 from pfppo_mega.rollout.llama import (
     KVCache,
     LlamaDecoder,
@@ -36,10 +36,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs [B] fp32).
 
     logprob = log_softmax(logits / T)[token] (T = 1 when greedy); top-p only restricts the draw.
+    ``generator``: one for the batch, or one per row (a row's draws then depend on its seed alone).
     """
     if params.greedy:
         tokens = logits.argmax(dim=-1)  # [B]
@@ -49,7 +50,11 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
         probs = logp.exp()
         if params.top_p < 1.0:
             probs = top_p_filter(probs, params.top_p)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+        if isinstance(generator, list):  # per-row generators: each row draws from its own stream
+            tokens = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g) for b, g in enumerate(generator)])
+            tokens = tokens.squeeze(-1)                                           # [B]
+        else:
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -57,7 +62,7 @@ class BuiltinEngine(RolloutEngine):
     """In-process generation with LlamaDecoder.
 
     max_batch_size bounds the KV cache: larger batches are generated in chunks of that size
-    (one seeded generator runs through the chunks in order, so results stay reproducible).
+    (every row has its own seeded generator, so results do not depend on the chunking).
     """
 
     def __init__(self, shape: DecoderShape, *, pad_token_id: int,
@@ -134,12 +139,13 @@ class BuiltinEngine(RolloutEngine):
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
                   keep_logits: bool) -> tuple[RolloutOutput, torch.Tensor | None]:
         self._check_prompts(prompts, params)
-        generator = None
+        generators = None  # one per row, seeded by row_seed (the rule every engine follows)
         if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+            generators = [torch.Generator(device=self.device).manual_seed(row_seed(params.seed, params.row_offset + i))
+                          for i in range(len(prompts))]
         chunk = self.max_batch_size or len(prompts)
-        parts = [self._generate_chunk(prompts[i:i + chunk], params, generator, keep_logits)
+        parts = [self._generate_chunk(prompts[i:i + chunk], params, None if generators is None
+                                      else generators[i:i + chunk], keep_logits)
                  for i in range(0, len(prompts), chunk)]
         T = max(p[0].shape[1] for p in parts)
 
@@ -169,7 +175,7 @@ class BuiltinEngine(RolloutEngine):
         return output, (cat(4, 0.0) if keep_logits else None)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator | None, keep_logits: bool):
+                        generator: list[torch.Generator] | None, keep_logits: bool):
         """-> responses [B, T], logprobs [B, T], lengths [B], finished [B], logits [B, T, V]|None"""
         B, N = len(prompts), params.max_new_tokens
         P = max(len(p) for p in prompts)
@@ -223,8 +229,8 @@ def _check(cfg, *, world_size: int) -> None:
 
 def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
            log) -> BuiltinEngine:
-    return BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id, bucket_bytes=bucket_bytes,
-                         log=log)
+    return BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id, dtype=engine_dtype(cfg),
+                         bucket_bytes=bucket_bytes, log=log)
 
 
 def _from_hf_model(hf_model, *, pad_token_id: int, version: int = 1, **kw) -> BuiltinEngine:

@@ -33,7 +33,7 @@ import torch
 
 from pfppo_mega.families import CheckpointError, DecoderShape
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
-                                     SamplingParams, check_prompts)
+                                     SamplingParams, WAKE_TAGS, check_prompts, engine_dtype, row_seed)
 from pfppo_mega.rollout.weights import WeightLayout
 
 KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
@@ -88,7 +88,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_dir: str | os.PathLike, *, pad_token_id: int, dtype: torch.dtype = torch.float32,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, gpu_memory_utilization: float = 0.85,
-                 max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None,
+                 max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None, sleep_level: int = 2,
                  log: Callable[[str], None] = print) -> None:
         why = unavailable_reason()
         if why:
@@ -126,6 +126,7 @@ class VLLMEngine(RolloutEngine):
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(self.shape, max_model_len=self.max_model_len,
                                                          max_num_seqs=max_num_seqs, dtype=dtype)
         self.sleep_supported = on_gpu
+        self.sleep_level = sleep_level  # 1: KV freed, weights to host; 2: both freed (the next refit refills)
         from vllm import LLM
 
         start = time.perf_counter()
@@ -133,7 +134,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - start
         self._restore_threads = threads
-        self._asleep = False
+        self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
 
     # ----------------------------------------------------------------- weights
     def weight_layout(self) -> WeightLayout:
@@ -172,19 +173,20 @@ class VLLMEngine(RolloutEngine):
             self._log_once("[rollout] vLLM sleep(): not supported on CPU (vLLM sleep mode needs CUDA; the KV "
                            "cache stays allocated) -- no-op")
             return
-        self.llm.sleep(level=1)
-        self._asleep = True
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = set(WAKE_TAGS)
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        pending = [t for t in (tags or WAKE_TAGS) if t in self._asleep]
+        if pending:
+            self.llm.wake_up(tags=pending)
+            self._asleep -= set(pending)
 
     # -------------------------------------------------------------- generation
     def _sampling(self, params: SamplingParams, row: int):
         from vllm import SamplingParams as VSP
 
-        seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 31)
+        seed = None if params.seed is None else row_seed(params.seed, params.row_offset + row)
         return VSP(
             n=1, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False, seed=seed,
             temperature=0.0 if params.greedy else params.temperature,
@@ -197,7 +199,7 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         self._require_weights()
         if self._asleep:
-            raise RuntimeError("generate() while the vLLM engine sleeps: call wake_up() first")
+            raise RuntimeError(f"generate() while the vLLM engine's {sorted(self._asleep)} sleep: call wake_up() first")
         check_prompts(prompts, params, max_positions=self.shape.max_position_embeddings,
                       vocab_size=self.shape.vocab_size)
         longest = max(len(p) for p in prompts) + params.max_new_tokens
@@ -264,9 +266,10 @@ def _check(cfg, *, world_size: int) -> None:
 def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
            log) -> VLLMEngine:
     ar = cfg.actor_rollout
-    return VLLMEngine(model_dir, pad_token_id=pad_token_id, tensor_parallel_size=ar.tensor_model_parallel_size,
-                      seed=cfg.training.seed, bucket_bytes=bucket_bytes,
-                      gpu_memory_utilization=ar.gpu_memory_utilization, max_model_len=max_model_len, log=log)
+    return VLLMEngine(model_dir, pad_token_id=pad_token_id, dtype=engine_dtype(cfg),
+                      tensor_parallel_size=ar.tensor_model_parallel_size, max_num_seqs=ar.max_num_seqs,
+                      seed=cfg.training.seed, bucket_bytes=bucket_bytes, gpu_memory_utilization=ar.gpu_memory_utilization,
+                      max_model_len=max_model_len, enforce_eager=ar.enforce_eager, sleep_level=ar.sleep_level, log=log)
 
 
 # actor_rollout.engine: vllm (pfppo_mega.registry)
