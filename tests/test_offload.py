@@ -108,7 +108,7 @@ def test_offload_object_alone_round_trips_shared_storages():
     """Two views of one storage (a parameter and its bucket) move once and both come back."""
     flat = torch.arange(12, dtype=torch.float32)
     a, b = flat[:6].view(2, 3), flat[6:]
-    off = TrainerOffload(lambda: [a, b, flat], device=torch.device("cpu"), enabled=True)
+    off = TrainerOffload(lambda: [a, b, flat], device=torch.device("cpu"), enabled=True, late=lambda: [a])
     assert len(unique_storages([a, b, flat], torch.device("cpu"))) == 1
     with off.offloaded():
         assert off.device_bytes() == 0 and flat.untyped_storage().nbytes() == 0

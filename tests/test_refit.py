@@ -46,10 +46,11 @@ def setup(tmp_path_factory):
         megatron_cpu.disable()
 
 
-def _cfg(engine="builtin", rtp=1, top_p=1.0, bucket_mb=0.02):
+def _cfg(engine="builtin", rtp=1, top_p=1.0, bucket_mb=0.02, dtype="auto"):
     ar = SimpleNamespace(engine=engine, tensor_model_parallel_size=rtp, top_p=top_p, refit_bucket_mb=bucket_mb,
-                         gpu_memory_utilization=0.5, refit_timeout_s=60.0)
-    return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0),
+                         gpu_memory_utilization=0.5, refit_timeout_s=60.0, dtype=dtype, max_num_seqs=8,
+                         enforce_eager=None, sleep_level=2)
+    return SimpleNamespace(actor_rollout=ar, training=SimpleNamespace(seed=0), model=SimpleNamespace(params_dtype="float32"),
                            data=SimpleNamespace(max_prompt_length=8), algorithm=SimpleNamespace(max_response_length=8))
 
 
@@ -101,6 +102,19 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
     with torch.no_grad():
         for p in actor.parameters():
             p.sub_(0.05)
+
+
+def test_the_engine_runs_in_the_configured_dtype(setup):
+    """actor_rollout.dtype: auto follows model.params_dtype; bfloat16 makes the engine, its refit
+    buckets and so its pool snapshots bf16 (half the bytes of fp32)."""
+    path, actor, cfg, _, hf_cfg = setup
+    auto = build_engine(_cfg(), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)
+    bf16 = build_engine(_cfg(dtype="bfloat16"), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)
+    assert auto.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert bf16.weight_layout().nbytes * 2 == auto.weight_layout().nbytes
+    sync = EngineSync(bf16, actor, cfg, refit_timeout_s=60.0, local_world_size=1, log=lambda *_: None)
+    sync.refit_live(3)
+    assert bf16.weight_version == 3 and {spec.dtype for spec in sync.plan} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("kw,world,needle", [

@@ -71,6 +71,22 @@ def test_model_parallel_trainer_equals_serial(setup, layout):
     print(f"{layout}: max relative metric gap over 3 PPO steps {worst:.2e}")
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_every_row_is_generated_once_and_the_split_equals_one_engine(setup, layout):
+    """Rollout split across every engine (trainer/rollout_split.py): generated tokens / needed tokens
+    is 1.00 over the job at every step (a replica's TP ranks and stages no longer each regenerate its
+    rows), each rank's engine generated a share, and the exchanged rows equal this rank's engine
+    generating the replica's batch alone, to the bit."""
+    _, results = setup
+    r = results[layout]
+    assert r["generated_over_needed"] == [1.0, 1.0, 1.0], r["generated_over_needed"]
+    for rank, c in enumerate(r["split"]):
+        assert c["tokens_equal"] and c["logp_max_gap"] == 0.0, (layout, rank, c)
+        assert 0 < c["generated"] < c["needed"] if r["dp"] == 1 else c["generated"] == c["needed"], (layout, rank, c)
+    print(f"{layout}: generated/needed {r['generated_over_needed']}; per rank generated/needed "
+          f"{[(c['generated'], c['needed']) for c in r['split']]}")
+
+
 def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
     """DP2 vs DP1 on the same global batch: the reward z-scores (running moments) and quantile clip,
     the whitened advantages and the moments themselves agree; per-rank statistics would not."""

@@ -1,8 +1,8 @@
 """The behaviour policy: which weights generate a step's rollout. Chosen once per run
 (``algorithm.use_pf_ppo``); the loop calls it and never asks which one it has.
 
-    CurrentPolicy      plain PPO: the current weights generate; after each update they are
-                       pushed into the engine.
+    CurrentPolicy      plain PPO: the current weights generate; the rollout after each update
+                       refits the engine to them first.
     SnapshotPool       PF-PPO: a pool of recent snapshots; each prompt group (assign: group) or
                        the whole step (assign: step) samples one; the rows' importance weights
                        correct for the mixed behaviour policies; every snapshot_interval steps the
@@ -37,6 +37,7 @@ Need = Callable[[bool, str], None]  # a checkpoint check: need(ok, what) raises 
 class BehaviourPolicy(abc.ABC):
     policy_loss_name: str  # the policy-loss variant (trainer/policy_loss.py) this behaviour trains with
     keeps_state = False    # a checkpoint holds its state (state_meta / state_tensors / load_state)
+    refits_current = False  # the rollout starts by refitting the engine to the current weights
 
     @abc.abstractmethod
     def rollout(self, samples: list[Sample], step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -68,6 +69,7 @@ class BehaviourPolicy(abc.ABC):
 
 class CurrentPolicy(BehaviourPolicy):
     policy_loss_name = "ppo_clip"
+    refits_current = True  # inside the colocated frame, before the KV cache wakes (trainer/generation.py)
 
     def __init__(self, gen: Generation, *, n: int) -> None:
         self.gen, self.n = gen, n
@@ -76,7 +78,8 @@ class CurrentPolicy(BehaviourPolicy):
         return self.gen.generate(samples, self.n, step=step), {}
 
     def after_update(self, step: int) -> None:
-        self.gen.sync_weights(step)
+        """Nothing here: the next generation (rollout, evaluation, probe) refits to ``step`` in its
+        colocated frame, after the trainer's states have left the device."""
 
 
 class SnapshotPool(BehaviourPolicy):
@@ -133,6 +136,7 @@ class SnapshotPool(BehaviourPolicy):
             try:
                 with devicecheck.paused():  # the engine seam: host wire buffers by design
                     self.gen.sync.switch(self.pool, cand.version)
+                self.gen.record("switch")
                 return
             except WeightUpdateError as e:  # every rank's engine refuses the same bytes: all evict alike
                 self.pool.evict(cand.version)

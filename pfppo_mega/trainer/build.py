@@ -34,6 +34,7 @@ from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engin
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.generation import Generation
 from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
+from pfppo_mega.trainer.rollout_split import SplitLayout
 from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
@@ -259,7 +260,8 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     offload = TrainerOffload(
         lambda: (x for src in [*(module_tensors(m) for m in trained), *(optimizer_tensors(o) for o in opts)]
                  for x in src),
-        device=device, enabled=offload_enabled(t.offload_during_rollout, device), log=log)
+        device=device, enabled=offload_enabled(t.offload_during_rollout, device),
+        late=lambda: list(actor.parameters()), log=log)  # the weights a refit reads leave last
 
     # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
     # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
@@ -273,8 +275,11 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                       local_world_size=local_world, log=log)
     assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
     state = TrainState()
+    split = None if par.world_size == 1 else SplitLayout(  # rollout split across every engine
+        world=par.world_size, rank=par.rank, rollout_tp=cfg.actor_rollout.tensor_model_parallel_size,
+        dp_rank=par.dp_rank, replica_leader=par.tp_rank == 0 and par.pp_rank == 0)
     gen = Generation(cfg, engine=engine, sync=sync, offload=offload, tokenizer=tokenizer, rng=rng, device=device,
-                     guards=state.guards, log=log)
+                     guards=state.guards, split=split, log=log)
     a = cfg.algorithm
     n = cfg.actor_rollout.n_samples_per_prompt
     # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy

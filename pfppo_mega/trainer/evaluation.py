@@ -29,18 +29,19 @@ def evaluate(run: Run) -> dict[str, float]:
     """Held-out accuracy of the current weights: sampled at the rollout temperature (the
     policy's own success rate, seeded) and greedy."""
     cfg, step, samples = run.cfg, run.state.step, run.eval_samples
-    run.engine.wake_up()
-    run.gen.ensure_current(step)  # the engine may hold a behaviour snapshot
     prompts = [list(s.prompt_ids) for s in samples]
     sources = sorted({s.data_source for s in samples})
     ar = cfg.actor_rollout
     guards = run.state.guards
-    out = {}
-    for key, greedy in (("eval/accuracy", False), ("eval/accuracy_greedy", True)):
-        params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p, greedy=greedy,
-                                max_new_tokens=cfg.algorithm.max_response_length,
-                                eos_token_id=run.tokenizer.eos_id, seed=stream_seed("eval", cfg.training.seed))
-        gen = run.engine.generate(prompts, params)
+    out, gens = {}, {}
+    with run.gen.colocated(step, refit=True):  # the engine may hold a behaviour snapshot
+        for key, greedy in (("eval/accuracy", False), ("eval/accuracy_greedy", True)):
+            params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p, greedy=greedy,
+                                    max_new_tokens=cfg.algorithm.max_response_length,
+                                    eos_token_id=run.tokenizer.eos_id, seed=stream_seed("eval", cfg.training.seed))
+            gens[key] = run.gen.run_engine(prompts, params, step=step, what=f"evaluation at step {step}",
+                                           replicated=True)
+    for key, gen in gens.items():
         # Same guard as training: a bad reward scores 0 and is counted (every rank evaluates the
         # same prompts, so the counts are already global).
         texts = [run.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(gen.responses, gen.lengths)]
@@ -64,14 +65,13 @@ def kl_probe(run: Run) -> float:
     """KL(current || reference) per token on fresh samples of the current policy (held-out
     prompts, fixed seed): the same estimator whichever behaviour policies trained it."""
     cfg, step = run.cfg, run.state.step
-    run.engine.wake_up()
-    run.gen.ensure_current(step)
     ar = cfg.actor_rollout
     prompts = [list(s.prompt_ids) for s in run.eval_samples[: cfg.logging.kl_probe_size]]
-    with devicecheck.paused():
-        out = run.engine.generate(prompts, SamplingParams(
-            temperature=ar.temperature, top_p=ar.top_p, max_new_tokens=cfg.algorithm.max_response_length,
-            eos_token_id=run.tokenizer.eos_id, seed=stream_seed("kl_probe", cfg.training.seed, step=step)))
+    params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p,
+                            max_new_tokens=cfg.algorithm.max_response_length, eos_token_id=run.tokenizer.eos_id,
+                            seed=stream_seed("kl_probe", cfg.training.seed, step=step))
+    with run.gen.colocated(step, refit=True), devicecheck.paused():
+        out = run.gen.run_engine(prompts, params, step=step, what=f"KL probe at step {step}", replicated=True)
     devicecheck.mark_host(out.responses, out.response_mask)
     inp = pack(prompts, out.responses, out.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
     logp, _ = policy_logp(run, run.actor, inp)

@@ -9,38 +9,123 @@ before they come back).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
+from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.base import RolloutOutput
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import RolloutBatch
 from pfppo_mega.trainer.engine_sync import EngineSync
 from pfppo_mega.trainer.offload import TrainerOffload
+from pfppo_mega.trainer.rollout_split import SplitLayout, assemble, plan_share
 from pfppo_mega.types import Sample
+
+
+COLOCATION_EVENTS_KEPT = 256
+# One colocated frame: (refit) only when the engine held another version; generate once or more,
+# with PF-PPO's snapshot switches and live refits before and between the generations (a live refit
+# then brings the actor's weights back for the refit alone, TrainerOffload.on_device).
+COLOCATION_ORDER = ("offload trainer", "wake weights", "refit?", "offload actor weights", "wake kv cache",
+                    "generate+", "sleep", "reload trainer")
+
+
+class ColocationOrderError(AssertionError):
+    """The engine and the trainer's states met on the device in an order the GPU cannot hold."""
+
+
+def check_colocation_order(events: list[str]) -> None:
+    """Every frame in ``events`` follows COLOCATION_ORDER (refits and switches may sit between the
+    generations). Raises ColocationOrderError naming the first call out of place."""
+    i = 0
+    while i < len(events):
+        for want in COLOCATION_ORDER:
+            name = want.rstrip("?+")
+            if want.endswith("?") and (i >= len(events) or events[i] != name):
+                continue
+            start = i
+            if want.endswith("+"):  # generations, with snapshot switches and live refits between them
+                while i < len(events) and events[i] in ("generate", "refit", "switch"):
+                    i += 1
+                ok = name in events[start:i]
+            else:
+                ok = i < len(events) and events[i] == name
+                i += ok
+            if not ok:
+                got = events[i] if i < len(events) else "the end"
+                raise ColocationOrderError(f"colocation: expected {name!r} at call {i}, got {got!r} "
+                                           f"(calls {events[max(0, i - 3):i + 2]})")
+
+
+@dataclass
+class Work:
+    """Generation work of this rank since the last take(): tokens its engine generated, tokens its
+    rows needed, rows it asked for (rollout, evaluation and the KL probe alike)."""
+
+    generated: int = 0
+    needed: int = 0
+    rows: int = 0
+    owned: int = 0  # needed tokens this rank answers for in the job's total (a replica's leader)
+
+    def add(self, *, generated: int, needed: int, rows: int, owner: bool) -> None:
+        self.generated += generated
+        self.needed += needed
+        self.rows += rows
+        self.owned += needed if owner else 0
+
+    def take(self) -> "Work":
+        out = dataclasses.replace(self)
+        self.generated = self.needed = self.rows = self.owned = 0
+        return out
+
+    def metrics(self, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+        """This rank's figures, and the job's generated / needed tokens (1.0: every row generated
+        once; a world all-reduce when distributed)."""
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            total = torch.tensor([self.generated, self.owned], dtype=torch.float64, device=comm_device(group))
+            dist.all_reduce(total, group=group)
+        else:
+            total = torch.tensor([self.generated, self.owned], dtype=torch.float64)
+        generated, needed = total.tolist()
+        return {"work/tokens_generated": float(self.generated), "work/tokens_needed": float(self.needed),
+                "work/rows": float(self.rows),
+                "rollout/generated_over_needed": generated / needed if needed else 0.0}
 
 
 class Generation:
     def __init__(self, cfg, *, engine, sync: EngineSync, offload: TrainerOffload, tokenizer: Tokenizer,
                  rng: random.Random, device: torch.device, guards: dict[str, int],
-                 log: Callable[[str], None]) -> None:
+                 split: Optional[SplitLayout], log: Callable[[str], None]) -> None:
         self.cfg, self.engine, self.sync, self.offload = cfg, engine, sync, offload
         self.tokenizer, self.rng, self.device, self.guards, self.log = tokenizer, rng, device, guards, log
+        self.split = split  # None: one rank, nothing to split
         self.rollout_trainer_bytes = -1  # trainer bytes on the device during the last generation
+        self.work = Work()
+        # the colocation calls in the order they ran, with the trainer's bytes on the device then
+        self.events: list[tuple[str, int]] = []
 
     # ------------------------------------------------------------------ weights
 
     def sync_weights(self, version: int) -> None:
         """The actor's current weights into the engine as ``version``."""
-        self.engine.wake_up()  # a sleeping engine takes no weights
-        # on_device: a live refit inside the rollout phase (PF-PPO's current policy) while offloaded;
+        self.engine.wake_up(("weights",))  # a sleeping engine takes no weights; its KV cache waits
+        # on_device: the actor's weights back for a live refit when they were offloaded already;
         # paused: the engine seam keeps host wire buffers by design
         with self.offload.on_device(), devicecheck.paused():
             self.sync.refit_live(version)
+        self.record("refit")
+
+    def record(self, name: str) -> None:
+        self.events.append((name, self.offload.device_bytes() if self.offload.enabled else -1))
+        del self.events[:-COLOCATION_EVENTS_KEPT]
 
     def ensure_current(self, step: int) -> None:
         """The engine holds the current weights (version == step) afterwards."""
@@ -50,16 +135,36 @@ class Generation:
     # ------------------------------------------------------------------ generation
 
     @contextmanager
-    def colocated(self) -> Iterator[None]:
-        """The rollout phase's frame: the trainer's states on the host (training.offload_during_rollout)
-        and the engine put to sleep once it has generated, before those states come back."""
-        self.engine.wake_up()
-        with self.offload.offloaded():
+    def colocated(self, step: int, *, refit: bool) -> Iterator[None]:
+        """The frame of every generation (rollout, evaluation, the KL probe), in this order:
+        offload the trainer's states but the actor's weights -> wake the engine's weights -> refit
+        to ``step`` (``refit``: when the engine holds another version) -> offload the actor's weights
+        -> wake the KV cache -> the body generates -> engine sleeps -> the trainer's states reload.
+        (training.offload_during_rollout off: the offloads are no-ops.) ``events`` records it."""
+        off = self.offload.enabled
+        if off:
+            self.offload.offload("early")
+        self.record("offload trainer")
+        try:
+            self.engine.wake_up(("weights",))
+            self.record("wake weights")
+            if refit:
+                self.ensure_current(step)
+            if off:
+                self.offload.offload("late")
+            self.record("offload actor weights")
             self.rollout_trainer_bytes = self.offload.device_bytes()
+            self.engine.wake_up(("kv_cache",))
+            self.record("wake kv cache")
             try:
                 yield
             finally:
                 self.engine.sleep()
+                self.record("sleep")
+        finally:
+            if off:
+                self.offload.reload()
+            self.record("reload trainer")
 
     def offload_stats(self) -> dict[str, float]:
         if not self.offload.enabled:
@@ -81,7 +186,7 @@ class Generation:
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         with devicecheck.paused():  # the engine's own device world; its rows are host until moved
-            out = self._guarded_generate(prompt_ids, params, step=step, pool=pool)
+            out = self.run_engine(prompt_ids, params, step=step, pool=pool, what=f"rollout at step {step}")
         devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {step}")  # every engine, same version and checksum
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
@@ -90,23 +195,44 @@ class Generation:
                             versions=torch.full((len(samples),), out.weight_version), texts=texts,
                             group_ids=group_ids).to(self.device)
 
-    def _guarded_generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int, pool):
-        """engine.generate, agreed on by every rank. When it fails anywhere (an engine that died or
-        raised mid-generation), every rank pushes the same verified weights again (the snapshot or
-        the live weights it was generating with) and generates once more, counted in
+    def run_engine(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int, pool=None,
+                   what: str, replicated: bool = False) -> RolloutOutput:
+        """This rank's rows generated once in the job: with more than one rank, the job's rows are
+        split across every engine and exchanged (trainer/rollout_split.py). ``replicated``: every
+        rank asks for the same rows (evaluation, the KL probe), not one request per replica."""
+        self.record("generate")
+        if self.split is None:
+            out = self._guarded(lambda: self.engine.generate(prompt_ids, params), step=step, pool=pool)
+            self.work.add(generated=int(out.lengths.sum()), needed=int(out.lengths.sum()), rows=len(prompt_ids),
+                          owner=True)
+            return out
+        layout = self.split if not replicated else dataclasses.replace(
+            self.split, dp_rank=0, replica_leader=self.split.rank == 0)
+        share = plan_share(layout, prompt_ids, params, what=what)
+        outs = self._guarded(lambda: [self.engine.generate(p, prm) for _, _, p, prm in share.calls], step=step,
+                             pool=pool)
+        out = assemble(layout, share, outs, prompt_ids, pad_token_id=self.tokenizer.pad_id, what=what)
+        self.work.add(generated=sum(int(o.lengths.sum()) for o in outs), needed=int(out.lengths.sum()),
+                      rows=len(prompt_ids), owner=layout.replica_leader)
+        return out
+
+    def _guarded(self, attempt: Callable[[], Any], *, step: int, pool):
+        """``attempt()`` (this rank's engine calls), agreed on by every rank. When it fails anywhere (an
+        engine that died or raised mid-generation), every rank pushes the same verified weights again
+        (the snapshot or the live weights it was generating with) and tries once more, counted in
         guard/engine_failures; a second failure stops the run with the ranks and the cause."""
         version = self.engine.weight_version
-        for attempt in (1, 2):
+        for n_try in (1, 2):
             out, error = None, None
             try:
-                out = self.engine.generate(prompt_ids, params)
+                out = attempt()
             except Exception as e:  # any engine failure: agreed on below, so no rank is left waiting
                 error = e
             bad = self.sync.failing_ranks(error is None)
             if not bad:
                 return out
             cause = f"{type(error).__name__}: {error}" if error is not None else f"see rank {bad[0]}'s log"
-            if attempt == 2:
+            if n_try == 2:
                 raise RuntimeError(
                     f"rollout at step {step}: the rollout engine failed on rank(s) {bad} again after its weights "
                     f"(version {version}) were pushed again; stopping ({cause})") from error

@@ -60,7 +60,6 @@ class PPOTrainer:
     def __init__(self, cfg: Config, *, log=print):
         self.run: Run = build_run(cfg, log=log)
         resume.resume(self.run)  # after the behaviour policy is built: a checkpoint's pool replaces it
-        self.run.gen.sync_weights(self.run.state.step)
         self.device_check = devicecheck.requested()
 
     @property
@@ -103,6 +102,7 @@ class PPOTrainer:
         metrics.update(rollout_stats)
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
+        metrics.update(run.gen.work.take().metrics())  # since the last record: rollout, probe, evaluation
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
         return over_dp(run, metrics)
@@ -112,7 +112,7 @@ class PPOTrainer:
     def rollout(self, samples) -> tuple[RolloutBatch, dict[str, float]]:
         """The behaviour policy's rollout, colocated (the trainer's states on the host meanwhile)."""
         run = self.run
-        with run.gen.colocated():
+        with run.gen.colocated(run.state.step, refit=run.behaviour.refits_current):
             rb, stats = run.behaviour.rollout(samples, run.state.step)
         return rb, {**stats, **run.gen.offload_stats()}
 

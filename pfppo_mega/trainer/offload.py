@@ -64,6 +64,7 @@ class _Held:
     storage: torch.UntypedStorage  # the device storage; size 0 while offloaded
     nbytes: int
     host: torch.Tensor             # [nbytes] uint8 on the host (pinned on GPU machines)
+    late: bool = False             # one of the late storages (the actor's weights)
 
 
 def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -90,8 +91,9 @@ class TrainerOffload:
     returns the tensors to move; storages are deduplicated (a distributed-optimizer parameter and
     its bucket share one)."""
 
-    def __init__(self, sources, *, device: torch.device, enabled: bool, log=print):
+    def __init__(self, sources, *, device: torch.device, enabled: bool, late=None, log=print):
         self._sources = sources
+        self._late = late or (lambda: ())  # what offload(stage="early") leaves: the weights a refit reads
         self.device = torch.device(device)
         self.enabled = enabled
         self.pin = self.device.type == "cuda"
@@ -110,15 +112,21 @@ class TrainerOffload:
         """Bytes of the trainer's parameter / gradient / optimizer storages allocated on the device now."""
         return sum(st.nbytes() for st in unique_storages(self._sources(), self.device))
 
-    def offload(self) -> int:
-        """Copy every storage to the host and free it on the device; returns the bytes moved."""
-        if self._held:
+    def offload(self, stage: str = "all") -> int:
+        """Copy storages to the host and free them on the device; returns the bytes moved.
+        stage "early": all but the late ones (the actor's weights, which a refit still reads);
+        "late": those; "all": both."""
+        if self._held and stage != "late":
             raise RuntimeError("TrainerOffload.offload(): already offloaded (reload() first)")
         import time
 
         t0 = time.perf_counter()
         moved = 0
-        for i, st in enumerate(unique_storages(self._sources(), self.device)):
+        late = {st.data_ptr() for st in unique_storages(self._late(), self.device)}
+        todo = [st for st in unique_storages(self._sources(), self.device)
+                if stage == "all" or (st.data_ptr() in late) == (stage == "late")]
+        first = len(self._held)
+        for i, st in enumerate(todo, start=first):
             if not st.resizable():
                 raise RuntimeError(f"trainer storage of {st.nbytes()} bytes on {st.device} cannot be freed "
                                    f"(not resizable); set training.offload_during_rollout=false")
@@ -129,28 +137,30 @@ class TrainerOffload:
             if host.numel() != n:
                 host = self._host[i] = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
             host.copy_(_whole(st), non_blocking=self.pin)
-            self._held.append(_Held(st, n, host))
+            self._held.append(_Held(st, n, host, late=st.data_ptr() in late))
             moved += n
         if self.pin:
             torch.cuda.synchronize(self.device)  # the copies must land before the storages go
-        for h in self._held:
+        for h in self._held[first:]:
             h.storage.resize_(0)
         if self.pin:
             torch.cuda.empty_cache()
-        self.last_offload_s = time.perf_counter() - t0
+        self.last_offload_s = (self.last_offload_s if stage == "late" else 0.0) + time.perf_counter() - t0
         return moved
 
-    def reload(self) -> None:
-        """Re-allocate every offloaded storage at its size and copy its bytes back."""
+    def reload(self, stage: str = "all") -> None:
+        """Re-allocate the offloaded storages (all, or the late ones) at their size and copy their
+        bytes back."""
         import time
 
         t0 = time.perf_counter()
-        for h in self._held:
+        back = [h for h in self._held if stage == "all" or h.late]
+        for h in back:
             h.storage.resize_(h.nbytes)
             _whole(h.storage).copy_(h.host, non_blocking=self.pin)
         if self.pin:
             torch.cuda.synchronize(self.device)
-        self._held = []
+        self._held = [h for h in self._held if not (stage == "all" or h.late)]
         self.last_reload_s = time.perf_counter() - t0
 
     @contextlib.contextmanager
@@ -168,14 +178,15 @@ class TrainerOffload:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
-        """Temporarily back on the device inside an ``offloaded()`` block (e.g. a live refit when a
-        snapshot was refused); offloaded again on exit."""
-        if not self._held:
+        """The late storages (the actor's weights a refit reads) temporarily back on the device
+        inside an offloaded phase (e.g. a live refit when a snapshot was refused); offloaded again on
+        exit. Everything else stays on the host."""
+        if not any(h.late for h in self._held):
             yield
             return
         self.temporary_reloads += 1
-        self.reload()
+        self.reload("late")
         try:
             yield
         finally:
-            self.offload()
+            self.offload("late")

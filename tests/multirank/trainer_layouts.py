@@ -79,6 +79,26 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
             "running_mean_diff": max(abs(e["running"]["mean"] - serial.mean) for e in everyone)}
 
 
+def split_vs_single(tr: PPOTrainer) -> dict:
+    """The rollout split across the engines (every rank generates a share, the rows are exchanged)
+    against this rank's engine generating the replica's whole batch alone, same weights and seed:
+    tokens and log-probs must be identical (row_seed makes a row's draw independent of its call)."""
+    from pfppo_mega.rollout import SamplingParams
+
+    run = tr.run
+    samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
+    prompts = [list(x.prompt_ids) for x in samples for _ in range(2)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=run.cfg.algorithm.max_response_length,
+                            eos_token_id=run.tokenizer.eos_id, seed=1234 + run.parallel.dp_rank)
+    run.gen.work.take()
+    split = run.gen.run_engine(prompts, params, step=tr.step, what="split check")
+    work = run.gen.work.take()
+    alone = run.engine.generate(prompts, params)
+    return {"tokens_equal": bool(torch.equal(split.responses, alone.responses)),
+            "logp_max_gap": float((split.logprobs - alone.logprobs).abs().max()),
+            "generated": work.generated, "needed": work.needed}
+
+
 def _shard_state(tr: PPOTrainer) -> list[torch.Tensor]:
     """This rank's distributed-optimizer shards (fp32 main params, exp_avg, exp_avg_sq, step) of
     both models, in the optimizers' parameter order."""
@@ -169,9 +189,13 @@ def main(path: str) -> None:
         reward_gap = max(max(abs(m["reward/std"] - torch.cat([e[i] for e in everyone]).std().item()),
                              abs(m["reward/q90"] - torch.quantile(torch.cat([e[i] for e in everyone]), 0.9).item()))
                          for i, m in enumerate(metrics))
+        checks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(checks, split_vs_single(tr))
         if tr.run.is_logger:
-            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.run.parallel.dp, "reward_stat_gap": reward_gap}),
-                  flush=True)
+            print("RESULT", name, json.dumps({"steps": steps, "dp": tr.run.parallel.dp, "reward_stat_gap": reward_gap,
+                                              "generated_over_needed": [m["rollout/generated_over_needed"]
+                                                                        for m in metrics],
+                                              "split": checks}), flush=True)
         if name == "dp2":
             inv = dp_invariance(tr)
             if tr.run.is_logger:
