@@ -11,13 +11,21 @@ meta-device models (``pfppo_mega.planning.dryrun``, checked as on a GPU): a mega
 construction (the local spec's WrappedTorchNorm under sequence parallelism, a recompute setting it
 rejects) fails here, and the parameter shapes are compared with the planner's.
 
-One launch-free process; what cannot run here at all is named per config with the reason, and the
-test asserts that exactly the expected configs are refused or skipped.
+Then ONE torchrun launch of 4 gloo processes (tests/multirank/config_steps.py) builds every
+config's actor and critic at the reduced width, with its layout clipped to 4 ranks (tp, pp at most
+2) and its features as megatron runs them on CPU, and trains the actor one step (forward, backward,
+finalize, optimizer step). What cannot run here at all is named per config with the reason, and
+the tests assert that exactly the expected configs are refused, skipped or substituted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +37,10 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs" /
 # Configs that cannot be built here, and why (asserted: no more, no fewer).
 SKIPPED = {"article_example.yaml": "no model section: the shape comes from actor_rollout.model_path's config.json"}
 REFUSED_AT_LOAD: dict[str, str] = {}  # config name -> the key its load refuses
+# What the gloo step replaces on CPU (config name -> feature): megatron's recompute needs CUDA.
+_70B = ("70b_pfppo.yaml", "70b_pfppo_h100.yaml", "70b_llama33_pfppo.yaml", "70b_llama33_pfppo_h100.yaml")
+SUBSTITUTED = {name: {"recompute"} for name in _70B}
+LAUNCH_TIMEOUT_S = 420
 
 
 def _reduced(model):
@@ -118,3 +130,34 @@ def test_the_build_catches_what_megatron_asserts(monkeypatch):
     monkeypatch.setattr(gpt, "check_features", lambda *a, **k: None)
     with pytest.raises(AssertionError, match="sequence parallel not supported"):  # megatron's WrappedTorchNorm
         build_every_stage(cfg, sp)
+
+
+def test_every_config_trains_one_step_on_gloo():
+    """One launch of 4 ranks: every config's actor trains a step and its critic runs a forward."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(REPO / "tests" / "multirank" / "config_steps.py"), *map(str, CONFIGS)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun ran past {LAUNCH_TIMEOUT_S} s:\n{out[-3000:]}\n{err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-6000:]
+    results, skipped, substituted = {}, {}, {}
+    for line in out.splitlines():
+        if m := re.match(r"^RESULT (\S+) step (PASS|FAIL) (.*)$", line):
+            results[m.group(1)] = (m.group(2) == "PASS", line)
+        elif m := re.match(r"^SKIP (\S+) (.*)$", line):
+            skipped[m.group(1)] = m.group(2)
+        elif m := re.match(r"^SUBST (\S+) (\S+) ", line):
+            substituted.setdefault(m.group(1), set()).add(m.group(2))
+        if line.startswith(("RESULT", "SKIP", "SUBST")):
+            print(line)
+    assert set(skipped) == set(SKIPPED) | set(REFUSED_AT_LOAD), skipped
+    assert substituted == SUBSTITUTED, substituted
+    assert set(results) == {p.name for p in CONFIGS} - set(skipped)
+    failed = [line for ok, line in results.values() if not ok]
+    assert not failed, "\n".join(failed) + "\n" + err[-6000:]
