@@ -26,7 +26,7 @@ def chat_template_of(tokenizer, model_dir: str | Path) -> ChatTemplate | None:
         return None
     names = {"bos_token": tokenizer.token(tokenizer.bos_id), "eos_token": tokenizer.token(tokenizer.eos_id),
              "pad_token": tokenizer.token(tokenizer.pad_id)}
-    return ChatTemplate(source, special_tokens=names, where=f"{Path(model_dir) / 'tokenizer_config.json'}")
+    return ChatTemplate(source, special_tokens=names, where=tokenizer.chat_template_file)
 
 
 def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Random, dp_rank: int = 0,

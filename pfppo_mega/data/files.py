@@ -122,7 +122,8 @@ def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, 
                             f"{{role, content}} messages with string values, got {str(prompt)[:120]}")
         elif template is None:
             raise DataError(f"{at}: {keys.prompt!r} is a list of chat messages but the checkpoint's "
-                            f"tokenizer_config.json has no chat_template (or data.apply_chat_template is false)")
+                            f"directory has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json; "
+                            f"or data.apply_chat_template is false)")
         if messages is not None:
             try:
                 text = template.render(messages, add_generation_prompt=True)

@@ -91,7 +91,7 @@ def test_chat_prompt_without_template_refused(tmp_path):
     d = tmp_path / "tok"
     d.mkdir()
     char_tokenizer("abcdefghijklmnopqrstuvwxyz?+24 ").save(d)
-    with pytest.raises(DataError, match=r"row 0: 'prompt' is a list of chat messages but .* no chat_template"):
+    with pytest.raises(DataError, match=r"row 0: 'prompt' is a list of chat messages but .* has no chat template \(chat_template.jinja, or chat_template in tokenizer_config.json"):
         _load(d, [_jsonl(tmp_path / "c.jsonl", [_row()])])
     assert Tokenizer.from_dir(d).chat_template is None
 
