@@ -161,3 +161,18 @@ def test_every_config_trains_one_step_on_gloo():
     assert set(results) == {p.name for p in CONFIGS} - set(skipped)
     failed = [line for ok, line in results.values() if not ok]
     assert not failed, "\n".join(failed) + "\n" + err[-6000:]
+
+
+def test_bf16_on_a_gpu_without_bf16_is_refused_by_key(monkeypatch):
+    """A dtype the hardware cannot provide: refused at start by key (the GPU lookups faked)."""
+    from pfppo_mega.models import gpt
+
+    model = load_config(REPO / "configs" / "70b_pfppo.yaml", []).model
+    monkeypatch.setattr(gpt.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt.torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(gpt.torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
+    with pytest.raises(gpt.FeatureError, match=r"model\.params_dtype = 'bfloat16': this GPU \(Tesla V100"):
+        gpt.check_features(model, gpt.Features(), device_type="cuda", tp=8)
+    gpt.check_features(dataclasses.replace(model, params_dtype="float32"), gpt.Features(), device_type="cuda", tp=8)
+    monkeypatch.setattr(gpt.torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpt.check_features(model, gpt.Features(), device_type="cuda", tp=8)

@@ -139,7 +139,8 @@ def check_features(model: ModelConfig, features: Features, *, device_type: Optio
     Refused on every device: sequence parallelism with the local layer spec (its WrappedTorchNorm
     asserts it off), and without TP. GPU only: selective / full recompute (megatron's recompute
     makes CUDA tensors inside the backward pass), the transformer_engine layer spec (and so
-    sequence parallelism). Not wired into the trainer: the interleaved pipeline."""
+    sequence parallelism); bf16 parameters need a GPU with bf16. Not wired into the trainer: the
+    interleaved pipeline."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     tp = _layout(tp, None)[0]
     problems = []
@@ -168,6 +169,10 @@ def check_features(model: ModelConfig, features: Features, *, device_type: Optio
             te = ("TE's fused-norm parameter names (linear_qkv.layer_norm_weight, ...) are not converted by "
                   "pfppo_mega.models.hf_io yet")
         problems.append(f"model.layer_spec = 'transformer_engine': {te}; use 'local'")
+    if model.params_dtype == "bfloat16" and device_type == "cuda" and torch.cuda.is_available() \
+            and not torch.cuda.is_bf16_supported():
+        problems.append(f"model.params_dtype = 'bfloat16': this GPU ({torch.cuda.get_device_name()}) has no bf16 "
+                        f"support; use float32")
     if features.virtual_pipeline_size is not None:
         problems.append(f"parallel.virtual_pipeline_size = {features.virtual_pipeline_size}: the trainer builds one "
                         f"model chunk per pipeline stage (megatron's interleaved schedule is not wired in); set it null")
