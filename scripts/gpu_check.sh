@@ -83,7 +83,10 @@ PFPPO_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_AR
 
 # 2. CUDA tests (every test here skips on CPU; on this machine they run).
 step tests 90 "$PY" -m pytest -q -rs -x -o addopts= -p no:cacheprovider \
-  tests/test_kernels_cuda.py tests/test_kernels_backends.py
+  tests/test_kernels_cuda.py tests/test_kernels_backends.py \
+  && step kernels_marker 30 "$PY" -c "from pfppo_mega.kernels.backends import write_marker; print(write_marker('cuda'))"
+# (the marker, build/kernels_verified/<device>.json, lets `kernels: auto` use the fused CUDA kernels
+# on this GPU kind, in step 4 too; without it auto means torch on GPUs)
 
 # 3. Kernel targets of issue 11.
 step kernels 60 "$PY" -m pfppo_mega.bench.gpu_check kernels --json "$OUT/kernels.json"
