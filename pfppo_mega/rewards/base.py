@@ -41,6 +41,9 @@ class OutcomeLog:
                  f"(scored 0 and counted in guard/{outcome}; logged once)")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: scores become float32 tensors
+
+
 def judge(kind: str, payload: Any) -> tuple[float, str, str]:
     """(score, outcome, detail) of one call's result as `worker.as_score` / an exception gave it."""
     if kind == "raised":
@@ -53,6 +56,9 @@ def judge(kind: str, payload: Any) -> tuple[float, str, str]:
         return 0.0, "reward_errors", f"killed its worker process ({payload})"
     if not math.isfinite(payload):
         return 0.0, "bad_rewards", f"returned {payload}"
+    if abs(payload) > FLOAT32_MAX:  # finite here, inf once the trainer holds it (float32)
+        return 0.0, "bad_rewards", f"returned {payload!r}, beyond float32's range (+-{FLOAT32_MAX:.4g}) the trainer " \
+                                   f"computes rewards in"
     return payload, "ok", ""
 
 
