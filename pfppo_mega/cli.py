@@ -52,6 +52,15 @@ def _train(cfg) -> int:
     except TrainingHalted as e:
         print(f"pfppo: training stopped: {e}", file=sys.stderr)
         return 3
+    except RuntimeError as e:
+        from pfppo_mega.trainer.engine_sync import lost_peer
+
+        if not lost_peer(e):
+            raise
+        print(f"pfppo: a rank of the job stopped answering: a collective waited past parallel.collective_timeout_s "
+              f"= {cfg.parallel.collective_timeout_s:g} s ({str(e).strip().splitlines()[0][:300]}); the run stops "
+              f"(resume from the last checkpoint once the node is healthy)", file=sys.stderr)
+        return 4
     for key, label in (("eval/accuracy", "sampled"), ("eval/accuracy_greedy", "greedy")):
         print(f"[pfppo] held-out accuracy ({label}): {res.eval_before[key]:.3f} -> {res.eval_after[key]:.3f}")
     print(f"[pfppo] {res.steps} steps in {res.wall_s:.0f}s")

@@ -68,6 +68,7 @@ MAX_SEED = (1 << 32) - 1
 MAX_THREADS = 1024
 MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward function)
 MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
+COLLECTIVE_TIMEOUT_S = 1800.0  # parallel.collective_timeout_s default (torch's own for gloo and NCCL)
 REFIT_TIMEOUT_S = 300.0  # actor_rollout.refit_timeout_s default: a rank lost mid-refit ends in an error, not a hang
 MAX_REFIT_TIMEOUT_S = 86_400.0  # ... at most a day
 MAX_REWARD_WEIGHT = 1e6  # reward.model_weight / reward.rule_weight

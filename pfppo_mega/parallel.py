@@ -16,12 +16,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from pfppo_mega.compat import megatron_cpu
+from pfppo_mega.constants import COLLECTIVE_TIMEOUT_S
 
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -91,17 +93,17 @@ def _launched_by_env() -> bool:
     return bool(present)
 
 
-def _init_process_group(backend: str) -> tuple[Optional[str], bool]:
+def _init_process_group(backend: str, timeout: timedelta) -> tuple[Optional[str], bool]:
     """Start torch.distributed unless the caller already did. Returns (store dir, owned)."""
     if dist.is_initialized():
         return None, False
     if _launched_by_env():
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return None, True
     # One-process world: a FileStore in a fresh temp dir needs no free port.
     store_dir = tempfile.mkdtemp(prefix="pfppo_dist_")
     dist.init_process_group(
-        backend=backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1
+        backend=backend, init_method=f"file://{store_dir}/store", rank=0, world_size=1, timeout=timeout
     )
     return store_dir, True
 
@@ -114,12 +116,15 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> ParallelInfo:
+def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int,
+                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> ParallelInfo:
     """Initialise torch.distributed, megatron's model-parallel groups and RNG, and CPU compat.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK for the GPU) when a launcher
     set them, else starts a one-process gloo world. Calling it again with the same tp and pp
     returns the current layout; with another layout it raises (call destroy_parallel first).
+    ``timeout_s`` (parallel.collective_timeout_s) bounds every collective of the world group and
+    megatron's groups: a stalled rank makes the others raise instead of waiting forever.
     """
     global _state
     from megatron.core import parallel_state
@@ -144,12 +149,13 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int) -> Para
         data_parallel_size(int(os.environ["WORLD_SIZE"]), tp, pp)
     megatron_cpu.enable()  # no-op on a CUDA machine
     device = _device(backend)  # before the process group: NCCL binds to the current device
-    store_dir, owned = _init_process_group(backend)
+    store_dir, owned = _init_process_group(backend, timedelta(seconds=timeout_s))
     world_size, rank = dist.get_world_size(), dist.get_rank()
     dp = data_parallel_size(world_size, tp, pp)
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60,  # megatron builds timedelta(minutes=...) of it
     )
     megatron_cpu.model_parallel_manual_seed(seed)
 

@@ -199,7 +199,7 @@ def run_sft(cfg: Config, *, log=print) -> Path:
         raise ValueError(f"model.vocab_size = {model_cfg.vocab_size} < tokenizer size {tok.vocab_size}")
     task = AdditionTask.from_config(cfg.data)
     init_parallel(tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
-                  backend=cfg.parallel.backend, seed=cfg.training.seed)
+                  backend=cfg.parallel.backend, seed=cfg.training.seed, timeout_s=cfg.parallel.collective_timeout_s)
     actor = gpt.build_actor(model_cfg)
     if s.init_gain:
         fan_in_init(actor, s.init_gain, tp=cfg.parallel.tensor_model_parallel_size)

@@ -210,6 +210,11 @@ class ParallelConfig(Section):
     tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (TP).")
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (PP).")
     backend: str = opt("auto", "torch.distributed backend: auto (nccl on GPUs, else gloo), gloo or nccl.")
+    collective_timeout_s: float = opt(
+        C.COLLECTIVE_TIMEOUT_S, "Longest wait (s) of any collective of the trainer's process groups (gloo and NCCL alike): a rank "
+        "that stalls (SIGSTOP, a hung kernel, a dead node) ends the job with an error naming this key instead of "
+        "leaving the others waiting. Refits have their own bound, actor_rollout.refit_timeout_s."
+    )
     sequence_parallel: bool = opt(
         False, "Megatron sequence parallelism: activations outside attention / MLP split over the TP ranks "
                "along the sequence. Needs tensor_model_parallel_size > 1 and GPUs (refused on CPU at start).")
@@ -230,6 +235,7 @@ class ParallelConfig(Section):
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
+        _range(p, "collective_timeout_s", self.collective_timeout_s, gt=0, le=C.MAX_REFIT_TIMEOUT_S)
         _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1,
                le=C.MAX_PARALLEL)
         _range(p, "virtual_pipeline_size", self.virtual_pipeline_size, ge=2, le=C.MAX_PARALLEL, optional=True)
@@ -290,8 +296,7 @@ class ActorRolloutConfig(Section):
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
                                          "model.path": "model_path"}
-    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ROLLOUT_ENGINES, "dtype": ("auto",) + C.PARAMS_DTYPES,
-                                           "sleep_level": (1, 2)}
+    CHOICES: ClassVar[dict[str, tuple]] = {"engine": ROLLOUT_ENGINES, "dtype": ("auto",) + C.PARAMS_DTYPES}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "temperature", self.temperature, gt=0)
@@ -302,6 +307,7 @@ class ActorRolloutConfig(Section):
         _range(p, "refit_timeout_s", self.refit_timeout_s, gt=0, le=C.MAX_REFIT_TIMEOUT_S)
         _range(p, "n_samples_per_prompt", self.n_samples_per_prompt, ge=1, le=C.MAX_COUNT)
         _range(p, "max_num_seqs", self.max_num_seqs, ge=1, le=C.MAX_COUNT)
+        _range(p, "sleep_level", self.sleep_level, ge=1, le=2)
 
 
 POOL_SAMPLING = C.POOL_SAMPLING  # kept importable from here (tests/test_pool.py)
