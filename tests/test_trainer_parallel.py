@@ -32,6 +32,9 @@ CFG = {
 }
 
 
+RUNS: dict = {}  # the config the 2-process runs used (their output folders are under its output_dir)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_parallel")
@@ -56,6 +59,7 @@ def setup(tmp_path_factory):
     assert proc.returncode == 0, err[-4000:]
     results = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in out.splitlines()
                if line.startswith("RESULT ")}
+    RUNS["cfg"] = cfg
     return serial, results
 
 
@@ -145,3 +149,21 @@ def test_every_layout_passes_the_device_check(setup):
     assert r["requested"] and r["sessions"] >= 3 * 3 + 3 + 1
     assert r["checks"] >= 4 * r["sessions"] and r["collectives"] > 0
     print(f"device check over the 2-rank layouts: {r}")
+
+
+def test_a_resume_at_another_layout_is_refused_by_name_not_restarted(setup):
+    """The TP2 run's checkpoints resumed by one process (TP1): refused with both layouts named, and
+    its metrics.jsonl is left as it was (it used to restart from step 0 and overwrite it)."""
+    from pfppo_mega.trainer.checkpoint import CheckpointError
+
+    cfg = json.loads(json.dumps(RUNS["cfg"]))
+    out = Path(cfg["logging"]["output_dir"]) / "tp2"
+    assert any((out / "checkpoints").glob("mp-tp1-pp0/step_*"))
+    cfg["logging"]["output_dir"] = str(out)
+    cfg["checkpoint"] = {"resume": True, "export_hf": False}
+    metrics = out / "metrics.jsonl"
+    before = metrics.read_bytes() if metrics.exists() else None
+    with pytest.raises(CheckpointError, match=r"written at tp=2 pp=1, this run has tp=1 pp=1: a training "
+                                              r"checkpoint is not resharded"):
+        PPOTrainer(load_config_dict(cfg), log=lambda *_: None)
+    assert (metrics.read_bytes() if metrics.exists() else None) == before

@@ -10,6 +10,7 @@ silently replaced by a fresh start.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -52,6 +53,25 @@ def pool_shard_dir(run: Run, series: Path) -> Path:
     """Where dp_rank > 0 keeps its own shards of the sharded PF-PPO pool (dp_rank 0's are in the
     checkpoint itself): a checkpoint series of its own inside the model-parallel rank's dir."""
     return series / f"pool-dp{run.parallel.dp_rank}"
+
+
+_SERIES = re.compile(r"mp-tp(\d+)-pp(\d+)")
+
+
+def other_layout(run: Run, root: Path) -> str | None:
+    """The tensor/pipeline layout other checkpoint series under ``root`` were written at, when it is
+    not this run's ("tp=A pp=B"), else None."""
+    if not root.is_dir():
+        return None
+    ranks = [tuple(map(int, m.groups())) for d in root.iterdir() if (m := _SERIES.fullmatch(d.name))]
+    layouts = set()
+    if ranks:
+        layouts.add((max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1))
+    if ckpt.step_dirs(root):
+        layouts.add((1, 1))
+    mine = (run.parallel.tp, run.parallel.pp)
+    others = sorted(layouts - {mine})
+    return None if not others else " and ".join(f"tp={tp} pp={pp}" for tp, pp in others)
 
 
 # ============================================================================ save
@@ -97,6 +117,13 @@ def resume(run: Run) -> None:
         refused.append(msg)
         run.log(msg)
 
+    other = other_layout(run, run.out_dir / "checkpoints")
+    if other is not None and not ckpt.step_dirs(root):
+        raise ckpt.CheckpointError(
+            f"checkpoint.resume: the checkpoints under {run.out_dir / 'checkpoints'} were written at {other}, this run "
+            f"has tp={run.parallel.tp} pp={run.parallel.pp}: a training checkpoint is not resharded to another "
+            f"tensor/pipeline layout yet; resume with the layout it was written at, or use another "
+            f"logging.output_dir, or checkpoint.resume=false (the HF export of a run loads at any layout)")
     step = ckpt.latest_valid_step(root, log=note)
     if step is not None and run.behaviour.keeps_state and run.parallel.dp_rank != 0:  # and its pool shards
         shards = pool_shard_dir(run, root)
