@@ -253,7 +253,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     actor, ref, critic, actor_opt, critic_opt = _models(cfg, model_cfg, arch, features, model_dir,
                                                         critic=estimator.needs_critic)
     t = cfg.training
-    kernels = get_backend(cfg.kernels)
+    kernels = get_backend(cfg.kernels, device, log=log)  # the models' device: auto = verified kernels only
     # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
     # generates; the engine sleeps from the end of generation until the next weight sync.
     trained = [m for m in (actor, critic, ref) if m is not None]
