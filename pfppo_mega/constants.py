@@ -17,7 +17,7 @@ ADDITION_FORMATS = ("plain", "padded", "reversed")  # data.addition_format (task
 DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / Parquet prompt files
 OVERLONG_PROMPTS = ("filter", "error")  # data.overlong_prompts: drop (counted) or refuse at start
 # Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.
-REWARD_SCORERS = ("gsm8k", "math", "exact_match")
+REWARD_SCORERS = ("gsm8k", "math", "exact_match", "math_dapo")
 ALGORITHMS = ("ppo",)  # algorithm.name
 
 # Snapshot choice of the PF-PPO pool (algorithm.pool.sampling, pool/sampling.py).

@@ -1,4 +1,4 @@
-"""Rule-based scorers (GSM8K, boxed math, exact match), the per-data_source registry, the shared
+"""Rule-based scorers (GSM8K, boxed math, verl's "Answer:" rule, exact match), the per-data_source registry, the shared
 reward guard, and a user's function in worker processes (exceptions, hangs, wrong types, dying
 workers: scored 0, counted, logged once, never a hang)."""
 
@@ -12,8 +12,8 @@ from pfppo_mega import constants as C
 from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rewards.base import RewardSetupError, RuleReward
 from pfppo_mega.rewards.custom import CustomReward
-from pfppo_mega.rewards.rules import (SCORERS, exact_match_score, gsm8k_score, last_boxed, math_score,
-                                      normalize_math)
+from pfppo_mega.rewards.rules import (SCORERS, exact_match_score, extract_answer, gsm8k_score, last_boxed,
+                                      math_dapo_score, math_score, normalize_dapo, normalize_math, scorer_name)
 from pfppo_mega.types import RewardFn, Sample
 
 
@@ -66,6 +66,38 @@ def test_math_helpers():
     assert normalize_math(r"\frac{6}{4}") == normalize_math("1.5") == "3/2"
 
 
+# verl's "Answer: X" rule (math_dapo / aime*), hand-made cases of each step of its normalisation.
+@pytest.mark.parametrize("text, gt, want", [
+    ("so the Answer: 42", "42", 1.0),
+    ("Answer: 41", "42", -1.0),                                  # wrong: -1, not 0
+    (r"\boxed{42}", "42", -1.0),                                 # no "Answer:": nothing extracted
+    ("Answer: 5\nwait, Answer: 6", "6", 1.0),                    # the last one counts
+    ("answer :   7  ", "7", 1.0),                                # any case, spaces around the colon
+    ("Answer: 7\nand more text", "7", 1.0),                      # to the end of its line
+    ("Answer: x = 12", "12", 1.0),                               # what follows the last "="
+    ("Answer: 1,234", "1234", 1.0),                              # digit groups
+    ("Answer: 5 cm", "5", 1.0), ("Answer: 90^\\circ", "90", 1.0),  # units and degrees deleted
+    ("Answer: 12 dollars", "12", 1.0),
+    ("Answer: a 5", "5", 1.0),                                   # "a " and "an " dropped
+    ("Answer: $\\frac12$", "\\frac{1}{2}", 1.0),                 # \fracab braced, $ dropped
+    ("Answer: \\sqrt2", "\\sqrt{2}", 1.0),
+    ("Answer: \\text{(B)}", "(B)", 1.0),                         # \text{} unwrapped
+    ("Answer: \\boxed{3}", "3", 1.0),
+    ("Answer: 1/2", "0.5", -1.0),                                # no numeric equivalence
+    ("Answer: 3" + "x" * 400, "3", -1.0),                        # only the last 300 characters are read
+    ("x" * 400 + "Answer: 3", "3", 1.0),
+])
+def test_math_dapo(text, gt, want):
+    assert math_dapo_score(text, gt) == want
+
+
+def test_math_dapo_helpers():
+    assert extract_answer("no marker") == "[INVALID]"
+    assert normalize_dapo("The answer = 1,000 units") == "1000"
+    assert normalize_dapo("pizza and a cake") == "pizzandcake"  # verl's literal rewrites, kept as they are
+    assert normalize_dapo("is $5$ here and $6$") == "5"
+
+
 def test_exact_match():
     assert exact_match_score("  yes\n", "yes") == 1.0 and exact_match_score("Yes", "yes") == 0.0
 
@@ -81,6 +113,17 @@ def test_rule_reward_routes_by_data_source_and_refuses_unknown():
     with pytest.raises(RewardSetupError, match=r"row t.jsonl:0 has data_source 'my/set'.*default_scorer"):
         r.check([_s("my/set", "1")], "data.train_files")
     RuleReward(default_scorer="gsm8k").check([_s("my/set", "1")], "data.train_files")
+
+
+def test_math_dapo_and_aime_sources_use_the_answer_rule_as_in_verl():
+    # verl scores math_dapo and every aime* source with the "Answer:" rule (+1 / -1); `aime` used to be
+    # boxed here (verl parity changed it); our `math` keeps the boxed rule.
+    r = RuleReward()
+    samples = [_s("math_dapo", "7"), _s("aime", "7"), _s("aime2024", "7"), _s("aime_2025", "7"), _s("math", "7")]
+    assert r(samples, ["Answer: 7"] * 5, [True] * 5).scores.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert r(samples, [r"\boxed{7}"] * 5, [True] * 5).scores.tolist() == [-1.0, -1.0, -1.0, -1.0, 1.0]
+    r.check([_s("aime2024", "1")], "data.train_files")
+    assert scorer_name("aime_anything", None) == "math_dapo" and scorer_name("ai", None) is None
 
 
 USER = '''

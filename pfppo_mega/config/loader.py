@@ -13,6 +13,8 @@ Every step collects :class:`Problem` s instead of stopping at the first one; one
    path relative to the section) to its canonical key, report unknown keys with a did-you-mean;
 4. apply the ``key.path=value`` overrides (alias paths allowed; they replace file values; two
    spellings of one key with different values are a problem, as in a file);
+   a config or overrides in verl's layout (``pfppo_mega.config.verl``) are translated first: its
+   verl keys through the table, ours as usual, then merged (one setting in both: a problem);
 5. build: coerce each value to its field type (rules in :func:`coerce`), construct each section,
    which runs its own ``_check``, and prefix the section's problems with its path.
 """
@@ -23,25 +25,20 @@ import argparse
 import copy
 import dataclasses
 import difflib
-import math
 import os
-import re
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 import yaml
 
+from pfppo_mega.config import verl as verl_layout
 from pfppo_mega.config.tree import Config, ConfigError, Problem, Section, field_types
+from pfppo_mega.config.values import as_float as _as_float, coerce, kind as _kind, type_name as _type_name
 
 _field_types = field_types  # the name reference.py and the tests use
-_NONE = type(None)
 _MISSING = object()
-# What `float()` should accept from a string: YAML 1.1 reads `1e-6` (no dot) as a string.
-_FLOAT_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 # A config is a few KiB, three sections deep and about a hundred values; these bounds are far
 # above that and keep a hostile file (deep nesting, an alias bomb) to milliseconds.
@@ -98,9 +95,18 @@ class Resolved:
     aliases: list[AliasUse] = field(default_factory=list)
     value_aliases: list[ValueAliasUse] = field(default_factory=list)
     ignored: list[IgnoredUse] = field(default_factory=list)
+    verl: verl_layout.Translation | None = None  # what each verl key became, when in verl's layout
 
     def notes(self) -> list[str]:
-        return [str(u) for u in (*self.aliases, *self.value_aliases, *self.ignored)]
+        out = [str(u) for u in (*self.aliases, *self.value_aliases, *self.ignored)]
+        return out + verl_notes(self.verl)
+
+
+def verl_notes(translation: verl_layout.Translation | None) -> list[str]:
+    """The translation of a verl-layout config, one line per verl key, after a summary."""
+    if translation is None:
+        return []
+    return [translation.summary(), *(str(u) for u in translation.uses)]
 
 
 @dataclass
@@ -111,6 +117,7 @@ class _Ctx:
     ignored: list[IgnoredUse] = field(default_factory=list)
     # override key text that set each canonical key (two spellings of one key must agree)
     override_keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    verl: verl_layout.Translation | None = None
 
     def add(self, key: str, value: Any, rule: str) -> None:
         self.problems.append(Problem(key, value, rule))
@@ -192,6 +199,8 @@ def load_config_cli(prog: str, path: str | Path, overrides: Sequence[str] = (), 
             raise ConfigError([p for p in problems if p])
     except ConfigError as e:
         _print_problems(prog, path, e.problems)
+        for note in verl_notes(getattr(e, "verl", None)):
+            print(f"{prog}: note: {note}", file=sys.stderr)
         raise SystemExit(2) from None
     for note in resolved.notes():
         print(f"{prog}: note: {note}", file=sys.stderr)
@@ -249,10 +258,23 @@ def validate_main(argv: Sequence[str]) -> int:
 
 def _resolve(raw: Any, overrides: Sequence[str], ctx: _Ctx, root: type = Config) -> Resolved:
     canonical = _canonical_with_overrides(raw, overrides, ctx, root)
+    n_before = len(ctx.problems)
     cfg, _ = _build(root, canonical, "", ctx)
+    if ctx.verl is not None:  # a rule of ours broken by a translated value names the verl key too
+        ctx.problems[n_before:] = [_from_verl(p, ctx.verl) for p in ctx.problems[n_before:]]
     if ctx.problems:
-        raise ConfigError(ctx.problems)
-    return Resolved(cfg, ctx.aliases, ctx.value_aliases, ctx.ignored)
+        error = ConfigError(ctx.problems)
+        error.verl = ctx.verl  # type: ignore[attr-defined]  # printed by load_config_cli
+        raise error
+    return Resolved(cfg, ctx.aliases, ctx.value_aliases, ctx.ignored, ctx.verl)
+
+
+def _from_verl(p: Problem, translation: verl_layout.Translation) -> Problem:
+    origin = translation.origin.get(p.key)
+    if origin is None:
+        return p
+    key, _, explicit = origin
+    return dataclasses.replace(p, rule=f"{p.rule} (set from verl's {key}{'' if explicit else ', its default'})")
 
 
 def _canonical_with_overrides(raw: Any, overrides: Sequence[str], ctx: _Ctx,
@@ -263,10 +285,73 @@ def _canonical_with_overrides(raw: Any, overrides: Sequence[str], ctx: _Ctx,
         ctx.add("(top level)", raw, "the config must be a mapping of section names to sections")
         raw = {}
     d = _expand_dotted(copy.deepcopy(dict(raw)), "", ctx)
+    if root is Config and verl_layout.is_verl_layout(d, [t.split("=", 1)[0] for t in overrides]):
+        return _verl_layout(root, d, overrides, ctx)
     d = _canonicalize(root, d, "", ctx, "config")
     for text in overrides:
         _apply_override(root, d, text, ctx)
     return d
+
+
+def _verl_layout(root: type, d: dict, overrides: Sequence[str], ctx: _Ctx) -> dict[str, Any]:
+    """verl's keys of file and overrides through verl_layout.translate; ours as usual; then merged: a
+    translated key of ours that is also given as ours is a problem naming both (a key only
+    verl's defaults set gives way to ours)."""
+    items: list[tuple[str, Any, str]] = []
+    native: dict[str, Any] = {}
+    for key, value in _leaves(d, ""):
+        if verl_layout.is_verl_key(key):
+            items.append((key, value, "config"))
+        else:
+            _set_path(native, key.split("."), value)
+    native_overrides = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        name = verl_layout.strip_hydra(key)
+        if not (sep or key.strip().startswith("~")) or not verl_layout.is_verl_key(name):
+            native_overrides.append(f"{name}{sep}{raw}" if sep else text)
+            continue
+        if key.strip().startswith("~"):
+            items.append(("~" + name, None, "override"))
+            continue
+        value = _override_value(name, raw, ctx)
+        if value is not _MISSING:
+            items.append((name, value, "override"))
+    native = _canonicalize(root, native, "", ctx, "config")
+    for text in native_overrides:
+        _apply_override(root, native, text, ctx)
+    ours = {k: v for k, v in _leaves(native, "")}
+    translation = verl_layout.translate(items, ours)
+    ctx.verl = translation
+    ctx.problems += translation.problems
+    for key, value in translation.values.items():
+        vkey, _, explicit = translation.origin[key]
+        if key in ours:
+            if explicit:
+                spelled = next((u.alias for u in ctx.aliases if u.canonical == key), key)
+                ctx.add(vkey, value, f"sets {key} = {value!r} (verl layout), and our {spelled} = {ours[key]!r} "
+                                     f"sets it too; keep one")
+            continue
+        _set_path(native, key.split("."), value)
+    return native
+
+
+def _leaves(d: Any, path: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf; an empty mapping and a list are leaves."""
+    if not isinstance(d, dict) or (not d and path):
+        return [(path, d)]
+    out = []
+    for k, v in d.items():
+        out += _leaves(v, _join(path, str(k)))
+    return out
+
+
+def _set_path(d: dict, parts: list[str], value: Any) -> None:
+    for part in parts[:-1]:
+        if not isinstance(d.get(part), dict):
+            d[part] = {}
+        d = d[part]
+    d[parts[-1]] = value
 
 
 def _join(path: str, key: str) -> str:
@@ -285,21 +370,6 @@ def _same(a: Any, b: Any) -> bool:
         return True
     fa, fb = _as_float(a), _as_float(b)
     return fa is not None and fa == fb
-
-
-def _as_float(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        try:
-            return float(v)
-        except OverflowError:  # an int beyond 1.8e308: refused as not finite, like 1e400
-            return math.inf if v > 0 else -math.inf
-    if isinstance(v, float):
-        return v
-    if isinstance(v, str) and _FLOAT_RE.fullmatch(v.strip()):
-        return float(v)
-    return None
 
 
 # ----------------------------------------------------------------------------- 0, 1. read and parse
@@ -556,7 +626,17 @@ def _report_unknown(cls: type, key: str, value: Any, path: str, ctx: _Ctx) -> No
             ctx.add(_join(_join(path, key), k), v,
                     "unknown key; " + _suggest(k, below, _join(path, key), path))
         return
-    ctx.add(_join(path, key), value, "unknown key; " + _suggest(key, _choices_of(cls), path, path))
+    ctx.add(_join(path, key), value, "unknown key; " + _suggest(key, _choices_of(cls), path, path)
+            + _verl_hint(_join(path, key), value))
+
+
+def _verl_hint(full: str, value: Any) -> str:
+    """For an unknown key of ours that is one of verl's (algorithm.use_kl_in_reward): how to have it read."""
+    keys = [k for k, _ in _leaves(value, full)] if isinstance(value, dict) else [full]
+    if full.split(".")[0] in verl_layout.SHARED_HEADS and any(verl_layout.rule_for(k) for k in keys):
+        return (f" ({full} is verl's: verl's layout is read when the config has one of its own sections, "
+                f"{', '.join(verl_layout.VERL_HEADS[:5])}, ...)")
+    return ""
 
 
 def _choices_of(cls: type) -> dict[str, str]:
@@ -582,11 +662,8 @@ def _apply_override(root: type, d: dict, text: str, ctx: _Ctx) -> None:
         return
     key, raw = text.split("=", 1)
     key = key.strip()
-    n_problems = len(ctx.problems)
-    value = _parse_yaml(raw, key, raw, ctx, key)
-    if len(ctx.problems) > n_problems:
-        ctx.problems[n_problems:] = [dataclasses.replace(p, rule="override value " + p.rule)
-                                     for p in ctx.problems[n_problems:]]
+    value = _override_value(key, raw, ctx)
+    if value is _MISSING:
         return
     target = _resolve_key(root, key.split("."), "", key, value, ctx)
     if target is None:
@@ -607,6 +684,17 @@ def _apply_override(root: type, d: dict, text: str, ctx: _Ctx) -> None:
             node[part] = {}
         node = node[part]
     _override(node, parts[-1], value)
+
+
+def _override_value(key: str, raw: str, ctx: _Ctx) -> Any:
+    """The YAML value of an override, or _MISSING after reporting why it is not one."""
+    n_problems = len(ctx.problems)
+    value = _parse_yaml(raw, key, raw, ctx, key)
+    if len(ctx.problems) > n_problems:
+        ctx.problems[n_problems:] = [dataclasses.replace(p, rule="override value " + p.rule)
+                                     for p in ctx.problems[n_problems:]]
+        return _MISSING
+    return value
 
 
 def _override(dst: dict, key: str, value: Any) -> None:
@@ -637,7 +725,8 @@ def _resolve_key(cls: type, parts: list[str], path: str, text: str, value: Any,
                 break
         else:
             ctx.add(_join(path, ".".join(parts)), value,
-                    f"unknown key (override {text}); " + _suggest(head, _choices_of(cls), path, path))
+                    f"unknown key (override {text}); " + _suggest(head, _choices_of(cls), path, path)
+                    + _verl_hint(_join(path, ".".join(parts)), value))
             return None
     tp = types_[head]
     if len(parts) == 1:
@@ -707,84 +796,3 @@ def _unchecked(cls: type, kwargs: dict[str, Any]) -> Any:
             value = f.default
         object.__setattr__(obj, f.name, value)
     return obj
-
-
-def coerce(value: Any, tp: Any) -> tuple[Any, str | None]:
-    """(value as type `tp`, None) or (None, what was expected).
-
-    int: an int (not a bool; 2.0 is refused rather than truncated silently).
-    float: a float, an int, or a string that reads as a decimal number ("1e-6": YAML 1.1 reads
-    an exponent without a dot as a string). bool: true/false only. str: a string.
-    Optional[X]: null or X. Literal[...]: one of the listed values. list[X]: a list of X, or a
-    single X read as a list of one."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not _NONE]
-        if len(args) != 1 or len(typing.get_args(tp)) != 2:
-            raise TypeError(f"config field type {tp} unsupported: only Optional[X] unions")
-        if value is None:
-            return None, None
-        result, error = coerce(value, args[0])
-        return result, error and error.replace(f"expected {_type_name(args[0])}",
-                                               f"expected {_type_name(tp)}", 1)
-    if value is None:
-        return None, f"expected {_type_name(tp)}, got null (this key cannot be null)"
-    if origin is Literal:
-        for allowed in typing.get_args(tp):
-            if value == allowed and type(value) is type(allowed):
-                return value, None
-        return None, f"expected {_type_name(tp)}, got {_kind(value)}"
-    if tp is bool:
-        if isinstance(value, bool):
-            return value, None
-        return None, f"expected bool (true or false), got {_kind(value)}"
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value, None
-        hint = " (write it without a decimal point)" if isinstance(value, float) else ""
-        return None, f"expected int, got {_kind(value)}{hint}"
-    if tp is float:
-        number = _as_float(value)
-        if number is not None:
-            return number, None
-        return None, f"expected float, got {_kind(value)}"
-    if tp is str:
-        if isinstance(value, str):
-            return value, None
-        return None, f"expected str, got {_kind(value)} (quote it if it is meant as text)"
-    if origin is list:  # list[X]: a list of X, or one X (a single file for a list of paths)
-        (item,) = typing.get_args(tp)
-        items = value if isinstance(value, list) else [value]
-        out = []
-        for i, v in enumerate(items):
-            result, error = coerce(v, item)
-            if error:
-                return None, f"expected {_type_name(tp)}; item {i}: {error}"
-            out.append(result)
-        return out, None
-    raise TypeError(f"config field type {tp!r} unsupported (int, float, bool, str, Optional, "
-                    f"Literal or a Section)")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is _NONE else _type_name(a) for a in typing.get_args(tp))
-    if origin is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if _is_section(tp):
-        return f"section {tp.__name__}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _kind(value: Any) -> str:
-    """The YAML name of a value's type."""
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "mapping"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    return type(value).__name__

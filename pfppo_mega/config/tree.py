@@ -529,6 +529,20 @@ class ShapingConfig(Section):
 
 
 @dataclass
+class OverlongBufferConfig(Section):
+    """DAPO's overlong reward shaping (verl's reward_model.overlong_buffer)."""
+
+    enable: bool = opt(False, "Penalise responses within `len` tokens of algorithm.max_response_length.")
+    len: int = opt(0, "The buffer: the penalty grows linearly from 0 at max_response_length - len tokens to "
+                      "-penalty_factor at max_response_length (must be < max_response_length when enabled).")
+    penalty_factor: float = opt(1.0, "The penalty at max_response_length (>= 0).")
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "len", self.len, ge=1 if self.enable else 0, le=C.MAX_TOKENS)
+        _range(p, "penalty_factor", self.penalty_factor, ge=0, le=C.MAX_SHAPED_REWARD)
+
+
+@dataclass
 class RewardConfig(Section):
     """Preprocessing of the sequence-level scores before they enter GAE."""
 
@@ -538,6 +552,8 @@ class RewardConfig(Section):
         None, "Clip scores to their [1-q, q] batch quantiles (e.g. 0.95); null = off."
     )
     length_penalty: float = opt(0.0, "Subtract coef * response_length / max_response_length.")
+    overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig, doc="DAPO's soft overlong "
+                                                "punishment of responses near the length limit.")
     default_scorer: Optional[str] = opt(
         None, "Rule-based scorer for a data_source the registry does not know (null: such a row is "
               "refused at start).")
@@ -828,6 +844,10 @@ class Config(Section):
                              "must be false with model.layer_spec 'local': megatron's local spec norms "
                              "(WrappedTorchNorm) refuse sequence parallelism on every device; sequence parallelism "
                              "needs model.layer_spec transformer_engine (where transformer-engine is installed)"))
+        ob = self.reward.overlong_buffer
+        if ob.enable and isinstance(ob.len, int) and ob.len >= self.algorithm.max_response_length >= 1:
+            p.append(Problem("reward.overlong_buffer.len", ob.len,
+                             f"must be less than algorithm.max_response_length ({self.algorithm.max_response_length})"))
         if self.actor_rollout.model_path is None and not self.model.is_complete():
             missing = [k for k in ModelConfig.SHAPE_FIELDS if getattr(self.model, k) is None]
             p.append(Problem("model", "incomplete",

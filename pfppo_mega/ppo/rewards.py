@@ -180,6 +180,23 @@ def quantile_clip(
     return torch.minimum(torch.maximum(scores, lo.to(scores.dtype)), hi.to(scores.dtype))
 
 
+def overlong_penalty(
+    scores: torch.Tensor, lengths: torch.Tensor, *, max_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment: nothing up to max_length - buffer_len tokens, then a linear
+    penalty reaching -penalty_factor at max_length.  scores, lengths: [B] -> [B].
+
+        s + min(0, -(length - (max_length - buffer_len)) / buffer_len * penalty_factor)
+    """
+    if scores.shape != lengths.shape:
+        raise ValueError(f"overlong_penalty: lengths.shape={tuple(lengths.shape)} must equal "
+                         f"scores.shape={tuple(scores.shape)}")
+    if not 0 < buffer_len < max_length:
+        raise ValueError(f"overlong_penalty: buffer_len={buffer_len} must be in (0, max_length={max_length})")
+    exceed = lengths.to(scores.dtype) - (max_length - buffer_len)                      # [B]
+    return scores + torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
 def length_penalty(
     scores: torch.Tensor, lengths: torch.Tensor, *, coef: float, max_length: int
 ) -> torch.Tensor:

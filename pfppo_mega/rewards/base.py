@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pfppo_mega.rewards.rules import DATA_SOURCE_SCORERS, SCORERS, scorer_name
+from pfppo_mega.rewards.rules import DATA_SOURCE_PREFIX_SCORERS, DATA_SOURCE_SCORERS, SCORERS, scorer_name
 from pfppo_mega.rewards.worker import as_score
 from pfppo_mega.types import RewardResult, Sample
 
@@ -96,7 +96,7 @@ class RuleReward:
             if scorer_name(s.data_source, self.default_scorer) is None:
                 raise RewardSetupError(
                     f"{where}: row {s.row} has data_source {s.data_source!r}, which no rule-based scorer "
-                    f"covers (known: {sorted(DATA_SOURCE_SCORERS)}); set reward.default_scorer (one of "
+                    f"covers (known: {sorted(DATA_SOURCE_SCORERS)} and {sorted(p + '*' for p in DATA_SOURCE_PREFIX_SCORERS)}); set reward.default_scorer (one of "
                     f"{sorted(SCORERS)}) or reward.custom_function")
 
     def __call__(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> RewardResult:

@@ -1,6 +1,8 @@
-"""Rule-based scorers: GSM8K answers (`#### 42`), boxed math answers, exact match.
+"""Rule-based scorers: GSM8K answers (`#### 42`), boxed math answers, verl's "Answer: X" rule
+(math_dapo), exact match.
 
-Each scorer is `score(solution_str, ground_truth) -> float` (1.0 right, 0.0 wrong), pure Python,
+Each scorer is `score(solution_str, ground_truth) -> float` (1.0 right, 0.0 wrong; math_dapo,
+as in verl, +1.0 right and -1.0 wrong), pure Python,
 no torch. The registry maps a `data_source` to its scorer; `reward.default_scorer` covers the
 sources it does not know. Extraction and normalisation rules are spelled out next to each
 function so a user can predict what scores.
@@ -147,6 +149,64 @@ def math_score(solution_str: str, ground_truth: Any) -> float:
     return float(normalize_math(got) == normalize_math(want))
 
 
+# ----------------------------------------------------------------------------- "Answer: X" (verl's math_dapo)
+
+# The rule verl applies to data_source math_dapo and aime* (verl/utils/reward_score/math_dapo.py,
+# itself after the Minerva answer normalisation); reproduced from its description, step by step.
+_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_DAPO_TAIL_CHARS = 300  # only the response's last 300 characters are read
+# step 2: literal rewrites, in this order ("a " and "an " go first: "a 5" -> "5")
+_DAPO_REWRITES = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+                  ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+# step 3: words and marks deleted wherever they occur, in this order
+_DAPO_DELETED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+                 "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+                 "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+                 "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
+                 "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots")
+# step 5: wrappers whose content is kept (the first non-greedy; \boxed{} greedy, to its last brace)
+_DAPO_UNWRAP = ((re.compile(r"\\text\{(.*?)\}"), r"\1"), (re.compile(r"\\textbf\{(.*?)\}"), r"\1"),
+                (re.compile(r"\\overline\{(.*?)\}"), r"\1"), (re.compile(r"\\boxed\{(.*)\}"), r"\1"))
+
+
+def normalize_dapo(answer: str) -> str:
+    r"""verl's math_dapo normal form of an answer:
+    1. keep what follows the last "=";
+    2. the rewrites of _DAPO_REWRITES in order (every space goes: "x = 5" reads "5");
+    3. delete the units and marks of _DAPO_DELETED in order ("5 cm" -> "5", "90^\circ" -> "90");
+    4. a "$...$" span anywhere: keep the first one only ("is $5$ here" -> "$5$");
+    5. \text{x}, \textbf{x}, \overline{x} -> x; \boxed{x} -> x;
+    6. \fracab -> \frac{a}{b} and \sqrta -> \sqrt{a} (a one-character argument braced);
+    7. drop "$"; 8. "1,234" (digits and commas only) -> "1234"; 9. strip."""
+    s = answer.split("=")[-1]
+    for old, new in _DAPO_REWRITES:
+        s = s.replace(old, new)
+    for gone in _DAPO_DELETED:
+        s = s.replace(gone, "")
+    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
+    for pattern, keep in _DAPO_UNWRAP:
+        s = pattern.sub(keep, s)
+    s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
+    s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def extract_answer(text: str) -> str:
+    """What follows the last "Answer:" (any case, to the end of its line) in the response's last
+    300 characters; "[INVALID]" when there is none (then it matches no ground truth)."""
+    found = _ANSWER_RE.findall(text[-_DAPO_TAIL_CHARS:])
+    return found[-1] if found else "[INVALID]"
+
+
+def math_dapo_score(solution_str: str, ground_truth: Any) -> float:
+    """+1.0 when normalize_dapo of the response's answer (extract_answer) equals normalize_dapo
+    of the ground truth, else -1.0 (verl's math_dapo reward: a wrong or missing answer costs)."""
+    return 1.0 if normalize_dapo(extract_answer(solution_str)) == normalize_dapo(str(ground_truth)) else -1.0
+
+
 # ----------------------------------------------------------------------------- exact match
 
 
@@ -157,17 +217,27 @@ def exact_match_score(solution_str: str, ground_truth: Any) -> float:
 
 # ----------------------------------------------------------------------------- registry
 
-SCORERS: dict[str, Scorer] = {"gsm8k": gsm8k_score, "math": math_score, "exact_match": exact_match_score}
+SCORERS: dict[str, Scorer] = {"gsm8k": gsm8k_score, "math": math_score, "exact_match": exact_match_score,
+                               "math_dapo": math_dapo_score}
 
 # data_source values (verl's example datasets and their usual spellings) -> scorer name.
 DATA_SOURCE_SCORERS: dict[str, str] = {
     "gsm8k": "gsm8k", "openai/gsm8k": "gsm8k",
     "math": "math", "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math",
-    "HuggingFaceH4/MATH-500": "math", "math_dapo": "math", "aime": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math_dapo": "math_dapo", "math_dapo_reasoning": "math_dapo",
     "exact_match": "exact_match",
 }
+# data_source prefixes -> scorer name: verl scores every aime* source (aime, aime2024, aime_2025, ...)
+# with the "Answer:" rule.
+DATA_SOURCE_PREFIX_SCORERS: dict[str, str] = {"aime": "math_dapo"}
 
 
 def scorer_name(data_source: str, default: str | None) -> str | None:
-    """The scorer for a data_source: the registry's, else `default`, else None."""
-    return DATA_SOURCE_SCORERS.get(data_source, default)
+    """The scorer for a data_source: the registry's (exact name, then prefix), else `default`, else None."""
+    if data_source in DATA_SOURCE_SCORERS:
+        return DATA_SOURCE_SCORERS[data_source]
+    for prefix, name in DATA_SOURCE_PREFIX_SCORERS.items():
+        if data_source.startswith(prefix):
+            return name
+    return default

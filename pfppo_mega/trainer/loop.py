@@ -130,6 +130,10 @@ class PPOTrainer:
         if cfg.length_penalty:
             scores = ppo.length_penalty(scores, lengths, coef=cfg.length_penalty,
                                         max_length=run.cfg.algorithm.max_response_length)
+        if cfg.overlong_buffer.enable:  # DAPO: the reward falls over the last overlong_buffer.len tokens
+            ob = cfg.overlong_buffer
+            scores = ppo.overlong_penalty(scores, lengths, max_length=run.cfg.algorithm.max_response_length,
+                                          buffer_len=ob.len, penalty_factor=ob.penalty_factor)
         # The running moments are updated inside scale_rewards (once per batch, global batch).
         scores = ppo.scale_rewards(scores, method=cfg.scaling, running=run.state.running_reward,
                                    reduce_sum=run.dp.sum)

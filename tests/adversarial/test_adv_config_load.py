@@ -267,6 +267,77 @@ VERL_CASES = [
          accept=lambda c: c.algorithm.whiten_advantages is False),
 ]
 
+# verl's layout (pfppo_mega/config/verl.py): wrong types and hostile values of translated keys get
+# the verl key named; a value our tree refuses names both; verl's semantics where they differ.
+MINI = "actor_rollout_ref.actor.ppo_mini_batch_size"
+VERL_LAYOUT_CASES = [
+    Case(f"verl_{name}", "verl", from_overrides(*ov), expect, rule)
+    for name, ov, expect, rule in (
+        ("mini_batch_text", (f"{MINI}=abc",), (MINI,), "expected int"),
+        ("mini_batch_bool", (f"{MINI}=true",), (MINI,), "expected int"),
+        ("mini_batch_float", (f"{MINI}=2.5",), (MINI,), "expected int"),
+        ("mini_batch_list", (f"{MINI}=[1, 2]",), (MINI,), "expected int"),
+        ("mini_batch_zero", (f"{MINI}=0",), ("training.batch_size", MINI), ">= 1"),
+        ("mini_batch_negative", (f"{MINI}=-256",), ("training.batch_size", MINI), ">= 1"),
+        ("mini_batch_10^30", (f"{MINI}={10**30}",), ("training.batch_size", MINI), "<="),
+        ("rollout_n_10^30", (f"actor_rollout_ref.rollout.n={10**30}",), ("actor_rollout.n_samples_per_prompt",), "<="),
+        ("rollout_n_zero", ("actor_rollout_ref.rollout.n=0",), ("actor_rollout.n_samples_per_prompt",), ">= 1"),
+        ("kl_loss_type_int", ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=3"),
+         ("actor_rollout_ref.actor.kl_loss_type",), "expected str"),
+        ("kl_loss_type_plus", ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k3+"),
+         ("actor_rollout_ref.actor.kl_loss_type",), "straight-through"),
+        ("kl_loss_type_empty", ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=''"),
+         ("actor_rollout_ref.actor.kl_loss_type",), "not one of verl's KL estimators"),
+        ("kl_coef_inf", ("trainer.nnodes=1", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=.inf"),
+         ("algorithm.kl_coeff", "algorithm.kl_ctrl.kl_coef"), "finite"),
+        ("kl_coef_negative", ("trainer.nnodes=1", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=-1"),
+         ("algorithm.kl_coeff",), ">= 0"),
+        ("use_kl_loss_text", ("actor_rollout_ref.actor.use_kl_loss=yes_please",), ("actor_rollout_ref.actor.use_kl_loss",),
+         "expected bool"),
+        ("use_kl_both", ("actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"),
+         ("actor_rollout_ref.actor.use_kl_loss",), "refused"),
+        ("use_pf_ppo_int", ("actor_rollout_ref.rollout.n=2", "algorithm.use_pf_ppo=1"), ("algorithm.use_pf_ppo",),
+         "expected bool"),
+        ("engine_path", ("actor_rollout_ref.rollout.name=../../bin/sh",), ("actor_rollout_ref.rollout.name",),
+         "unknown rollout engine"),
+        ("train_files_mapping", ("data.train_files={a: 1}",), ("data.train_files",), "expected list of str"),
+        ("train_files_ints", ("data.train_files=[1, 2]",), ("data.train_files",), "expected list of str"),
+        ("response_length_10^12", ("trainer.nnodes=1", "data.max_response_length=1000000000000"), ("algorithm.max_response_length",), "<="),
+        ("temperature_zero", ("actor_rollout_ref.rollout.temperature=0",), ("actor_rollout.temperature",), "> 0"),
+        ("save_freq_text", ("trainer.save_freq=often",), ("trainer.save_freq",), "expected int"),
+        ("micro_batch_negative", ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=-3",),
+         ("training.micro_batch_size",), ">= 1"),
+        ("bad_yaml_value", ("trainer.critic_warmup=[1, ",), ("trainer.critic_warmup",), "not valid YAML"),
+        ("alias_bomb_value", ("actor_rollout_ref.actor.optim.lr=" + FLOW_BOMB,), ("actor_rollout_ref.actor.optim.lr",),
+         "billion laughs"),
+        ("unknown_key", ("actor_rollout_ref.actor.ppo_mini_batch_sise=4",), ("ppo_mini_batch_sise",), "did you mean"),
+        ("typo_in_closed_subtree", ("actor_rollout_ref.model.lora.rnak=8",), ("lora.rnak",), "unknown key"),
+        ("two_verl_keys_one_setting", ("actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=2"),
+         ("training.grad_clip",), "keep one"),
+        ("verl_and_ours", ("actor_rollout_ref.actor.optim.lr=1e-5", "training.lr=1e-6"),
+         ("actor_rollout_ref.actor.optim.lr", "training.lr"), "keep one"),
+        ("lr_warmup", ("actor_rollout_ref.actor.optim.lr_warmup_steps=10",), ("lr_warmup_steps",), "warmup"),
+        ("adaptive_kl", ("trainer.nnodes=1", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"),
+         ("algorithm.kl_ctrl.type",), "adaptive KL controller"),
+        ("verl_key_without_verl_layout", ("algorithm.use_kl_in_reward=true",), ("algorithm.use_kl_in_reward",),
+         "verl's layout is read when"),
+    )
+] + [
+    Case("verl_interpolation_cycle", "verl",
+         from_file("trainer:\n  default_local_dir: ${trainer.default_local_dir}\n"
+                   "actor_rollout_ref:\n  model: {path: /m}\n"), ("trainer.default_local_dir",), "interpolation"),
+    Case("verl_interpolation_chain_200", "verl",
+         from_file("actor_rollout_ref:\n  model: {path: /m}\n  actor:\n    optim:\n      lr: ${trainer.k0}\n"
+                   "trainer:\n" + "".join(f"  k{i}: ${{trainer.k{i + 1}}}\n" for i in range(200))),
+         ("actor_rollout_ref.actor.optim.lr",), "interpolation"),
+    Case("verl_no_kl_by_default", "verl", from_overrides("actor_rollout_ref.rollout.n=4"),
+         accept=lambda c: c.algorithm.kl_coeff == 0.0 and c.training.batch_size == 1024),
+    Case("verl_pf_ppo_is_filtration", "verl", from_overrides("algorithm.use_pf_ppo=true", "trainer.nnodes=1"),
+         accept=lambda c: c.algorithm.filtration.enable and not c.algorithm.use_pf_ppo),
+    Case("verl_hydra_delete", "verl", from_overrides("~trainer.logger", "+trainer.critic_warmup=2"),
+         accept=lambda c: c.training.critic_warmup_steps == 2),
+]
+
 VALID = write("ok.yaml", BASE_YAML)
 CLI_CASES = [
     Case(f"{cmd}_{what}", "cli", from_cli(cmd, make), (frag,))
@@ -321,7 +392,7 @@ GENERATED = [
     for key, tp in _leaves() if _is(tp, int) for sign in ("", "-")
 ]
 
-CASES = FILE_CASES + OVERRIDE_CASES + VERL_CASES + CLI_CASES + GENERATED
+CASES = FILE_CASES + OVERRIDE_CASES + VERL_CASES + VERL_LAYOUT_CASES + CLI_CASES + GENERATED
 
 
 # ----------------------------------------------------------------------------- classification
