@@ -374,6 +374,22 @@ class FiltrationConfig(Section):
 
 
 @dataclass
+class FilterGroupsConfig(Section):
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): prompt groups whose rewards all agree
+    carry no advantage for a group estimator; drop them and generate more prompts until the batch
+    is full."""
+
+    enable: bool = opt(False, "Drop prompt groups whose n_samples_per_prompt rewards are all equal; refill.")
+    max_num_gen_batches: int = opt(
+        10, "Most generation rounds per step (the first included); when still short, the batch is filled "
+            "with dropped groups (they add no gradient to a group estimator), counted in dapo/filled_groups. "
+            "0 = no bound.")
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "max_num_gen_batches", self.max_num_gen_batches, ge=0, le=C.MAX_COUNT)
+
+
+@dataclass
 class AlgorithmConfig(Section):
     """PPO / PF-PPO hyper-parameters."""
 
@@ -421,6 +437,7 @@ class AlgorithmConfig(Section):
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
     pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
     filtration: FiltrationConfig = opt(factory=FiltrationConfig, doc="Policy filtration.")
+    filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig, doc="DAPO's dynamic sampling.")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "lam": "lmbda",
@@ -844,6 +861,9 @@ class Config(Section):
                              "must be false with model.layer_spec 'local': megatron's local spec norms "
                              "(WrappedTorchNorm) refuse sequence parallelism on every device; sequence parallelism "
                              "needs model.layer_spec transformer_engine (where transformer-engine is installed)"))
+        if self.algorithm.filter_groups.enable and self.actor_rollout.n_samples_per_prompt < 2:
+            p.append(Problem("algorithm.filter_groups.enable", True,
+                             "needs actor_rollout.n_samples_per_prompt >= 2 (a group of one always agrees)"))
         ob = self.reward.overlong_buffer
         if ob.enable and isinstance(ob.len, int) and ob.len >= self.algorithm.max_response_length >= 1:
             p.append(Problem("reward.overlong_buffer.len", ob.len,

@@ -141,3 +141,23 @@ class ExperienceBatch:
             returns=take(self.returns), kl_ref=take(self.kl_ref), entropy=take(self.entropy),
             pg_mask=take(self.pg_mask), is_weights=None if self.is_weights is None else take(self.is_weights),
             on_policy=take(self.on_policy))
+
+
+def concat_scored(parts: list[ScoredBatch], *, pad_id: int) -> ScoredBatch:
+    """Scored batches of one step's generation rounds as one batch, in order; their groups numbered
+    0, 1, ... in order of first appearance (the rounds numbered theirs from 0 each)."""
+    rollout = concat_rollouts([p.rollout for p in parts], list(range(sum(len(p.scores) for p in parts))),
+                              pad_id=pad_id)
+    keys = [(k, int(g)) for k, p in enumerate(parts) for g in p.rollout.group_ids.tolist()]
+    number = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    rollout.group_ids = torch.tensor([number[key] for key in keys], dtype=torch.long, device=rollout.group_ids.device)
+
+    def cat(name: str):
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else torch.cat(values)
+
+    return ScoredBatch(rollout=rollout, raw_scores=cat("raw_scores"), scores=cat("scores"),
+                       n_bad_rewards=sum(p.n_bad_rewards for p in parts),
+                       n_reward_errors=sum(p.n_reward_errors for p in parts),
+                       n_reward_timeouts=sum(p.n_reward_timeouts for p in parts),
+                       honest=cat("honest"), hacked=cat("hacked"))

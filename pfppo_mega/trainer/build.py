@@ -29,6 +29,7 @@ from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout.base import EngineSetupError
 from pfppo_mega.tokenizer import Tokenizer
+from pfppo_mega.trainer.collect import build_collector
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
 from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
@@ -105,6 +106,7 @@ class Run:
     sync: EngineSync
     gen: Generation
     behaviour: BehaviourPolicy
+    collector: object                   # OneRound | DynamicSampling (trainer/collect.py)
     estimator: AdvantageEstimator
     policy_loss: Callable
     policy_loss_name: str               # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
@@ -300,6 +302,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
-               behaviour=behaviour, estimator=estimator,
+               behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log),
+               estimator=estimator,
                policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

@@ -80,10 +80,9 @@ class PPOTrainer:
         t0 = time.perf_counter()
         samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
         corrupt_before = st.guards["corrupt_snapshots"]
-        with timer("rollout"):
-            rb, rollout_stats = self.rollout(samples)
+        # rollout + score (DAPO's dynamic sampling repeats them until the batch is full)
+        scored, rollout_stats = run.collector.collect(self, samples, timer)  # rewards, responses, pool stats
         with timer("score"):
-            scored = self.score(rb)      # every generated row: rewards, responses and pool statistics
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
         add_guard_counts(run, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before)
         with timer("prepare"):
