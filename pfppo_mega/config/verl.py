@@ -920,6 +920,12 @@ RULES: tuple[Rule, ...] = (
     M("algorithm.pf_ppo.reweight_method", "algorithm.filtration.reweight_method",
       _choice("algorithm.filtration.reweight_method"), why="verl's three names are ours"),
     M("algorithm.pf_ppo.weight_pow", "algorithm.filtration.weight_pow"),
+    M("algorithm.filter_groups.enable", "algorithm.filter_groups.enable", why="DAPO's dynamic sampling"),
+    M("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches",
+      why="verl stops the run when still short after them; here the batch is filled with agreeing groups "
+          "(counted in dapo/filled_groups)"),
+    R("algorithm.filter_groups.metric", "groups are compared on their raw rewards (verl's 'acc', 'score' and "
+      "'seq_reward' for rule-based rewards); a KL-shaped metric is another rule", ok=("acc", "score", "seq_reward")),
     R("algorithm.rollout_correction.rollout_is", "verl's rollout importance weights", ok=(None,)),
     R("algorithm.rollout_correction.rollout_rs", "verl's rollout rejection sampling", ok=(None,)),
     R("algorithm.rollout_correction.bypass_mode", "verl's rollout-correction bypass mode", ok=(False,)),
