@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Same seed, same config, two commits: 20-step runs of configs/tiny_cpu.yaml for plain PPO and
 # PF-PPO x the builtin and vLLM engines x trainer TP 1 and 2, then scripts/compare_metrics.py.
-#   bash scripts/bit_identity.sh BASE_COMMIT [OUT]     (run after `make setup`; ~4 min on 2 cores)
+#   bash scripts/bit_identity.sh BASE_COMMIT [OUT] [-- --ignore PREFIX ...]   (after `make setup`; ~4 min)
 set -euo pipefail
 BASE=${1:?usage: bit_identity.sh BASE_COMMIT [OUT]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${2:-$ROOT/runs/bit_identity}
+shift $(( $# < 2 ? $# : 2 )); [ "${1:-}" = "--" ] && shift
 PY=$ROOT/.venv/bin/python
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -25,4 +26,4 @@ for side in base head; do
   done; done; done
 done
 git -C "$ROOT" worktree remove --force "$OUT/base-src"
-$PY "$ROOT/scripts/compare_metrics.py" "$OUT/base" "$OUT/head"
+$PY "$ROOT/scripts/compare_metrics.py" "$OUT/base" "$OUT/head" "$@"
