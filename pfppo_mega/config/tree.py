@@ -413,7 +413,9 @@ class AlgorithmConfig(Section):
                                               "(false: Dr.GRPO, the mean is subtracted only).")
     lmbda: float = opt(0.95, "GAE lambda, in [0, 1].")
     gamma: float = opt(1.0, "Discount, in [0, 1].")
-    whiten_advantages: bool = opt(True, "Whiten advantages over the batch's response tokens.")
+    whiten_advantages: bool = opt(True, "gae: whiten advantages over the batch's response tokens (the "
+                                         "critic-free estimators follow verl: reinforce_plus_plus* always "
+                                         "whiten, the others never).")
     vf_coef: float = opt(0.1, "Weight of the value loss.")
     value_clip: Optional[float] = opt(0.2, "Clip range of the value update; null = unclipped.")
     entropy_coeff: float = opt(0.0, "Entropy bonus weight (>= 0).")
