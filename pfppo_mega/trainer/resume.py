@@ -104,6 +104,41 @@ def save(run: Run, root: Path) -> Path | None:
 
 # ============================================================================ resume
 
+# What a resumed run depends on: a change would train another run under this one's name (the
+# reference is rebuilt from model_path, the saved data position indexes another permutation).
+FIXED = ("training.seed", "actor_rollout.model_path", "data.source", "data.task", "data.train_files",
+         "data.num_digits", "algorithm.adv_estimator", "actor_rollout.n_samples_per_prompt")
+# The optimizer's hyper-parameters: the checkpoint's param groups would silently win; a change is applied.
+HYPER = ("training.lr", "training.critic_lr", "training.weight_decay")
+
+
+def _get(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def check_edits(saved, current: dict, need) -> list[tuple[str, object, object]]:
+    """Refuse a resume whose FIXED settings differ from the checkpoint's (naming the key and both
+    values); return the HYPER settings that changed, to apply."""
+    need(isinstance(saved, dict), "state config must be the config the checkpoint was written with (an object)")
+    for key in FIXED:
+        old, new = _get(saved, key), _get(current, key)
+        need(old == new, f"{key} changed since this checkpoint was written ({old!r} -> {new!r}): the run would "
+                         f"continue as another one; resume with the value it was written with, or start a new "
+                         f"logging.output_dir (or checkpoint.resume=false)")
+    return [(key, _get(saved, key), _get(current, key)) for key in HYPER if _get(saved, key) != _get(current, key)]
+
+
+def _apply_hyper(opts: dict, key: str, value: float) -> None:
+    names = {"training.lr": ("actor_opt",), "training.critic_lr": ("critic_opt",),
+             "training.weight_decay": ("actor_opt", "critic_opt")}[key]
+    field, mult = ("weight_decay", "wd_mult") if key.endswith("weight_decay") else ("lr", "lr_mult")
+    for name in names:
+        if name in opts:
+            for group in opts[name].param_groups:
+                group[field] = value * group.get(mult, 1.0)
+
 
 def resume(run: Run) -> None:
     """Every rank resumes from the newest step that verifies on all model-parallel ranks (see the
@@ -192,7 +227,12 @@ def _install(run: Run, found: ckpt.Checkpoint) -> list:
          f"{'builds' if 'critic_opt' in opts else 'has no'} a critic")
     for name, opt in opts.items():
         ckpt.check_optimizer_state(opt, s[name], f"{where}: state {name}")
+    edits = check_edits(s["config"], config_to_dict(run.cfg), need)  # before anything is installed
     pending = [p for name, opt in opts.items() for p in ckpt.load_optimizer_state(opt, s[name])]
+    for key, old, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
+        _apply_hyper(opts, key, new)
+        run.log(f"[pfppo] resume: {key} changed since the checkpoint ({old!r} -> {new!r}); the new value is "
+                f"applied to the optimizer")
     need(isinstance(s["guards"], dict) and set(s["guards"]) <= set(st.guards)
          and all(type(v) is int and v >= 0 for v in s["guards"].values()),
          f"guards = {str(s['guards'])[:200]}: keys must be among {sorted(st.guards)}, values ints >= 0")
