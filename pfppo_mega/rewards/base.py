@@ -62,6 +62,19 @@ def judge(kind: str, payload: Any) -> tuple[float, str, str]:
     return payload, "ok", ""
 
 
+def unusable_ground_truth(gt: Any) -> str:
+    """'' when a rule-based scorer can compare with ``gt``, else what is wrong with it."""
+    if gt is None:
+        return "missing (no value at data.ground_truth_key)"
+    if isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
+        return f"is a {type(gt).__name__} ({str(gt)[:60]!r}), not a string or a number"
+    if isinstance(gt, float) and not math.isfinite(gt):
+        return f"is {gt} (not a finite number)"
+    if isinstance(gt, str) and not gt.strip():
+        return "is an empty string"
+    return ""
+
+
 def call_guarded(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
     """Run an in-process scorer: ("value", float) / ("type", repr) / ("raised", message)."""
     try:
@@ -91,8 +104,16 @@ class RuleReward:
         self.outcomes = OutcomeLog(log, "rule-based reward")
 
     def check(self, samples: Sequence[Sample], where: str) -> None:
-        """Refuse (naming the first row) a data_source that no scorer covers."""
+        """Refuse (naming the first row) a data_source that no scorer covers, or a ground truth a
+        rule-based scorer cannot use (absent, or not a string / finite number: it would read str(gt)
+        and score every correct answer 0)."""
         for s in samples:
+            why = unusable_ground_truth(s.ground_truth)
+            if why:
+                raise RewardSetupError(
+                    f"{where}: row {s.row} (data_source {s.data_source!r}): ground truth {why}; the rule-based "
+                    f"scorers compare the answer with a string or a number (data.ground_truth_key names where it "
+                    f"is read, default reward_model.ground_truth)")
             if scorer_name(s.data_source, self.default_scorer) is None:
                 raise RewardSetupError(
                     f"{where}: row {s.row} has data_source {s.data_source!r}, which no rule-based scorer "
