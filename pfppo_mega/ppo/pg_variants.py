@@ -36,6 +36,12 @@ def _log_ratio(logp, old_logp, mask):
     return zero_padding(logp - old_logp.detach(), mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
 
 
+def _ratio(logp, old_logp, advantages, mask):
+    """(log r, r, A detached), each [B, T]; log r is 0 on padding and clamped."""
+    lr = _log_ratio(logp, old_logp, mask)
+    return lr, torch.exp(lr), advantages.detach()
+
+
 def _weighted(pg, is_weights):
     return pg if is_weights is None else pg * is_weights.detach().to(pg.dtype)
 
@@ -67,9 +73,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_hi
 def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos, tau_neg, is_weights=None):
     """SAPO (arXiv 2511.20347): a smooth gate instead of the clip, f(r) = sigmoid(tau (r - 1)) 4 / tau
     with tau = tau_pos where A > 0 else tau_neg; pg = -f(r) A, seq-mean-token-mean."""
-    lr = _log_ratio(logp, old_logp, mask)
-    r = torch.exp(lr)
-    adv = advantages.detach()
+    lr, r, adv = _ratio(logp, old_logp, advantages, mask)
     tau = torch.where(adv > 0, torch.full_like(r, tau_pos), torch.full_like(r, tau_neg))
     pg = _weighted(-torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv, is_weights)
     loss = agg_loss(pg, mask, mode=AGG_MODE["sapo"])
@@ -105,9 +109,7 @@ def clip_cov_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, clip_rati
     left alone) is cut (their loss set to 0). ``generator`` draws them (host, CPU)."""
     if not clip_cov_ratio > 0:
         raise ValueError(f"clip_cov_loss: clip_cov_ratio={clip_cov_ratio} must be > 0")
-    lr = _log_ratio(logp, old_logp, mask)
-    r = torch.exp(lr)
-    adv = advantages.detach()
+    lr, r, adv = _ratio(logp, old_logp, advantages, mask)
     real = mask.bool()
     pg1 = -adv * r
     pg2 = -adv * r.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -133,9 +135,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, *, kl_cov_ratio, ppo_kl_coef, 
     ``ppo_kl`` in its stats is mean |log r| (verl logs the absolute one here)."""
     if not kl_cov_ratio > 0:
         raise ValueError(f"kl_cov_loss: kl_cov_ratio={kl_cov_ratio} must be > 0")
-    lr = _log_ratio(logp, old_logp, mask)
-    r = torch.exp(lr)
-    adv = advantages.detach()
+    lr, r, adv = _ratio(logp, old_logp, advantages, mask)
     real = mask.bool()
     pg = -adv * r
     with torch.no_grad():
