@@ -89,3 +89,25 @@ def test_an_unreadable_template_file_is_refused_by_name(tmp_path):
 
 def test_no_template_anywhere_is_none(tmp_path):
     assert Tokenizer.from_dir(_dir(tmp_path)).chat_template is None
+
+
+@pytest.mark.parametrize("source,why", [
+    ("", "ignores the messages"),
+    ("{{ bos_token }}", "ignores the messages"),
+    ("<|user|>hello<|assistant|>", "ignores the messages"),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}", None),
+    ("{{ 1 / 0 }}", "refused the prompt: ZeroDivisionError"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "rendering took longer than 5 s|OverflowError|characters for one"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+     "rendering took longer than 5 s"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "refused the prompt: RecursionError"),
+    ("x" * (1 << 20 + 1), "characters \\(at most"),
+])
+def test_a_template_that_would_train_on_nothing_is_refused_at_start(tmp_path, source, why):
+    from pfppo_mega.data.chat import ChatTemplate, ChatTemplateError
+
+    if why is None:
+        ChatTemplate(source, special_tokens={"eos_token": "</s>"}, where="chat_template.jinja")
+        return
+    with pytest.raises(ChatTemplateError, match=rf"chat_template.jinja: .*({why})"):
+        ChatTemplate(source, special_tokens={"bos_token": "<s>"}, where="chat_template.jinja")

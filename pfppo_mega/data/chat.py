@@ -1,4 +1,4 @@
-"""Chat templates: the checkpoint's own Jinja template (tokenizer_config.json `chat_template`),
+"""Chat templates: the checkpoint's own Jinja template (chat_template.jinja or tokenizer_config.json),
 rendered the way `transformers.apply_chat_template` renders it (sandboxed Jinja, trim_blocks and
 lstrip_blocks, `raise_exception`, the special tokens as variables, `add_generation_prompt`).
 tests/test_data.py checks the output against transformers on the example tokenizer.
@@ -6,6 +6,9 @@ tests/test_data.py checks the output against transformers on the example tokeniz
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from typing import Any
 
 import jinja2
@@ -20,9 +23,36 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+MAX_TEMPLATE_CHARS = 1 << 20   # a real template is a few KB; 20 MB ones were seen in hostile tests
+MAX_RENDER_S = 5.0             # one prompt's render (a template can loop for minutes)
+MAX_RENDER_CHARS = 1 << 22     # one rendered prompt
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str):
+    """SIGALRM after ``seconds`` (main thread only: elsewhere no limit can be set from Python)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(*_):
+        raise ChatTemplateError(f"{what}: rendering took longer than {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 class ChatTemplate:
     def __init__(self, source: str, *, special_tokens: dict[str, str | None], where: str):
         self.where = where
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"{where}: chat_template is {len(source):,} characters (at most "
+                                    f"{MAX_TEMPLATE_CHARS:,}): not a chat template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
@@ -32,13 +62,32 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{where}: chat_template does not compile: {e}") from None
         self.special_tokens = {k: v or "" for k, v in special_tokens.items()}
+        self._probe()
+
+    def _probe(self) -> None:
+        """Refuse at start a template whose output does not carry the conversation (empty, only
+        special tokens, or the same whatever the messages say)."""
+        marks = ("pfppo-probe-7f3a", "pfppo-probe-9c1e")
+        outs = [self.render([{"role": "user", "content": m}]) for m in marks]
+        for mark, out in zip(marks, outs):
+            if mark not in out:
+                raise ChatTemplateError(f"{self.where}: chat_template ignores the messages (a user message "
+                                        f"{mark!r} rendered as {out[:120]!r}): prompts would not reach the model")
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
-        except (jinja2.TemplateError, ChatTemplateError, TypeError) as e:
+            with _time_limit(MAX_RENDER_S, f"{self.where}: chat_template"):
+                out = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **self.special_tokens)
+        except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {e}") from None
+        except Exception as e:  # any template failure (Overflow, Recursion, ZeroDivision, ...) is named
+            raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {type(e).__name__}: "
+                                    f"{str(e)[:200]}") from None
+        if len(out) > MAX_RENDER_CHARS:
+            raise ChatTemplateError(f"{self.where}: chat_template rendered {len(out):,} characters for one prompt "
+                                    f"(at most {MAX_RENDER_CHARS:,})")
+        return out
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
