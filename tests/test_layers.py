@@ -38,7 +38,7 @@ SIDEWAYS = {
     "rewards": {"tasks"},            # ... and its verifier (rewards/task.py)
     "pool": {"rollout"},             # a snapshot is a WeightSource of buckets in the rollout layout
     "kernels": {"ppo"},              # the backends take the pure-torch references' arguments
-    "parallel": {"compat"},          # megatron-core on a CPU torch
+    "parallel": {"compat", "constants"},  # megatron-core on a CPU torch; the default collective timeout
     "config": {"constants", "registry"},  # the tree's choices and limits; registered names
 }
 # DESIGN.md's words beyond the order: "trainer/ ... owns no ... task code".
