@@ -56,6 +56,9 @@ def build_every_stage(cfg, features=None) -> list[str]:
     from pfppo_mega.models.gpt import features_from_config
     from pfppo_mega.planning.dryrun import dry_run_rank
 
+    from pfppo_mega import parallel
+
+    parallel.destroy_parallel()  # a trainer test before may have left its world; the dry run fakes its own
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     chunks = pp * (cfg.parallel.virtual_pipeline_size or 1)
     model = dataclasses.replace(_reduced(cfg.model), num_layers=chunks)

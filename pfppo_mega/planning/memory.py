@@ -151,7 +151,8 @@ class Knobs:
         """The features as the trainer reads them (training.recompute, parallel.sequence_parallel,
         model.layer_spec, parallel.use_distributed_optimizer, training.offload_during_rollout);
         ``flags``: the runtime choices (micro_batch, rollout_tp override, reserves, pool placement)."""
-        offload = offload_from_config(cfg) and flags.pop("offload_during_rollout", True)
+        requested = flags.pop("offload_during_rollout", True)  # popped whatever the config says
+        offload = offload_from_config(cfg) and requested
         return cls(recompute=cfg.training.recompute, sequence_parallel=cfg.parallel.sequence_parallel,
                    layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
                    distributed_optimizer=cfg.parallel.use_distributed_optimizer, offload_during_rollout=offload,
