@@ -31,17 +31,22 @@ class _Proc:
         self.proc = ctx.Process(target=_worker.main, args=(child, path, name), daemon=True)
         self.proc.start()
         child.close()
+        self.where = f"reward.custom_function: {name!r} in {path!r}"
         self.task: int | None = None     # sample index in flight
         self.deadline = 0.0
 
     def wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
             self.kill()
-            raise RewardSetupError(f"reward worker did not start within {timeout:.0f} s")
+            raise RewardSetupError(f"{self.where}: the reward worker did not start within {timeout:.0f} s "
+                                   f"(importing the file hangs?)")
         try:
             kind, msg = self.conn.recv()
         except (EOFError, OSError):
-            raise RewardSetupError(f"reward worker exited at start (exit code {self.proc.exitcode})") from None
+            self.proc.join(5)
+            raise RewardSetupError(f"{self.where}: the reward worker exited at start (exit code "
+                                   f"{self.proc.exitcode}): importing the file ended the process (sys.exit, "
+                                   f"os._exit or a crash at import time)") from None
         if kind != "ready":
             self.kill()
             raise RewardSetupError(msg)
