@@ -40,6 +40,7 @@ def _load(config: str, overrides: list[str], *output_dirs: str):
 
 
 def _train(cfg) -> int:
+    from pfppo_mega.rewards.custom import RunDirectoryWritten
     from pfppo_mega.trainer.build import SetupError
     from pfppo_mega.trainer.loop import PPOTrainer
     from pfppo_mega.trainer.update import TrainingHalted
@@ -50,8 +51,9 @@ def _train(cfg) -> int:
         print(f"pfppo: cannot start: {e}", file=sys.stderr)
         return 2
     try:
-        res = trainer.fit()
-    except TrainingHalted as e:
+        with trainer:  # closes the reward workers on every exit
+            res = trainer.fit()
+    except (TrainingHalted, RunDirectoryWritten) as e:
         print(f"pfppo: training stopped: {e}", file=sys.stderr)
         return 3
     except RuntimeError as e:

@@ -162,6 +162,7 @@ def user_file(tmp_path_factory):
 def test_custom_function_in_workers_guards_every_failure(user_file):
     logs = []
     r = CustomReward(str(user_file), "compute_score", num_workers=2, timeout_s=1.0, log=logs.append)
+    assert len(logs) == 1 and "own session" in logs.pop()  # what each worker's sandbox applied, said once
     try:
         texts = ["42", "raise", "hang", "none", "nan", "die", "dict", "41", "extra"]
         samples = [Sample((1,), "x", "42", {"bonus": 0.25} if t == "extra" else {}, row=f"f:{i}")

@@ -454,7 +454,8 @@ def main(argv: list[str]) -> int:
                         if stale.exists():
                             stale.unlink()
                     print(f"[compare] {name} {arm} seed {seed} -> {run_dir}", flush=True)
-                    PPOTrainer(cfg, log=lambda *_: None).fit()
+                    with PPOTrainer(cfg, log=lambda *_: None) as trainer:  # its reward workers end with it
+                        trainer.fit()
                     wall = time.monotonic() - t0
                 recs = read_jsonl(metrics)
                 stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,

@@ -28,7 +28,7 @@ def _scorer(cfg, log: Callable[[str], None]):
     if cf.path is not None:
         from pfppo_mega.rewards.custom import CustomReward
         base = CustomReward(cf.path, cf.name, num_workers=cfg.reward.num_workers,
-                            timeout_s=cfg.reward.timeout_s, log=log)
+                            timeout_s=cfg.reward.timeout_s, run_dir=cfg.logging.output_dir, log=log)
     elif cfg.data.source == "task":
         from pfppo_mega.rewards.task import AdditionReward
         from pfppo_mega.tasks.addition import AdditionTask

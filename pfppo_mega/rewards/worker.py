@@ -1,19 +1,27 @@
 """The worker process that runs a user's reward function (standard library only: a spawned
 worker starts in well under a second and never loads torch unless the user's code does).
 
-Protocol over one pipe: the worker sends ("ready", None) or ("fail", message) once; then for
-each request (index, kwargs) it answers (index, kind, payload) with kind
+First the worker confines itself (pfppo_mega.rewards.sandbox: own session, killed with the trainer,
+the run directory not writable, signals to the trainer refused), then imports the user's file.
+Protocol over one pipe. The trainer sends pickles (its own data); the worker answers only in JSON
+(send_bytes), so nothing the user's code puts on the pipe is ever unpickled in the trainer:
+    ["ready", [what the sandbox applied]] or ["fail", message], once; then for each request
+    (nonce, kwargs) one answer [nonce, worker pid, kind, payload] with kind
     value   a float (a dict's "score" taken; bool / int read as numbers)
     raised  the exception's type and message
     type    the repr of a return value that is not a number (or a dict without a numeric "score")
-A request of None ends the worker.
+A process the user's function forked that returns into this loop exits at once without
+answering (its pid is not the worker's); the trainer also refuses an answer whose nonce or pid is
+not the one it expects. A request of None ends the worker.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import numbers
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -75,13 +83,23 @@ def as_score(value: Any) -> tuple[str, Any]:
     return "type", repr(value)[:200]
 
 
-def main(conn, path: str, name: str) -> None:  # the worker process's entry point
+def send(conn, message: list) -> None:
+    """One JSON message (floats' inf / nan as JSON's Infinity / NaN)."""
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def main(conn, path: str, name: str, protected: tuple[str, ...] = (), landlock: bool = True) -> None:
+    """The worker process's entry point."""
+    from pfppo_mega.rewards import sandbox
+
+    notes = sandbox.enter(list(protected), landlock=landlock)
     try:
         fn = load_function(path, name)
     except CustomFunctionError as e:
-        conn.send(("fail", str(e)))
+        send(conn, ["fail", str(e)])
         return
-    conn.send(("ready", None))
+    send(conn, ["ready", notes])
+    me = os.getpid()
     while True:
         try:
             msg = conn.recv()
@@ -89,12 +107,14 @@ def main(conn, path: str, name: str) -> None:  # the worker process's entry poin
             return
         if msg is None:
             return
-        index, kwargs = msg
+        nonce, kwargs = msg
         try:
             kind, payload = as_score(fn(**kwargs))
         except BaseException as e:  # anything user code raises is a counted outcome, SystemExit too
             kind, payload = "raised", f"{type(e).__name__}: {e}"[:500]
+        if os.getpid() != me:  # a child the function forked came back here: only the worker answers
+            os._exit(0)
         try:
-            conn.send((index, kind, payload))
+            send(conn, [nonce, me, kind, payload])
         except (EOFError, OSError, BrokenPipeError):
             sys.exit(0)

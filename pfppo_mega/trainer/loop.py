@@ -59,8 +59,23 @@ class RunResult:
 class PPOTrainer:
     def __init__(self, cfg: Config, *, log=print):
         self.run: Run = build_run(cfg, log=log)
-        resume.resume(self.run)  # after the behaviour policy is built: a checkpoint's pool replaces it
+        try:
+            resume.resume(self.run)  # after the behaviour policy is built: a checkpoint's pool replaces it
+        except BaseException:
+            self.close()
+            raise
         self.device_check = devicecheck.requested()
+
+    def close(self) -> None:
+        """End what the run started outside this process (a custom reward's workers). Idempotent;
+        `with PPOTrainer(cfg) as t:` and pfppo train call it on every exit, success or failure."""
+        self.run.reward_fn.close()
+
+    def __enter__(self) -> "PPOTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def step(self) -> int:
