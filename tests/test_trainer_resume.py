@@ -14,6 +14,7 @@ import torch
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
 from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer import TINY, _cfg
 
@@ -103,12 +104,12 @@ def test_stop_request_on_a_save_step_saves_once(sft_small, tmp_path, monkeypatch
     stop.touch()
     monkeypatch.setenv("PFPPO_STOP_FILE", str(stop))
     saves = []
-    real = ckpt.save_checkpoint
-    monkeypatch.setattr(ckpt, "save_checkpoint", lambda root, step, *a, **k: (saves.append(step), real(root, step, *a, **k))[1])
+    real = ckpt.commit_sharded
+    monkeypatch.setattr(ckpt, "commit_sharded", lambda root, step, *a, **k: (saves.append(step), real(root, step, *a, **k))[1])
     res = PPOTrainer(_cfg(tmp_path, sft_small, logging=_LOG, training={"total_training_steps": 3},
                           checkpoint={"save_interval": 1}), log=quiet).fit()
     assert res.steps == 1 and saves == [1]
-    assert ckpt.load_latest(tmp_path / "checkpoints", log=quiet).step == 1
+    assert resume.load_part(tmp_path / "checkpoints").step == 1
 
 
 def test_metrics_do_not_repeat_steps_after_a_fallback(sft_small, tmp_path):
@@ -116,7 +117,7 @@ def test_metrics_do_not_repeat_steps_after_a_fallback(sft_small, tmp_path):
     step 2, and metrics.jsonl then holds each step once (steps after 2 are rewritten)."""
     common = dict(logging=_LOG, checkpoint={"save_interval": 1, "keep_last": 3})
     PPOTrainer(_cfg(tmp_path, sft_small, training={"total_training_steps": 3}, **common), log=quiet).fit()
-    f = tmp_path / "checkpoints" / "step_000003" / "actor.safetensors"
+    f = tmp_path / "checkpoints" / "step_000003" / PART / "actor.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -128,20 +129,32 @@ def test_metrics_do_not_repeat_steps_after_a_fallback(sft_small, tmp_path):
     res = tr.fit()
     steps = [json.loads(line)["step"] for line in open(res.metrics_path)]
     assert steps == [0, 1, 2, 3, 4], steps
-    assert ckpt.load_latest(tmp_path / "checkpoints", log=quiet).step == 4
+    assert resume.load_part(tmp_path / "checkpoints").step == 4
+
+
+PART = "tp0-pp0-dp0"  # the one part of a single-process run's checkpoint
+
+
+def resign(part: Path, *names: str) -> None:
+    """Re-sign files `names` of a checkpoint part in its manifest, and the part in the step's global
+    manifest (as an attacker or a stale tool would): the checkpoint then verifies."""
+    manifest = json.loads((part / ckpt.MANIFEST).read_text())
+    for name in names:
+        manifest["files"][name] = {"sha256": ckpt._sha256(part / name), "bytes": (part / name).stat().st_size}
+    (part / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    top = json.loads((part.parent / ckpt.MANIFEST).read_text())
+    top["parts"][part.name] = ckpt.part_digest(part)
+    (part.parent / ckpt.MANIFEST).write_text(json.dumps(top))
 
 
 def _tamper_state(root: Path, step: int, edit) -> None:
-    """Rewrite state.json of a checkpoint through `edit` and re-sign the manifest (as an attacker
-    or a stale tool would): the checkpoint verifies, so the trainer's own checks must refuse it."""
-    path = root / f"step_{step:06d}"
+    """Rewrite state.json of a checkpoint through `edit` and re-sign it: the checkpoint verifies,
+    so the trainer's own checks must refuse it."""
+    path = root / f"step_{step:06d}" / PART
     state = json.loads((path / ckpt.STATE_JSON).read_text())
     edit(state)
     (path / ckpt.STATE_JSON).write_text(json.dumps(state))
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    manifest["files"][ckpt.STATE_JSON] = {"sha256": ckpt._sha256(path / ckpt.STATE_JSON),
-                                          "bytes": (path / ckpt.STATE_JSON).stat().st_size}
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    resign(path, ckpt.STATE_JSON)
 
 
 @pytest.mark.parametrize("case,edit,match", [
@@ -188,13 +201,12 @@ def _tamper_tensors(path: Path, group: str, edit) -> None:
     """Rewrite <group>.safetensors through `edit` and re-sign it in the manifest."""
     from safetensors.torch import load_file, save_file
 
+    path = path / PART
     f = path / f"{group}.safetensors"
     sd = load_file(str(f))
     edit(sd)
     save_file(sd, str(f))
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    manifest["files"][f.name] = {"sha256": ckpt._sha256(f), "bytes": f.stat().st_size}
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    resign(path, f.name)
 
 
 def _first(sd: dict) -> str:

@@ -779,10 +779,23 @@ class CheckpointConfig(Section):
     keep_last: int = opt(2, "Checkpoints kept on disk (older are removed after a good save).")
     resume: bool = opt(True, "Resume from the latest valid checkpoint in output_dir if one exists.")
     export_hf: bool = opt(True, "Export the final actor as a Hugging Face checkpoint.")
+    background: bool = opt(
+        True, "Write checkpoints on a background thread: the training loop waits only for the copy of "
+              "this rank's state to the host; the step is committed once every rank's part is on disk.")
+    max_saves_in_flight: int = opt(
+        1, "Saves that may be writing at once (each holds a host copy of its rank's part); a save beyond "
+           "it waits for the oldest to finish.")
+    commit_timeout_s: float = opt(
+        600.0, "How long rank 0 waits for every rank's part of a save before giving up on that step "
+               "(`latest` then stays on the previous checkpoint), in seconds.")
+    io_threads: int = opt(4, "Threads that hash a rank's checkpoint files (on save and on resume).")
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "save_interval", self.save_interval, ge=0, le=C.MAX_STEPS)
         _range(p, "keep_last", self.keep_last, ge=1, le=C.MAX_COUNT)
+        _range(p, "max_saves_in_flight", self.max_saves_in_flight, ge=1, le=8)
+        _range(p, "commit_timeout_s", self.commit_timeout_s, gt=0, le=86400)
+        _range(p, "io_threads", self.io_threads, ge=1, le=64)
 
 
 @dataclass

@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,36 +181,50 @@ def _private(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(
-    root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
-    *, keep_last: int,
-) -> Path:
-    """Write `tensors` (group -> name -> tensor) and `state` (data + tensors) as step `step`."""
+def write_dir(path: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+              *, threads: int = 1) -> dict[str, Any]:
+    """Write `tensors` (group -> name -> tensor) and `state` into the new directory `path` with its
+    manifest, every file fsynced and hashed from what is on disk (read back). Returns the manifest."""
     bad = [g for g in tensors if not _GROUP.match(g) or g == "state"]
     if bad:
         raise CheckpointError(f"tensor group {bad[0]!r}: must match {_GROUP.pattern} and not be 'state'")
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
     state_tensors: dict[str, torch.Tensor] = {}
     state_json = json.dumps(encode_state(state, state_tensors), allow_nan=True)
     files = []
     for group, sd in {**tensors, "state": state_tensors}.items():
         name = f"{group}.safetensors"
-        save_file(_private(sd), str(tmp / name))
+        save_file(_private(sd), str(path / name))
         files.append(name)
-    (tmp / STATE_JSON).write_text(state_json)
+    (path / STATE_JSON).write_text(state_json)
     files.append(STATE_JSON)
     for name in files:
-        _fsync_file(tmp / name)
+        _fsync_file(path / name)
+    digests = _hash_files([path / n for n in files], threads)
     manifest = {"format": FORMAT, "step": step,
-                "files": {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / MANIFEST)
-    _fsync_dir(tmp)
+                "files": {n: {"sha256": digests[i], "bytes": (path / n).stat().st_size} for i, n in enumerate(files)}}
+    tmp = path / f".{MANIFEST}.tmp"  # the manifest appears whole or not at all
+    tmp.write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp)
+    os.replace(tmp, path / MANIFEST)
+    _fsync_dir(path)
+    return manifest
+
+
+def _hash_files(paths: list[Path], threads: int) -> list[str]:
+    """sha256 of each file, `threads` at a time (hashlib releases the GIL on large reads)."""
+    if threads <= 1 or len(paths) <= 1:
+        return [_sha256(f) for f in paths]
+    with ThreadPoolExecutor(max_workers=min(threads, len(paths))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def _publish(root: Path, step: int, tmp: Path, *, keep_last: int, keep: frozenset[str] = frozenset()) -> Path:
+    """Move the finished directory `tmp` to step `step` and point `latest` at it (see the module
+    docstring for the order that keeps `latest` loadable through a kill)."""
+    final = root / f"step_{step:06d}"
     aside = None
     if final.exists():  # a re-save of this step: keep the old one until the new one is in place
         aside = root / f".{final.name}.old-{os.getpid()}"
@@ -221,8 +236,19 @@ def save_checkpoint(
     atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    _prune(root, keep_last, saved_step=step)
+    _prune(root, keep_last, saved_step=step, keep=keep)
     return final
+
+
+def save_checkpoint(
+    root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+    *, keep_last: int,
+) -> Path:
+    """Write `tensors` (group -> name -> tensor) and `state` (data + tensors) as step `step`."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"step_{step:06d}.tmp-{os.getpid()}"
+    write_dir(tmp, step, tensors, state)
+    return _publish(root, step, tmp, keep_last=keep_last)
 
 
 def _step_of(path: Path) -> int:
@@ -236,11 +262,13 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def _prune(root: Path, keep_last: int, *, saved_step: int) -> None:
-    """Remove what killed writers left, step dirs newer than the one `latest` now names, and all
-    but the newest keep_last step dirs."""
+def _prune(root: Path, keep_last: int, *, saved_step: int, keep: frozenset[str] = frozenset()) -> None:
+    """Remove what killed writers left (but not the temp dirs named in `keep`: saves still in
+    flight), step dirs newer than the one `latest` now names, and all but the newest keep_last."""
     for stale in [*root.glob("step_*.tmp-*"), *root.glob(".step_*.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
+        m = re.match(r"^\.?step_(\d+)\.", stale.name)
+        if stale.name not in keep and not (m and int(m.group(1)) > saved_step):  # a later save may be writing
+            shutil.rmtree(stale, ignore_errors=True)
     for stale in root.glob(f".{LATEST}.tmp-*"):
         stale.unlink(missing_ok=True)
     dirs = _step_dirs(root)
@@ -312,7 +340,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return m
 
 
-def verify(path: Path) -> dict[str, Any]:
+def verify(path: Path, *, threads: int = 1) -> dict[str, Any]:
     """Raise CheckpointError unless the manifest is well-formed, the directory holds exactly the
     files it lists (plus itself), all regular files, each with its size and sha256. Returns it."""
     if path.is_symlink() or not path.is_dir():
@@ -328,8 +356,10 @@ def verify(path: Path) -> dict[str, Any]:
         st = _regular_file(f, f"{path}: file {name} listed in the manifest is missing")
         if st.st_size != meta["bytes"]:
             raise CheckpointError(f"{f}: size {st.st_size} != manifest {meta['bytes']}")
-        if _sha256(f) != meta["sha256"]:
-            raise CheckpointError(f"{f}: sha256 mismatch (corrupted)")
+    names = list(files)
+    for name, digest in zip(names, _hash_files([path / n for n in names], threads)):
+        if digest != files[name]["sha256"]:
+            raise CheckpointError(f"{path / name}: sha256 mismatch (corrupted)")
     return manifest
 
 
@@ -398,10 +428,15 @@ def _load_safetensors(f: Path) -> dict[str, torch.Tensor]:
 def load_step(root: Path, step: int) -> Checkpoint:
     """Load (and verify) the checkpoint of `step`: JSON and safetensors only."""
     path = root / f"step_{step:06d}"
-    manifest = verify(path)
+    return load_dir(path, verify(path), step)
+
+
+def load_dir(path: Path, manifest: dict[str, Any], step: int, *, groups: bool = True) -> Checkpoint:
+    """Load the directory `path` whose files `manifest` (verify's result) lists: not hashed again.
+    groups=False: the state only (the tensor groups are left on disk, `tensors` is empty)."""
     names = sorted(manifest["files"])
     tensors = {n[: -len(".safetensors")]: _load_safetensors(path / n)
-               for n in names if n.endswith(".safetensors") and n != STATE_TENSORS}
+               for n in names if groups and n.endswith(".safetensors") and n != STATE_TENSORS}
     extra_json = [n for n in names if n.endswith(".json") and n != STATE_JSON]
     if extra_json:
         raise CheckpointError(f"{path}: unexpected JSON file(s) {extra_json}: only {STATE_JSON} is read")
@@ -423,6 +458,115 @@ def load_latest(root: Path, *, log=print) -> Checkpoint | None:
     return None if step is None else load_step(root, step)
 
 
+# ---------------------------------------------------------------------------- sharded (format 3)
+# A step directory of a sharded checkpoint holds one part per rank (``tp<t>-pp<p>-dp<d>``), each
+# a directory in the format above (its own files and format-2 manifest, written by that rank),
+# and one global ``manifest.json`` written last, by rank 0, once every part's manifest is on disk:
+#   {"format": 3, "step": 40, "layout": {"tp", "pp", "dp", "local_world"},
+#    "parts": {"tp0-pp0-dp0": {"sha256": <of the part's manifest.json>, "bytes": <its files' bytes>}, ...}}
+# The part's manifest holds the sha256 of each of its files, so the global manifest pins every byte.
+FORMAT_SHARDED = 3
+_PART_NAME = re.compile(r"^tp(\d+)-pp(\d+)-dp(\d+)$")
+_LAYOUT_KEYS = ("tp", "pp", "dp", "local_world")
+
+
+def part_name(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"tp{tp_rank}-pp{pp_rank}-dp{dp_rank}"
+
+
+def part_coords(name: str) -> tuple[int, int, int]:
+    m = _PART_NAME.match(name)
+    if not m:
+        raise CheckpointError(f"part {name!r}: must be named tp<T>-pp<P>-dp<D>")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def part_digest(part: Path) -> dict[str, Any]:
+    """{"sha256": of the part's manifest, "bytes": its files' bytes}: the part's entry in the global manifest."""
+    m = read_manifest(part)
+    return {"sha256": _sha256(part / MANIFEST), "bytes": sum(f["bytes"] for f in m["files"].values())}
+
+
+def write_sharded_manifest(tmp: Path, step: int, layout: dict[str, int], parts: dict[str, dict[str, Any]]) -> None:
+    manifest = {"format": FORMAT_SHARDED, "step": step, "layout": dict(layout), "parts": parts}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    _fsync_file(tmp / MANIFEST)
+    _fsync_dir(tmp)
+
+
+def commit_sharded(root: Path, step: int, tmp: Path, layout: dict[str, int], parts: dict[str, dict[str, Any]],
+                   *, keep_last: int, keep: frozenset[str] = frozenset()) -> Path:
+    """Rank 0, once every part of `tmp` is on disk: the global manifest, then the rename and `latest`."""
+    write_sharded_manifest(tmp, step, layout, parts)
+    return _publish(root, step, tmp, keep_last=keep_last, keep=keep)
+
+
+def manifest_format(path: Path) -> Any:
+    """The "format" a step directory's manifest claims (None when unreadable): which reader applies."""
+    try:
+        m = _read_json(path / MANIFEST, MANIFEST)
+    except CheckpointError:
+        return None
+    return m.get("format") if isinstance(m, dict) else None
+
+
+def read_sharded_manifest(path: Path) -> dict[str, Any]:
+    """The global manifest of sharded step directory `path`, its schema and the directory listing
+    checked (not the parts' files: verify_part does that, for the parts a rank reads)."""
+    mpath = path / MANIFEST
+    m = _read_json(mpath, MANIFEST)
+    if not isinstance(m, dict) or m.get("format") != FORMAT_SHARDED:
+        got = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise CheckpointError(f"{mpath}: format = {got!r}, a sharded checkpoint has format {FORMAT_SHARDED}")
+    if set(m) != {"format", "step", "layout", "parts"}:
+        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['format', 'layout', 'parts', 'step']")
+    step, layout, parts = m["step"], m["layout"], m["parts"]
+    dir_match = _STEP_DIR.match(path.name)
+    if type(step) is not int or step < 0 or (dir_match and int(dir_match.group(1)) != step):
+        raise CheckpointError(f"{mpath}: step = {step!r} must be an integer >= 0 equal to the directory's ({path.name})")
+    if not (isinstance(layout, dict) and set(layout) == set(_LAYOUT_KEYS)
+            and all(type(layout[k]) is int and layout[k] >= 1 for k in _LAYOUT_KEYS)):
+        raise CheckpointError(f"{mpath}: layout = {str(layout)[:120]} must be {{{', '.join(_LAYOUT_KEYS)}}} of "
+                              f"integers >= 1")
+    want = {part_name(t, p, d) for t in range(layout["tp"]) for p in range(layout["pp"]) for d in range(layout["dp"])}
+    if not isinstance(parts, dict) or set(parts) != want:
+        have = sorted(parts) if isinstance(parts, dict) else type(parts).__name__
+        raise CheckpointError(f"{mpath}: parts {str(have)[:200]} must be the {len(want)} ranks of layout "
+                              f"tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}")
+    for name, meta in parts.items():
+        if not (isinstance(meta, dict) and set(meta) == {"sha256", "bytes"} and isinstance(meta["sha256"], str)
+                and _SHA256.match(meta["sha256"]) and type(meta["bytes"]) is int and meta["bytes"] >= 0):
+            raise CheckpointError(f"{mpath}: entry of part {name!r} = {str(meta)[:120]} must be "
+                                  f"{{\"sha256\": <64 hex digits>, \"bytes\": <int >= 0>}}")
+    for entry in os.scandir(path):
+        if entry.name != MANIFEST and entry.name not in parts:
+            raise CheckpointError(f"{path}: {entry.name!r} is not listed in {MANIFEST} as a part (refusing the "
+                                  f"whole checkpoint)")
+    for name in parts:
+        try:
+            st = os.lstat(path / name)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: part {name} listed in the manifest is missing") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"{path / name}: a part must be a directory (not a link or a file)")
+    return m
+
+
+def verify_part(path: Path, name: str, entry: dict[str, Any], step: int, *, threads: int = 1) -> dict[str, Any]:
+    """Verify part `name` of sharded step directory `path` against its global manifest entry: its
+    manifest's sha256, then every file's (`threads` at a time). Returns the part's manifest."""
+    part = path / name
+    mpath = part / MANIFEST
+    _regular_file(mpath, f"{part}: no {MANIFEST} (this rank's write did not finish)")
+    if _sha256(mpath) != entry["sha256"]:
+        raise CheckpointError(f"{mpath}: sha256 differs from the global manifest's entry for part {name} "
+                              f"(replaced or corrupted)")
+    manifest = verify(part, threads=threads)
+    if manifest["step"] != step:
+        raise CheckpointError(f"{mpath}: step = {manifest['step']}, the checkpoint's is {step}")
+    return manifest
+
+
 # ---------------------------------------------------------------------------- fit to the run
 
 
@@ -430,9 +574,8 @@ def check_optimizer_state(opt: Any, sd: Any, where: str) -> None:
     """Raise CheckpointError unless `sd` is a state dict `opt` can take: the same groups over the
     same parameter indices, and every per-parameter tensor of the parameter's shape, floating
     point and finite (torch's load_state_dict checks none of these shapes)."""
-    dist_subs = _distributed_parts(opt)
-    if dist_subs is not None:
-        _check_distributed(dist_subs, sd, where)
+    if _distributed_parts(opt) is not None:
+        check_shard_meta(opt, sd, where)
         return
     if isinstance(sd, dict) and _DIST in sd:
         raise CheckpointError(f"{where}: the checkpoint holds a distributed optimizer state but this run has "
@@ -487,12 +630,16 @@ def check_optimizer_state(opt: Any, sd: Any, where: str) -> None:
 
 # ---------------------------------------------------------------------------- distributed optimizer
 # megatron's DistributedOptimizer shards the parameter state (fp32 main params, exp_avg,
-# exp_avg_sq) over the data-parallel ranks, and its state_dict() holds only the rest (param groups
-# with the step). The checkpoint stores, per sub-optimizer, that state_dict and the parameter
-# state gathered to dp_rank 0 (get_parameter_state_dp_zero, over the gloo DP group), one entry per
-# grad buffer: {"dtype": [param dtype, grad dtype], "numel_unpadded", "param", "exp_avg",
-# "exp_avg_sq"} (1-D float32 tensors of numel_unpadded). Before the first optimizer step both are
-# None (there are no moments yet; the main params are refreshed from the loaded weights).
+# exp_avg_sq) over the data-parallel ranks: each rank owns a contiguous element range of each
+# parameter it holds a share of (the grad buffer's split, which ignores parameter boundaries).
+# Every rank saves its own share, keyed by parameter NAME and element range within the flattened
+# (tensor-parallel-local) parameter -- not by grad-buffer offsets, which move with the DP size
+# (each bucket is padded to a multiple of it). The state of a sub-optimizer:
+#   {"state_dict": megatron's state_dict() (param groups with the step),
+#    "slices": [[name, local shape, start, end], ...]}       (both None before the first step)
+# with tensors "<name>/param", "<name>/exp_avg", "<name>/exp_avg_sq" of shape [end - start].
+# A resume at any DP size installs, on each rank, the range it owns now from whichever saved
+# slices cover it (resume.py); no collective, no gather to one rank.
 _DIST = "distributed_optimizer"
 _PARAM_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -500,13 +647,17 @@ _PARAM_KEYS = ("param", "exp_avg", "exp_avg_sq")
 def _distributed_parts(opt: Any) -> list | None:
     """The sub-optimizers of `opt` when they are megatron DistributedOptimizers, else None."""
     subs = getattr(opt, "chained_optimizers", None) or [opt]
-    sharded = [hasattr(o, "get_parameter_state_dp_zero") for o in subs]
+    sharded = [hasattr(o, "gbuf_ranges") and hasattr(o, "model_param_group_index_map") for o in subs]
     if not any(sharded):
         return None
     if not all(sharded):
         raise CheckpointError(f"optimizer chain mixes distributed and plain optimizers "
                               f"({[type(o).__name__ for o in subs]}): not supported by checkpoints")
     return subs
+
+
+def is_distributed(opt: Any) -> bool:
+    return _distributed_parts(opt) is not None
 
 
 def _stepped(o: Any) -> bool:
@@ -522,45 +673,51 @@ def _stepped(o: Any) -> bool:
     return bool(flags[0])
 
 
-def optimizer_state(opt: Any) -> Any:
-    """The optimizer's state as data for save_checkpoint. A plain optimizer: its state_dict().
-    A distributed one: {"distributed_optimizer": [per sub-optimizer {"state_dict", "param_state"}]},
-    gathered over the data-parallel group, so EVERY DP rank must call this; the result is whole on
-    dp_rank 0 (the writer) and None on the others."""
-    subs = _distributed_parts(opt)
-    if subs is None:
-        return opt.state_dict()
-    parts, writer = [], True
-    for o in subs:
-        if not _stepped(o):
-            parts.append({"state_dict": None, "param_state": None})
-            continue
-        gathered = o.get_parameter_state_dp_zero(use_gloo_comm=True)  # collective; None off dp_rank 0
-        if gathered is None:
-            writer = False
-            continue
-        buffers = []
-        for gbuf_idx in range(len(o.gbuf_ranges)):
-            (dtypes, world), = gathered[gbuf_idx].items()
-            buffers.append({"dtype": [str(d) for d in dtypes], "numel_unpadded": int(world["numel_unpadded"]),
-                            **{k: world[k] for k in _PARAM_KEYS}})
-        parts.append({"state_dict": o.state_dict(), "param_state": buffers})
-    return {_DIST: parts} if writer else None
-
-
-def _run_buffers(o: Any) -> list[tuple[list[str], int]]:
-    """[(dtype names, numel_unpadded)] of the run's grad buffers, the layout of its param_state."""
+def _owned(o: Any) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """(model param, start, end): the element range of each parameter this rank's shard of `o` holds."""
     out = []
-    for gbuf_idx, ranges in enumerate(o.gbuf_ranges):
-        (dtypes, _), = ranges.items()
-        out.append(([str(d) for d in dtypes], int(o.buffers[gbuf_idx].numel_unpadded)))
+    for ranges in o.gbuf_ranges:
+        for buckets in ranges.values():
+            for bucket in buckets:
+                out += [(p, r["param"].start, r["param"].end) for p, r in bucket["param_map"].items()]
     return out
 
 
-def _check_distributed(subs: list, sd: Any, where: str) -> None:
-    """check_optimizer_state for a run with the distributed optimizer (no collectives)."""
+def _main_and_state(o: Any, model_param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """The fp32 main-param shard of `model_param` and its Adam moments (1-D, [end - start])."""
+    gi, go = o.model_param_group_index_map[model_param]
+    main = o.optimizer.param_groups[gi]["params"][go]
+    per = o.optimizer.state[main]
+    return {"param": main, "exp_avg": per["exp_avg"], "exp_avg_sq": per["exp_avg_sq"]}
+
+
+def optimizer_shard(opt: Any, names: dict[torch.nn.Parameter, str]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """This rank's share of a distributed optimizer: ({"distributed_optimizer": [per sub-optimizer
+    {"state_dict", "slices"}]}, tensors "<name>/<param|exp_avg|exp_avg_sq>"), names from `names`.
+    Every rank of the DP group calls this (one small all-reduce: whether there are moments yet).
+    The tensors are the live ones: copy them before the next step."""
+    subs = _distributed_parts(opt)
+    parts, tensors = [], {}
+    for o in subs:
+        if not _stepped(o):
+            parts.append({"state_dict": None, "slices": None})
+            continue
+        slices = []
+        for p, start, end in _owned(o):
+            name = names[p]
+            for k, v in _main_and_state(o, p).items():
+                tensors[f"{name}/{k}"] = v.detach()
+            slices.append([name, list(p.shape), start, end])
+        parts.append({"state_dict": o.state_dict(), "slices": slices})
+    return {_DIST: parts}, tensors
+
+
+def check_shard_meta(opt: Any, sd: Any, where: str) -> list:
+    """The sub-optimizer states of a saved distributed-optimizer entry, checked against the run's
+    optimizer (schema and param groups; the tensors are checked as they are installed)."""
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
+    subs = _distributed_parts(opt)
     if not (isinstance(sd, dict) and set(sd) == {_DIST} and isinstance(sd[_DIST], list)):
         raise CheckpointError(f"{where}: this run has parallel.use_distributed_optimizer=true but the checkpoint "
                               f"holds a plain optimizer state (keys "
@@ -571,13 +728,19 @@ def _check_distributed(subs: list, sd: Any, where: str) -> None:
         raise CheckpointError(f"{where}: {len(parts)} distributed optimizer states, the run has {len(subs)}")
     for i, (o, part) in enumerate(zip(subs, parts)):
         w = f"{where}[{i}]"
-        if not (isinstance(part, dict) and set(part) == {"state_dict", "param_state"}):
-            raise CheckpointError(f"{w}: must be an object with keys ['param_state', 'state_dict']")
-        state, params = part["state_dict"], part["param_state"]
-        if (state is None) != (params is None):
-            raise CheckpointError(f"{w}: state_dict and param_state must both be present or both null")
+        if not (isinstance(part, dict) and set(part) == {"state_dict", "slices"}):
+            raise CheckpointError(f"{w}: must be an object with keys ['slices', 'state_dict']")
+        state, slices = part["state_dict"], part["slices"]
+        if (state is None) != (slices is None):
+            raise CheckpointError(f"{w}: state_dict and slices must both be present or both null")
         if state is None:
             continue
+        if not (isinstance(slices, list) and all(
+                isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], list)
+                and all(type(x) is int and x >= 0 for x in e[1]) and type(e[2]) is int and type(e[3]) is int
+                and 0 <= e[2] < e[3] <= math.prod(e[1]) for e in slices)):
+            raise CheckpointError(f"{w}: slices must be a list of [name, shape, start, end] with "
+                                  f"0 <= start < end <= numel(shape)")
         keys = {"optimizer"} | ({"grad_scaler"} if o.grad_scaler else set())
         inner = state.get("optimizer") if isinstance(state, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
@@ -599,37 +762,15 @@ def _check_distributed(subs: list, sd: Any, where: str) -> None:
             for k, v in g.items():
                 if isinstance(v, float) and not math.isfinite(v):
                     raise CheckpointError(f"{w}: param group {j} {k} = {v} must be finite")
-        run = _run_buffers(o)
-        if not isinstance(params, list) or len(params) != len(run):
-            raise CheckpointError(f"{w}: param_state must be a list of {len(run)} grad buffer(s), got "
-                                  f"{len(params) if isinstance(params, list) else type(params).__name__}")
-        for b, (buf, (dtypes, numel)) in enumerate(zip(params, run)):
-            need = {"dtype", "numel_unpadded", *_PARAM_KEYS}
-            if not (isinstance(buf, dict) and set(buf) == need):
-                raise CheckpointError(f"{w}: param_state[{b}] must have keys {sorted(need)}")
-            if buf["dtype"] != dtypes or buf["numel_unpadded"] != numel:
-                raise CheckpointError(f"{w}: param_state[{b}] is dtype {buf['dtype']} with {buf['numel_unpadded']} "
-                                      f"elements, the run's grad buffer {b} is {dtypes} with {numel} (another "
-                                      f"model, model.params_dtype or layout)")
-            for k in _PARAM_KEYS:
-                v = buf[k]
-                if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and tuple(v.shape) == (numel,)):
-                    raise CheckpointError(f"{w}: param_state[{b}].{k} must be a float32 tensor of shape ({numel},), "
-                                          f"got {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-                if not bool(v.isfinite().all()):
-                    raise CheckpointError(f"{w}: param_state[{b}].{k} holds NaN/inf")
+    return parts
 
 
-def load_optimizer_state(opt: Any, sd: Any) -> list:
-    """Install a state check_optimizer_state accepted, without collectives. Returns the collective
-    remainder as [(sub-optimizer, param_state)]: pass it to scatter_parameter_state on every DP
-    rank once all ranks have accepted the checkpoint (empty for a plain optimizer)."""
-    subs = _distributed_parts(opt)
-    if subs is None:
-        opt.load_state_dict(sd)
-        return []
-    pending = []
-    for o, part in zip(subs, sd[_DIST]):
+def install_optimizer_shard(opt: Any, parts: list, names: dict[torch.nn.Parameter, str], fetch, where: str) -> None:
+    """Install check_shard_meta's `parts` into the run's distributed optimizer, no collectives:
+    for each element range [start, end) of a parameter this rank owns, fetch(name, shape, start,
+    end) returns {"param", "exp_avg", "exp_avg_sq"} of [end - start] float32 (resume.py assembles
+    them from the saved slices, at any DP size)."""
+    for i, (o, part) in enumerate(zip(_distributed_parts(opt), parts)):
         if part["state_dict"] is None:
             o.reload_model_params()  # never stepped: fp32 main params from the loaded weights
             continue
@@ -637,22 +778,15 @@ def load_optimizer_state(opt: Any, sd: Any) -> list:
         for per in o.optimizer.state.values():  # megatron sets one shared step tensor, which
             if isinstance(per.get("step"), torch.Tensor):  # torch's AdamW would advance once per param
                 per["step"] = per["step"].clone()
-        pending.append((o, part["param_state"]))
-    return pending
-
-
-def scatter_parameter_state(pending: list) -> None:
-    """Load the parameter state of load_optimizer_state's remainder: dp_rank 0 scatters it over the
-    gloo DP group (a collective: every DP rank calls this with the same sub-optimizers)."""
-    for o, buffers in pending:
-        state = {gbuf_idx: {next(iter(o.gbuf_ranges[gbuf_idx])): {"numel_unpadded": buf["numel_unpadded"],
-                                                                  **{k: buf[k] for k in _PARAM_KEYS}}}
-                 for gbuf_idx, buf in enumerate(buffers)}
-        # megatron copies every entry of a parameter's optimizer state from what it received, which
-        # has no "step" (torch's own AdamW, without Apex/TE, keeps one per parameter): set it aside
-        steps = {p: per.pop("step") for p, per in o.optimizer.state.items() if "step" in per}
-        try:
-            o.load_parameter_state_from_dp_zero(state)
-        finally:
-            for p, step in steps.items():
-                o.optimizer.state[p]["step"] = step
+        with torch.no_grad():  # the main params may be views of leaves that require grad
+            for p, start, end in _owned(o):
+                name = names[p]
+                src = fetch(name, tuple(p.shape), start, end)
+                for k, dst in _main_and_state(o, p).items():
+                    v = src[k]
+                    if not (v.dtype == torch.float32 and tuple(v.shape) == (end - start,)):
+                        raise CheckpointError(f"{where}[{i}]: {name}/{k} [{start}:{end}] must be float32 of shape "
+                                              f"({end - start},), got {v.dtype} {tuple(v.shape)}")
+                    if not bool(v.isfinite().all()):
+                        raise CheckpointError(f"{where}[{i}]: {name}/{k} [{start}:{end}] holds NaN/inf")
+                    dst.copy_(v)

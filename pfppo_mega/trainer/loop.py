@@ -244,6 +244,7 @@ class PPOTrainer:
             if stop:
                 run.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {st.step}, exiting")
                 break
+        resume.wait(ckpt_root)  # the background writes of the last saves, committed on every rank
         logger.close()
         plot = None
         if cfg.logging.plots and run.is_logger:

@@ -1,29 +1,59 @@
 """A run's checkpoints: what a step saves and how a run resumes from one (the file format, its
 atomic writes and verification are trainer/checkpoint.py's).
 
-Layout: one checkpoint series per model-parallel rank (its TP/PP shards), written by dp_rank 0;
-under PF-PPO each dp_rank > 0 also keeps its own shards of the node-sharded pool in a series of
-its own. Every rank resumes from the newest step that verifies on all ranks; a checkpoint that
-cannot be trusted or contradicts this run is refused on every rank (CheckpointError), never
-silently replaced by a fresh start.
+Sharded (format 3): ``checkpoints/step_N/`` holds one part per rank, ``tp<t>-pp<p>-dp<d>/``,
+written by that rank alone (no gather), and a global manifest that rank 0 writes last, once every
+part's manifest is on disk (checkpoint.py). A part holds:
+  - ``actor`` / ``critic`` .safetensors: the rank's tensor-parallel shard of the weights, under
+    global names (pipeline layer index of the whole model), on dp_rank 0 only (DP replicas are equal);
+  - ``optim.safetensors``: with parallel.use_distributed_optimizer, this rank's element ranges of
+    the fp32 main params and Adam moments, by parameter name (checkpoint.optimizer_shard); a plain
+    optimizer's state is in dp_rank 0's state;
+  - ``pool.safetensors``: the PF-PPO pool's buckets, written only by the ranks of the first node
+    (every node keeps the same bytes: bucket k on node rank k mod L), so the pool is written once;
+  - ``state.json`` / ``state.safetensors``: this rank's counters, RNG streams, data position,
+    config, pool statistics and the frozen reference's identity (path + hash, not its weights).
+
+Saving: the training thread copies this rank's tensors to the host (the only time it is blocked),
+then a background thread writes, fsyncs and hashes (read back) the part; at most
+checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for every part's manifest
+(checkpoint.commit_timeout_s), then writes the global manifest, renames the step in and moves
+``latest``: a kill at any moment leaves ``latest`` on a complete, verified checkpoint.
+
+Resuming: the ranks agree on the newest step every rank can verify (each hashes only the parts it
+reads, in threads, once); then each installs what it owns in this run's layout. A DP change
+re-slices the distributed optimizer by parameter name and element range; a TP/PP change reshards
+the weights and moments (models/reshard.py). What cannot be resharded (the PF-PPO pool at another
+world size or node size, a plain optimizer at another TP/PP) is refused by name, never restarted.
 """
 
 from __future__ import annotations
 
-import re
+import hashlib
+import json
+import math
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 
 from pfppo_mega import parallel
 from pfppo_mega.config import config_to_dict
-from pfppo_mega.models import gpt
+from pfppo_mega.models import gpt, reshard
 from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.seeds import stream_seed
 
-STATE_KEYS = frozenset({"step", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
-                        "consecutive_skips", "actor_opt", "critic_opt", "config", "pool"})
+STATE_KEYS = frozenset({"step", "rank", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
+                        "consecutive_skips", "actor_opt", "critic_opt", "config", "pool", "reference"})
+OPT_MODEL = {"actor_opt": "actor", "critic_opt": "critic"}
+OPTIM = "optim"  # the tensor group of a rank's distributed-optimizer shard
 
 
 def tensor_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,63 +73,232 @@ def load_tensor_state(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> N
             v.copy_(sd[k])
 
 
-def series_dir(run: Run, root: Path) -> Path:
-    """One checkpoint series per model-parallel rank (its TP/PP shards); dp_rank 0 writes it."""
+def _stage(run: Run) -> reshard.Stage:
     p = run.parallel
-    return root if p.tp * p.pp == 1 else root / f"mp-tp{p.tp_rank}-pp{p.pp_rank}"
+    return reshard.Stage(p.pp_rank, p.pp, run.model_cfg.num_layers)
 
 
-def pool_shard_dir(run: Run, series: Path) -> Path:
-    """Where dp_rank > 0 keeps its own shards of the sharded PF-PPO pool (dp_rank 0's are in the
-    checkpoint itself): a checkpoint series of its own inside the model-parallel rank's dir."""
-    return series / f"pool-dp{run.parallel.dp_rank}"
+def param_names(run: Run, model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter of `model` -> its global name (layer index of the whole model)."""
+    stage = _stage(run)
+    return {p: stage.to_global(n) for n, p in gpt.unwrap(model).named_parameters()}
 
 
-_SERIES = re.compile(r"mp-tp(\d+)-pp(\d+)")
+def my_part(run: Run) -> str:
+    p = run.parallel
+    return ckpt.part_name(p.tp_rank, p.pp_rank, p.dp_rank)
 
 
-def other_layout(run: Run, root: Path) -> str | None:
-    """The tensor/pipeline layout other checkpoint series under ``root`` were written at, when it is
-    not this run's ("tp=A pp=B"), else None."""
-    if not root.is_dir():
-        return None
-    ranks = [tuple(map(int, m.groups())) for d in root.iterdir() if (m := _SERIES.fullmatch(d.name))]
-    layouts = set()
-    if ranks:
-        layouts.add((max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1))
-    if ckpt.step_dirs(root):
-        layouts.add((1, 1))
-    mine = (run.parallel.tp, run.parallel.pp)
-    others = sorted(layouts - {mine})
-    return None if not others else " and ".join(f"tp={tp} pp={pp}" for tp, pp in others)
+def layout_of(run: Run) -> dict[str, int]:
+    p = run.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "local_world": _local_world(run)}
+
+
+def _local_world(run: Run) -> int:
+    sync = getattr(run.gen, "sync", None) if hasattr(run, "gen") else None
+    ranks = getattr(sync, "node_ranks", None)
+    return len(ranks) if ranks else int(os.environ.get("LOCAL_WORLD_SIZE", run.parallel.world_size))
+
+
+# ============================================================================ the reference's identity
+
+_IDENTITY: dict[tuple, dict] = {}
+
+
+def reference_identity(model_path: str) -> dict[str, Any]:
+    """{"path", "sha256"}: a hash over config.json and each weight file's name, size and safetensors
+    header (tensor names, dtypes, shapes, offsets) -- cheap at any size; cached per file state."""
+    root = Path(model_path)
+    files = sorted(p for p in root.iterdir() if p.name == "config.json" or p.suffix == ".safetensors") \
+        if root.is_dir() else []
+    key = (str(root), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    if key not in _IDENTITY:
+        h = hashlib.sha256()
+        for p in files:
+            h.update(f"{p.name}:{p.stat().st_size}|".encode())
+            with open(p, "rb") as f:
+                if p.suffix == ".safetensors":
+                    n = int.from_bytes(f.read(8), "little")
+                    h.update(f.read(min(n, 100 << 20)))
+                else:
+                    h.update(f.read(1 << 20))
+        _IDENTITY[key] = {"path": str(root), "sha256": h.hexdigest()}
+    return dict(_IDENTITY[key])
 
 
 # ============================================================================ save
 
 
-def save(run: Run, root: Path) -> Path | None:
-    """Checkpoint this step (once: a second call at the same step writes nothing)."""
-    st, b = run.state, run.behaviour
+@dataclass
+class SaveInfo:
+    """What resume.save started: this rank's bytes to write (its part) and how long the training
+    thread was blocked (the host copy). `done` is the background write (None when synchronous)."""
+
+    step: int
+    path: Path
+    bytes: int
+    blocked_s: float
+    done: Future | None = None
+
+
+@dataclass
+class _Saver:
+    """The background writer of one checkpoint root in this process (saves run in step order)."""
+
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ckpt"))
+    inflight: deque = field(default_factory=deque)  # (tmp dir name, Future)
+
+    def reap(self, keep: int) -> None:
+        """Wait until at most `keep` saves are in flight; re-raise a failed one's error."""
+        while self.inflight and (len(self.inflight) > keep or self.inflight[0][1].done()):
+            _, fut = self.inflight.popleft()
+            fut.result()
+
+
+_SAVERS: dict[str, _Saver] = {}
+
+
+def _host_copy(obj: Any) -> Any:
+    """A private host copy of every tensor in `obj` (nested dicts/lists/tuples): the training
+    thread's device -> host copy; the background writer then owns what it writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True).contiguous()
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_host_copy(v) for v in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
+    return obj
+
+
+def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """This rank's part: tensor groups and state (live tensors; copied by the caller)."""
+    st, b, p = run.state, run.behaviour, run.parallel
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    stage = _stage(run)
+    if p.dp_rank == 0:
+        tensors.update({name: {stage.to_global(k): v for k, v in tensor_state(m).items()}
+                        for name, m in run.models().items()})
+    opt_states: dict[str, Any] = {"critic_opt": None}
+    shard: dict[str, torch.Tensor] = {}
+    for name, opt in run.optimizers().items():
+        if ckpt.is_distributed(opt):  # every rank its own share (one small all-reduce each)
+            meta, ts = ckpt.optimizer_shard(opt, param_names(run, run.models()[OPT_MODEL[name]]))
+            opt_states[name] = meta
+            shard.update({f"{name}/{k}": v for k, v in ts.items()})
+        else:  # replicated over DP: dp_rank 0 writes it
+            opt_states[name] = opt.state_dict() if p.dp_rank == 0 else None
+    if shard:
+        tensors[OPTIM] = shard
+    if b.keeps_state and p.rank < _local_world(run):  # the first node's keepers write the pool's bytes
+        tensors["pool"] = b.state_tensors()
+    state = {"step": st.step, "rank": {"rank": p.rank, "tp": p.tp_rank, "pp": p.pp_rank, "dp": p.dp_rank},
+             "rng": run.rng.getstate(), "torch_rng": torch.get_rng_state(),
+             "assign_rng": run.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
+             "guards": dict(st.guards), "consecutive_skips": dict(st.consecutive_skips),
+             "data": run.prompts.state_dict(), **opt_states, "config": config_to_dict(run.cfg),
+             "pool": b.state_meta() if b.keeps_state else None,
+             "reference": reference_identity(run.cfg.actor_rollout.model_path)}
+    return tensors, state
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | None:
+    """Checkpoint this step (once: a second call at the same step writes nothing). Every rank calls
+    this; it returns once this rank's state is copied to the host, the write goes on in the
+    background (checkpoint.background) -- wait(root) for it."""
+    st, c = run.state, run.cfg.checkpoint
     if st.saved_step == st.step:
         return None
     st.saved_step = st.step
-    keep = run.cfg.checkpoint.keep_last
-    # the distributed optimizer's state is gathered to dp_rank 0: every DP rank takes part
-    opt_states = {name: ckpt.optimizer_state(opt) for name, opt in run.optimizers().items()}
-    if run.parallel.dp_rank != 0:
-        if b.keeps_state:  # the node's pool is split across its ranks: each saves its own shards
-            ckpt.save_checkpoint(pool_shard_dir(run, series_dir(run, root)), st.step, {"pool": b.state_tensors()},
-                                 {"step": st.step, "pool": b.state_meta()}, keep_last=keep)
-        return None
-    state = {"step": st.step, "rng": run.rng.getstate(), "torch_rng": torch.get_rng_state(),
-             "assign_rng": run.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
-             "guards": dict(st.guards), "consecutive_skips": dict(st.consecutive_skips),
-             "data": run.prompts.state_dict(), "critic_opt": None, **opt_states,
-             "config": config_to_dict(run.cfg), "pool": b.state_meta() if b.keeps_state else None}
-    tensors = {name: tensor_state(m) for name, m in run.models().items()}
-    if b.keeps_state:
-        tensors["pool"] = b.state_tensors()
-    return ckpt.save_checkpoint(series_dir(run, root), st.step, tensors, state, keep_last=keep)
+    saver = _SAVERS.setdefault(str(root), _Saver())
+    saver.reap(keep=c.max_saves_in_flight - 1)  # the bound on saves in flight (and earlier errors)
+    t0 = time.perf_counter()
+    tensors, state = _collect(run)  # collectives: each distributed optimizer's "stepped?" all-reduce
+    # the step's temp dir name, from rank 0 (and every rank's part name, for rank 0's commit)
+    agreed = parallel.dp_gather_objects((my_part(run), f"{os.getpid()}-{time.time_ns()}"), parallel.world_group())
+    parts, token = [a for a, _ in agreed], agreed[0][1]
+    tensors, state = _host_copy(tensors), _host_copy(state)
+    blocked = time.perf_counter() - t0
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"step_{st.step:06d}.tmp-{token}"
+    job = _Write(root=root, step=st.step, tmp=tmp, part=my_part(run), tensors=tensors, state=state,
+                 commit=run.parallel.rank == 0, parts=parts, layout=layout_of(run), keep_last=c.keep_last,
+                 threads=c.io_threads, timeout_s=c.commit_timeout_s, log=run.log,
+                 inflight=frozenset(n for n, _ in saver.inflight) | {tmp.name})
+    info = SaveInfo(step=st.step, path=root / f"step_{st.step:06d}", bytes=_nbytes(tensors) + _nbytes(state),
+                    blocked_s=blocked)
+    if background if background is not None else c.background:
+        info.done = saver.pool.submit(job)
+        saver.inflight.append((tmp.name, info.done))
+    else:
+        job()
+    return info
+
+
+@dataclass
+class _Write:
+    """One rank's write of its part (and, on rank 0, the commit), run on the background thread."""
+
+    root: Path
+    step: int
+    tmp: Path
+    part: str
+    tensors: dict
+    state: dict
+    commit: bool
+    parts: list[str]
+    layout: dict[str, int]
+    keep_last: int
+    threads: int
+    timeout_s: float
+    log: Callable[[str], None]
+    inflight: frozenset
+
+    def __call__(self) -> None:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        ckpt.write_dir(self.tmp / self.part, self.step, self.tensors, self.state, threads=self.threads)
+        self.tensors = self.state = None  # the host copy is no longer needed
+        if not self.commit:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        missing = list(self.parts)
+        while missing:
+            missing = [p for p in missing if not (self.tmp / p / ckpt.MANIFEST).is_file()]
+            if missing and time.monotonic() > deadline:
+                raise ckpt.CheckpointError(
+                    f"checkpoint step {self.step}: parts {missing[:4]} were not written within "
+                    f"checkpoint.commit_timeout_s = {self.timeout_s} s (a rank failed or was killed mid-save); "
+                    f"the step is not committed and `latest` stays on the previous checkpoint")
+            if missing:
+                time.sleep(0.05)
+        digests = {p: ckpt.part_digest(self.tmp / p) for p in self.parts}
+        ckpt.commit_sharded(self.root, self.step, self.tmp, self.layout, digests, keep_last=self.keep_last,
+                            keep=self.inflight)
+
+
+def wait(root: Path) -> None:
+    """Wait for this process's saves under `root` (re-raising a failed one), then for every rank's
+    (a barrier): afterwards `latest` names the last saved step on every rank."""
+    saver = _SAVERS.get(str(root))
+    if saver is None:
+        return
+    try:
+        saver.reap(keep=0)
+    finally:
+        if not saver.inflight:
+            _SAVERS.pop(str(root), None)
+            saver.pool.shutdown(wait=False)
+    parallel.world_min(0)
 
 
 # ============================================================================ resume
@@ -133,75 +332,327 @@ def check_edits(saved, current: dict, need) -> list[tuple[str, object, object]]:
 def _apply_hyper(opts: dict, key: str, value: float) -> None:
     names = {"training.lr": ("actor_opt",), "training.critic_lr": ("critic_opt",),
              "training.weight_decay": ("actor_opt", "critic_opt")}[key]
-    field, mult = ("weight_decay", "wd_mult") if key.endswith("weight_decay") else ("lr", "lr_mult")
+    field_, mult = ("weight_decay", "wd_mult") if key.endswith("weight_decay") else ("lr", "lr_mult")
     for name in names:
         if name in opts:
             for group in opts[name].param_groups:
-                group[field] = value * group.get(mult, 1.0)
+                group[field_] = value * group.get(mult, 1.0)
+
+
+def _refuse_old_format(root: Path) -> None:
+    """Checkpoints written before the sharded format (format 2) are refused by name."""
+    old = sorted(d.name for d in root.iterdir() if d.name.startswith("mp-tp")) if root.is_dir() else []
+    old += [d.name for d in ckpt.step_dirs(root) if ckpt.manifest_format(d) == ckpt.FORMAT]
+    if old:
+        raise ckpt.CheckpointError(
+            f"checkpoint.resume: {root} holds checkpoints of format {ckpt.FORMAT} ({', '.join(old[:3])}), written "
+            f"before sharded checkpoints (format {ckpt.FORMAT_SHARDED}); they are not read by this version: resume "
+            f"with the version that wrote them, or use another logging.output_dir, or checkpoint.resume=false")
+
+
+class Saved:
+    """One committed step as this rank reads it: the global manifest and the parts it needs,
+    verified once (threads) and opened lazily (safetensors are memory-mapped, slices read alone)."""
+
+    def __init__(self, path: Path, manifest: dict, threads: int) -> None:
+        self.path, self.manifest, self.threads = path, manifest, threads
+        self.step, self.layout = manifest["step"], manifest["layout"]
+        self._verified: dict[str, dict] = {}
+        self._states: dict[str, dict] = {}
+        self._files: dict[tuple[str, str], Any] = {}
+
+    def verify(self, parts: list[str]) -> None:
+        todo = [p for p in parts if p not in self._verified]
+        for p in todo:  # each part's files are hashed `threads` at a time
+            self._verified[p] = ckpt.verify_part(self.path, p, self.manifest["parts"][p], self.step,
+                                                 threads=self.threads)
+
+    def groups(self, part: str) -> set[str]:
+        files = self._verified[part]["files"]
+        return {n[: -len(".safetensors")] for n in files if n.endswith(".safetensors") and n != ckpt.STATE_TENSORS}
+
+    def state(self, part: str) -> dict:
+        if part not in self._states:
+            self._states[part] = ckpt.load_dir(self.path / part, self._verified[part], self.step, groups=False).state
+        return self._states[part]
+
+    def file(self, part: str, group: str):
+        key = (part, group)
+        if key not in self._files:
+            f = self.path / part / f"{group}.safetensors"
+            try:
+                self._files[key] = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 -- safetensors raises several types
+                raise ckpt.CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: "
+                                           f"{str(e)[:200]})") from None
+        return self._files[key]
+
+    def tensors(self, part: str, group: str) -> dict[str, torch.Tensor]:
+        f = self.file(part, group)
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _coords(layout: dict) -> list[str]:
+    return [ckpt.part_name(t, p, d) for t in range(layout["tp"]) for p in range(layout["pp"])
+            for d in range(layout["dp"])]
+
+
+def needed_parts(run: Run, saved: dict, ranks: list[str], *, distributed: bool) -> list[str]:
+    """The parts of a checkpoint written at layout `saved` this rank reads (and so verifies);
+    `ranks` maps this run's global ranks to their part names."""
+    p = run.parallel
+    same_mp = (saved["tp"], saved["pp"]) == (p.tp, p.pp)
+    if same_mp:
+        parts = [ckpt.part_name(p.tp_rank, p.pp_rank, 0)]  # the weights (and a plain optimizer)
+        if distributed and saved["dp"] != p.dp:  # re-sliced from every DP rank's share
+            parts += [ckpt.part_name(p.tp_rank, p.pp_rank, d) for d in range(saved["dp"])]
+    else:  # resharded from every stage and tensor-parallel rank
+        parts = _coords(saved) if distributed else [ckpt.part_name(t, s, 0) for t in range(saved["tp"])
+                                                    for s in range(saved["pp"])]
+    parts.append(_state_part(run, saved))
+    if run.behaviour.keeps_state and saved == layout_of(run):  # the pool's bytes: this node index's keeper
+        parts.append(ranks[p.rank % saved["local_world"]])
+    return list(dict.fromkeys(parts))
+
+
+def _state_part(run: Run, saved: dict) -> str:
+    """Whose counters and streams this rank takes: its own part, or dp_rank min(d, saved dp - 1)'s."""
+    p = run.parallel
+    own = my_part(run)
+    return own if own in _coords(saved) else ckpt.part_name(0, 0, min(p.dp_rank, saved["dp"] - 1))
 
 
 def resume(run: Run) -> None:
-    """Every rank resumes from the newest step that verifies on all model-parallel ranks (see the
-    module docstring). No checkpoint, or checkpoint.resume: false: the run starts at step 0."""
+    """Every rank resumes from the newest step that verifies on all ranks (see the module
+    docstring). No checkpoint, or checkpoint.resume: false: the run starts at step 0."""
+    root = run.out_dir / "checkpoints"
+    wait(root)  # a save of this process still in flight (a trainer rebuilt in one process)
     if not run.cfg.checkpoint.resume:
         return
-    root = series_dir(run, run.out_dir / "checkpoints")
     refused: list[str] = []
 
     def note(msg: str) -> None:
         refused.append(msg)
         run.log(msg)
 
-    other = other_layout(run, run.out_dir / "checkpoints")
-    if other is not None and not ckpt.step_dirs(root):
-        raise ckpt.CheckpointError(
-            f"checkpoint.resume: the checkpoints under {run.out_dir / 'checkpoints'} were written at {other}, this run "
-            f"has tp={run.parallel.tp} pp={run.parallel.pp}: a training checkpoint is not resharded to another "
-            f"tensor/pipeline layout yet; resume with the layout it was written at, or use another "
-            f"logging.output_dir, or checkpoint.resume=false (the HF export of a run loads at any layout)")
-    step = ckpt.latest_valid_step(root, log=note)
-    if step is not None and run.behaviour.keeps_state and run.parallel.dp_rank != 0:  # and its pool shards
-        shards = pool_shard_dir(run, root)
-        shard_step = ckpt.latest_valid_step(shards, log=note)
-        if shard_step is None:
-            refused.append(f"dp_rank {run.parallel.dp_rank} finds no PF-PPO pool shards under {shards}")
-        step = None if shard_step is None else min(step, shard_step)
-    if step is None and ckpt.step_dirs(root):
-        step = -2  # there are checkpoints, none can be trusted
-    step = parallel.world_min(-1 if step is None else step)
-    if step == -2:
+    _refuse_old_format(root)
+    ranks = parallel.dp_gather_objects(my_part(run), parallel.world_group())  # global rank -> part name
+    found = _agree(run, root, ranks, note)
+    if found == -2:
         raise ckpt.CheckpointError(
             f"checkpoint.resume: no checkpoint under {root} can be used ({'; '.join(refused) or 'another rank'}); "
             f"repair or move them, or set checkpoint.resume=false")
-    if step < 0:
+    if found is None:
         return
-    error, pending = None, []
+    saved = found
+    error = None
     try:
-        pending = _install(run, ckpt.load_step(root, step))
+        _install(run, saved, ranks)
     except ckpt.CheckpointError as e:
         error = e
     if parallel.world_min(-1 if error is not None else 0) < 0:
-        raise error or ckpt.CheckpointError(f"checkpoint step {step}: refused on another rank (see its log)")
-    ckpt.scatter_parameter_state(pending)  # collective: only once every rank accepted the checkpoint
+        raise error or ckpt.CheckpointError(f"checkpoint step {saved.step}: refused on another rank (see its log)")
     run.state.saved_step = run.state.step
-    run.log(f"[pfppo] resumed from {root / f'step_{step:06d}'} (step {run.state.step})")
+    moved = "" if saved.layout == layout_of(run) else (
+        f" (written at tp={saved.layout['tp']} pp={saved.layout['pp']} dp={saved.layout['dp']}, resharded to "
+        f"tp={run.parallel.tp} pp={run.parallel.pp} dp={run.parallel.dp})")
+    run.log(f"[pfppo] resumed from {saved.path} (step {run.state.step}){moved}")
 
 
-def _install(run: Run, found: ckpt.Checkpoint) -> list:
-    """Check a loaded checkpoint against this run, then install it (no collectives).
-    CheckpointError names the file, the value and the rule it breaks. Returns the distributed
-    optimizer's parameter state, for ckpt.scatter_parameter_state once every rank accepted."""
-    where, s, t, st = found.path, found.state, run.cfg.training, run.state
+def _agree(run: Run, root: Path, ranks: list[str], note) -> Saved | int | None:
+    """The newest step every rank verified (each its own parts, once); None when there is none,
+    -2 when there are checkpoints and none can be used on some rank."""
+    threads = run.cfg.checkpoint.io_threads
+    distributed = any(ckpt.is_distributed(o) for o in run.optimizers().values())
+    candidates = {ckpt._step_of(d): d for d in ckpt._candidates(root, note)}
+    ok: dict[int, Saved | None] = {}
 
+    def check(step: int) -> Saved | None:
+        if step not in ok:
+            path = candidates[step]
+            try:
+                m = ckpt.read_sharded_manifest(path)
+                saved = Saved(path, m, threads)
+                saved.verify(needed_parts(run, m["layout"], ranks, distributed=distributed))
+                ok[step] = saved
+            except ckpt.CheckpointError as e:
+                note(f"[checkpoint] skipping {path.name}: {e}")
+                ok[step] = None
+        return ok[step]
+
+    limit = None
+    while True:
+        mine = next((s for s in sorted(candidates, reverse=True) if (limit is None or s <= limit) and check(s)), None)
+        mine = -1 if mine is None else mine
+        low, high = parallel.world_min(mine), -parallel.world_min(-mine)
+        if low == high:
+            break
+        limit = low
+    if low >= 0:
+        return ok[low]
+    return -2 if parallel.world_min(-len(candidates)) < 0 else None  # some rank has checkpoints, none usable
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def _need_fn(where: Path):
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise ckpt.CheckpointError(f"{where}: {what}")
+    return need
 
+
+class _Reshard:
+    """The saved weights and optimizer shards, re-cut to this run's layout.
+
+    Same TP size: a tensor is read from the saved rank of this TP rank (whichever stage holds its
+    global name); an optimizer range from whichever saved DP shares cover it. Another TP size:
+    the full tensor is rebuilt from every saved TP rank (reshard.unshard), its padded vocabulary
+    rows re-padded, and cut for this rank (reshard.shard)."""
+
+    def __init__(self, run: Run, saved: Saved) -> None:
+        self.run, self.saved = run, saved
+        self.old, p = saved.layout, run.parallel
+        self.same_tp = self.old["tp"] == p.tp
+        self.vocab = run.model_cfg.vocab_size
+        self._weights: dict[str, dict[str, dict[int, str]]] = {}  # group -> name -> tp rank -> part
+        self._slices: dict[str, dict[str, list]] = {}  # opt -> name -> [(tp rank, part, shape, start, end)]
+
+    # --- index
+    def _weight_index(self, group: str) -> dict[str, dict[int, str]]:
+        if group not in self._weights:
+            idx: dict[str, dict[int, str]] = {}
+            for t in (range(self.old["tp"]) if not self.same_tp else [self.run.parallel.tp_rank]):
+                for s in range(self.old["pp"]):
+                    part = ckpt.part_name(t, s, 0)
+                    if part not in self.saved._verified or group not in self.saved.groups(part):
+                        continue
+                    for k in self.saved.file(part, group).keys():
+                        idx.setdefault(k, {}).setdefault(t, part)
+            self._weights[group] = idx
+        return self._weights[group]
+
+    def _slice_index(self, opt: str) -> dict[str, list]:
+        if opt not in self._slices:
+            idx: dict[str, list] = {}
+            for part in self.saved._verified:
+                t, _, _ = ckpt.part_coords(part)
+                if self.same_tp and t != self.run.parallel.tp_rank:
+                    continue
+                entry = self.saved.state(part).get(opt)
+                if not (isinstance(entry, dict) and ckpt._DIST in entry):
+                    continue
+                for sub in entry[ckpt._DIST]:
+                    for name, shape, start, end in sub.get("slices") or []:
+                        idx.setdefault(name, []).append((t, part, tuple(shape), start, end))
+            self._slices[opt] = idx
+        return self._slices[opt]
+
+    # --- tensor-parallel re-cut
+    def _recut(self, group: str, name: str, shards: list[torch.Tensor], local_shape: tuple[int, ...]) -> torch.Tensor:
+        critic_head = group in ("critic", "critic_opt") and name.startswith("output_layer.")
+        split = reshard.Split.REPLICATED if critic_head else reshard.split_of(name)  # the value head: replicated
+        full = reshard.unshard(shards, split)
+        if split is reshard.Split.ROWS and name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            rows = local_shape[0] * self.run.parallel.tp
+            if full.shape[0] != rows:  # the vocabulary is padded to a multiple of tp: re-pad
+                full = reshard.pad_rows(full[: self.vocab], rows)
+        return reshard.shard(full, split, self.run.parallel.tp, self.run.parallel.tp_rank)
+
+    def _alias(self, name: str, idx: dict) -> str:
+        """A tied output layer saved at pp = 1 lives under the embedding's name."""
+        if name not in idx and name == "output_layer.weight" and "embedding.word_embeddings.weight" in idx:
+            return "embedding.word_embeddings.weight"
+        return name
+
+    def weight(self, group: str, name: str, local_shape: tuple[int, ...]) -> torch.Tensor:
+        idx = self._weight_index(group)
+        key = self._alias(name, idx)
+        where = idx.get(key)
+        if not where:
+            raise ckpt.CheckpointError(f"{self.saved.path}: {group} tensor {name} is in no saved part (layout "
+                                       f"tp={self.old['tp']} pp={self.old['pp']}): another model")
+        if self.same_tp:
+            return self.saved.file(where[self.run.parallel.tp_rank], group).get_tensor(key)
+        if sorted(where) != list(range(self.old["tp"])):
+            raise ckpt.CheckpointError(f"{self.saved.path}: {group} tensor {name} is saved by tensor-parallel ranks "
+                                       f"{sorted(where)} of {self.old['tp']}: cannot rebuild it")
+        shards = [self.saved.file(where[t], group).get_tensor(key) for t in range(self.old["tp"])]
+        return self._recut(group, name, shards, local_shape)
+
+    def opt_range(self, opt: str, name: str, shape: tuple[int, ...], start: int, end: int) -> dict[str, torch.Tensor]:
+        """{"param", "exp_avg", "exp_avg_sq"}[start:end] of parameter `name` (local shape `shape`)."""
+        idx = self._slice_index(opt)
+        key = self._alias(name, idx)
+        entries = idx.get(key, [])
+        if self.same_tp:
+            return {k: self._cover(opt, key, k, entries, start, end) for k in ckpt._PARAM_KEYS}
+        out = {}
+        for k in ckpt._PARAM_KEYS:
+            shards = []
+            for t in range(self.old["tp"]):
+                mine = [e for e in entries if e[0] == t]
+                if not mine:
+                    raise ckpt.CheckpointError(f"{self.saved.path}: {opt} {name}: no saved optimizer share of "
+                                               f"tensor-parallel rank {t}")
+                old_shape = mine[0][2]
+                shards.append(self._cover(opt, key, k, mine, 0, math.prod(old_shape)).view(old_shape))
+            out[k] = self._recut(opt, name, shards, shape).reshape(-1)[start:end].clone()
+        return out
+
+    def _cover(self, opt: str, name: str, k: str, entries: list, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of `name`'s flat state `k`, from the saved slices that overlap it."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        covered = 0
+        for _, part, _, a, b in entries:
+            lo, hi = max(a, start), min(b, end)
+            if lo >= hi:
+                continue
+            src = self.saved.file(part, OPTIM).get_slice(f"{opt}/{name}/{k}")[lo - a: hi - a]
+            out[lo - start: hi - start] = src
+            covered += hi - lo
+        if covered != end - start:  # the saved shares partition each parameter: anything else is damage
+            raise ckpt.CheckpointError(f"{self.saved.path}: {opt} {name}/{k}: the saved shares cover {covered} of "
+                                       f"elements [{start}, {end}) this rank owns")
+        return out
+
+
+def _check_layout(run: Run, saved: Saved, need) -> None:
+    """What cannot be resharded is refused by name."""
+    old, p = saved.layout, run.parallel
+    mine = layout_of(run)
+    if (old["tp"], old["pp"]) != (p.tp, p.pp):
+        plain = [n for n, o in run.optimizers().items() if not ckpt.is_distributed(o)]
+        need(not plain, f"written at tp={old['tp']} pp={old['pp']}, this run has tp={p.tp} pp={p.pp}: a plain "
+                        f"optimizer's state ({', '.join(plain)}) is kept by parameter index and is not resharded to "
+                        f"another tensor/pipeline layout; resume at the layout it was written at, or with "
+                        f"parallel.use_distributed_optimizer=true on both sides, or use another logging.output_dir, "
+                        f"or checkpoint.resume=false (the HF export of a run loads at any layout)")
+    if run.behaviour.keeps_state:
+        need(old == mine, f"written at tp={old['tp']} pp={old['pp']} dp={old['dp']} with {old['local_world']} ranks "
+                          f"per node, this run has tp={p.tp} pp={p.pp} dp={p.dp} with {mine['local_world']}: the "
+                          f"PF-PPO pool keeps bucket k on node rank k mod (ranks per node) and is not resharded; "
+                          f"resume at the layout it was written at, or use another logging.output_dir, or "
+                          f"checkpoint.resume=false")
+
+
+def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
+    """Check a verified checkpoint against this run, then install this rank's share of it (no
+    collectives). CheckpointError names the file, the value and the rule it breaks."""
+    p, t, st = run.parallel, run.cfg.training, run.state
+    old = saved.layout
+    own = my_part(run)
+    source = _state_part(run, old)
+    where = saved.path / source
+    need = _need_fn(where)
+    _check_layout(run, saved, need)
+    s = saved.state(source)
     need(set(s) == STATE_KEYS, f"state keys {sorted(s)} must be {sorted(STATE_KEYS)}")
-    need(type(s["step"]) is int and s["step"] == found.step,
-         f"state step = {s['step']!r} must equal the checkpoint's step {found.step}")
-    need(found.step <= t.total_training_steps,
-         f"step {found.step} > training.total_training_steps ({t.total_training_steps}): this checkpoint is "
+    need(type(s["step"]) is int and s["step"] == saved.step,
+         f"state step = {s['step']!r} must equal the checkpoint's step {saved.step}")
+    need(saved.step <= t.total_training_steps,
+         f"step {saved.step} > training.total_training_steps ({t.total_training_steps}): this checkpoint is "
          f"from a longer run; raise total_training_steps, or use another logging.output_dir or "
          f"checkpoint.resume=false")
     has_pool, keeps = s["pool"] is not None, run.behaviour.keeps_state
@@ -209,30 +660,48 @@ def _install(run: Run, found: ckpt.Checkpoint) -> list:
          f"the checkpoint {'holds' if has_pool else 'has no'} PF-PPO pool but this run has "
          f"algorithm.use_pf_ppo={keeps}: resume with the setting it was written with")
     models, opts = run.models(), run.optimizers()
-    groups = set(models) | ({"pool"} if has_pool else set())
-    wants, holds = "critic" in models, "critic" in found.tensors
+    weights_part = ckpt.part_name(p.tp_rank if old["tp"] == p.tp else 0, p.pp_rank if old["pp"] == p.pp else 0, 0)
+    held = saved.groups(weights_part) - {OPTIM, "pool"}
+    wants, holds = "critic" in models, "critic" in held
     hint = "" if wants == holds else (
         f" (algorithm.adv_estimator = {run.cfg.algorithm.adv_estimator!r} {'needs a' if wants else 'needs no'} "
         f"critic; this checkpoint {'has none' if wants else 'has one'}: resume with the estimator it was written with)")
-    need(set(found.tensors) == groups, f"tensor files {sorted(found.tensors)} must be {sorted(groups)}{hint}")
-    for group, model in models.items():
-        bad = [k for k, v in found.tensors[group].items() if v.is_floating_point() and not bool(v.isfinite().all())]
-        need(not bad, f"{group}.safetensors: tensors {bad[:3]} hold NaN/inf")
-        try:
-            load_tensor_state(model, found.tensors[group])
-        except ValueError as e:
-            need(False, f"{group}.safetensors does not fit the configured model: {e}")
-    need(("critic_opt" in opts) == (s["critic_opt"] is not None),
-         f"state critic_opt is {'absent' if s['critic_opt'] is None else 'present'} but this run "
+    need(held == set(models), f"tensor files {sorted(held)} must be {sorted(models)}{hint}")
+    plain_source = saved.state(weights_part) if weights_part != source else s  # dp_rank 0's: every optimizer
+    need(set(plain_source) == STATE_KEYS, f"{weights_part} state keys {sorted(plain_source)} must be {sorted(STATE_KEYS)}")
+    need(("critic_opt" in opts) == (plain_source["critic_opt"] is not None),
+         f"state critic_opt is {'absent' if plain_source['critic_opt'] is None else 'present'} but this run "
          f"{'builds' if 'critic_opt' in opts else 'has no'} a critic")
+    re = _Reshard(run, saved)
+    stage = _stage(run)
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    for group, model in models.items():
+        own_sd = tensor_state(model)
+        sd = {}
+        for k, v in own_sd.items():
+            try:
+                sd[k] = re.weight(group, stage.to_global(k), tuple(v.shape))
+            except ckpt.CheckpointError as e:
+                need(False, f"{group}.safetensors does not fit the configured model: {e}")
+            need(tuple(sd[k].shape) == tuple(v.shape), f"{group}.safetensors does not fit the configured model: "
+                                                       f"checkpoint tensor {k}: shape {tuple(sd[k].shape)}, model "
+                                                       f"{tuple(v.shape)}")
+        bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+        need(not bad, f"{group}.safetensors: tensors {bad[:3]} hold NaN/inf")
+        loaded[group] = sd
+    opt_meta: dict[str, Any] = {}
     for name, opt in opts.items():
-        ckpt.check_optimizer_state(opt, s[name], f"{where}: state {name}")
+        if ckpt.is_distributed(opt):
+            opt_meta[name] = ckpt.check_shard_meta(opt, s[name], f"{where}: state {name}")
+        else:
+            ckpt.check_optimizer_state(opt, plain_source[name], f"{saved.path / weights_part}: state {name}")
     edits = check_edits(s["config"], config_to_dict(run.cfg), need)  # before anything is installed
-    pending = [p for name, opt in opts.items() for p in ckpt.load_optimizer_state(opt, s[name])]
-    for key, old, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
-        _apply_hyper(opts, key, new)
-        run.log(f"[pfppo] resume: {key} changed since the checkpoint ({old!r} -> {new!r}); the new value is "
-                f"applied to the optimizer")
+    ref = s["reference"]
+    now = reference_identity(run.cfg.actor_rollout.model_path)
+    need(isinstance(ref, dict) and ref.get("sha256") == now["sha256"],
+         f"the frozen reference ({now['path']}) is not the one this checkpoint was trained against (identity "
+         f"{ref.get('sha256') if isinstance(ref, dict) else ref!r} -> {now['sha256']}): its files changed; resume "
+         f"with the model it was written with, or use another logging.output_dir, or checkpoint.resume=false")
     need(isinstance(s["guards"], dict) and set(s["guards"]) <= set(st.guards)
          and all(type(v) is int and v >= 0 for v in s["guards"].values()),
          f"guards = {str(s['guards'])[:200]}: keys must be among {sorted(st.guards)}, values ints >= 0")
@@ -240,11 +709,28 @@ def _install(run: Run, found: ckpt.Checkpoint) -> list:
          and all(type(v) is int and v >= 0 for v in s["consecutive_skips"].values()),
          f"consecutive_skips = {str(s['consecutive_skips'])[:200]}: keys must be {sorted(st.consecutive_skips)}, "
          f"values ints >= 0")
+    # ---- install (nothing above changed the run)
+    for group, model in models.items():
+        try:
+            load_tensor_state(model, loaded[group])
+        except ValueError as e:
+            need(False, f"{group}.safetensors does not fit the configured model: {e}")
+    for name, opt in opts.items():
+        if name in opt_meta:
+            ckpt.install_optimizer_shard(opt, opt_meta[name], param_names(run, models[OPT_MODEL[name]]),
+                                         lambda n, shape, a, b, _o=name: re.opt_range(_o, n, shape, a, b),
+                                         f"{where}: state {name}")
+        else:
+            opt.load_state_dict(plain_source[name])
+    for key, old_v, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
+        _apply_hyper(opts, key, new)
+        run.log(f"[pfppo] resume: {key} changed since the checkpoint ({old_v!r} -> {new!r}); the new value is "
+                f"applied to the optimizer")
     try:
-        if run.parallel.dp == 1:
+        if source == own:  # this rank's own streams, exactly
             run.rng.setstate(s["rng"])
-        else:  # only dp_rank 0's stream is saved: the others restart theirs deterministically
-            run.rng.seed(stream_seed("prompts", t.seed, dp_rank=run.parallel.dp_rank, step=s["step"]))
+        else:  # a DP rank the checkpoint has no stream for: a deterministic one of its own
+            run.rng.seed(stream_seed("prompts", t.seed, dp_rank=p.dp_rank, step=s["step"]))
         for name in ("torch_rng", "assign_rng"):
             need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
                  f"state {name} must be a 1-D uint8 tensor")
@@ -257,17 +743,22 @@ def _install(run: Run, found: ckpt.Checkpoint) -> list:
         run.prompts.load_state_dict(s["data"])
     except (ValueError, KeyError, TypeError) as e:
         need(False, f"state data (the data position) refused: {e}")
-    if has_pool:
-        meta, tensors = s["pool"], found.tensors["pool"]
-        if run.parallel.dp_rank != 0:  # this rank's own shards of the pool (save())
-            shards = ckpt.load_step(pool_shard_dir(run, found.path.parent), found.step)
-            need(set(shards.state) == {"step", "pool"} and shards.state["step"] == found.step
-                 and set(shards.tensors) == {"pool"},
-                 f"pool shards {shards.path}: state keys {sorted(shards.state)} must be ['pool', 'step'] of "
-                 f"step {found.step}, tensor files {sorted(shards.tensors)} must be ['pool']")
-            meta, tensors = shards.state["pool"], shards.tensors["pool"]
-        run.behaviour.load_state(meta, tensors, found.step, need)
+    if has_pool:  # the same layout (checked): the bytes from the first node's rank of this node index
+        keeper = ranks[p.rank % old["local_world"]]
+        need("pool" in saved.groups(keeper), f"pool shards: part {keeper} holds no pool.safetensors")
+        run.behaviour.load_state(s["pool"], saved.tensors(keeper, "pool"), saved.step, need)
     st.guards.update(s["guards"])
     st.consecutive_skips.update(s["consecutive_skips"])
     st.step = s["step"]
-    return pending
+
+
+def load_part(root: Path, part: str = "tp0-pp0-dp0", step: int | None = None) -> ckpt.Checkpoint:
+    """One rank's part of the newest (or the given) committed step, verified: for tests and tools."""
+    if step is None:
+        step = max((ckpt._step_of(d) for d in ckpt._candidates(root, lambda *_: None)), default=None)
+        if step is None:
+            raise ckpt.CheckpointError(f"{root}: no checkpoint")
+    path = root / f"step_{step:06d}"
+    m = ckpt.read_sharded_manifest(path)
+    pm = ckpt.verify_part(path, part, m["parts"][part], step)
+    return ckpt.load_dir(path / part, pm, step)

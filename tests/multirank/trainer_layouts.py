@@ -6,7 +6,10 @@ At DP2 it also checks DP-size invariance of the batch statistics: one rollout ba
 through the trainer's score -> prepare -> advantages phases (reductions over the DP group), and
 rank 0 runs the same phases at DP1 on the two ranks' rows concatenated (`RESULT dp2_invariance`).
 Last, a DP2 run with the distributed optimizer checkpoints and resumes (`RESULT dp2_distopt`), and
-so does a DP2 PF-PPO run whose pool is split across the ranks (`RESULT dp2_pf_resume`).
+so does a DP2 PF-PPO run whose pool is split across the ranks (`RESULT dp2_pf_resume`). A TP2 and
+a PP2 run with the distributed optimizer checkpoint at step 2 and take step 3 uninterrupted
+(`RESULT tp2_distopt` / `pp2_distopt`): the test resumes their checkpoints in one process (TP1,
+resharded) and compares its step 3.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
 """
@@ -166,6 +169,24 @@ def dp2_pf_ppo_resume(base: dict) -> dict:
             "next_loss_finite": bool(torch.isfinite(torch.tensor(m["policy/pg_loss"])))}
 
 
+def distopt_step3(base: dict, name: str, tp: int, pp: int) -> dict:
+    """The distributed optimizer at TP/PP 2 (fp32): 2 steps, a (background) checkpoint, then step 3
+    straight on; its metrics are what a resharded resume of the checkpoint must reproduce."""
+    d = json.loads(json.dumps(base))
+    d["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "use_distributed_optimizer": True}
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/{name}"
+    d["checkpoint"] = {"save_interval": 0, "resume": False, "export_hf": False}
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    for _ in range(2):
+        tr.train_step()
+    root = tr.run.out_dir / "checkpoints"
+    info = resume.save(tr.run, root)
+    resume.wait(root)
+    m = tr.train_step()
+    return {"metrics": {k: m[k] for k in KEYS}, "bytes": info.bytes, "blocked_s": info.blocked_s}
+
+
 def main(path: str) -> None:
     base = json.load(open(path))
     torch.set_num_threads(1)
@@ -212,6 +233,11 @@ def main(path: str) -> None:
     if dist.get_rank() == 0:
         print("RESULT dp2_distopt", json.dumps(result), flush=True)
     destroy_parallel()
+    for name, tp, pp in (("tp2_distopt", 2, 1), ("pp2_distopt", 1, 2)):
+        r = distopt_step3(base, name, tp, pp)
+        if dist.get_rank() == 0:
+            print("RESULT", name, json.dumps(r), flush=True)
+        destroy_parallel()
     pf = dp2_pf_ppo_resume(base)
     if dist.get_rank() == 0:
         print("RESULT dp2_pf_resume", json.dumps(pf), flush=True)

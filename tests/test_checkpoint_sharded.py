@@ -1,0 +1,186 @@
+"""Sharded checkpoints (format 3) through the trainer: a SIGKILL at any point of a background
+save leaves `latest` on a complete checkpoint that resumes; a missing or corrupt part, a step
+whose commit never happened, a layout that does not fit and an older format are named errors
+or a fallback to the previous complete step."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.loop import PPOTrainer
+from test_trainer import TINY, _cfg
+from test_trainer_resume import PART, _LOG, quiet, resign, sft_small  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _two_steps(sft: Path, out: Path, **sections) -> None:
+    PPOTrainer(_cfg(out, sft, logging=_LOG, training={"total_training_steps": 2},
+                    checkpoint={"save_interval": 1, "keep_last": 3}, **sections), log=quiet).fit()
+
+
+@pytest.fixture(scope="module")
+def run_dir(sft_small, tmp_path_factory):
+    """A finished 2-step run with checkpoints at steps 1 and 2 (copied per test before editing)."""
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    _two_steps(sft_small, out)
+    return out
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    return out
+
+
+def _resume(sft: Path, out: Path, **sections):
+    msgs: list[str] = []
+    tr = PPOTrainer(_cfg(out, sft, logging=_LOG, training={"total_training_steps": 4}, **sections), log=msgs.append)
+    return tr, msgs
+
+
+def test_layout_of_a_step(run_dir):
+    step = run_dir / "checkpoints" / "step_000002"
+    m = json.loads((step / ckpt.MANIFEST).read_text())
+    assert m["format"] == 3 and m["layout"] == {"tp": 1, "pp": 1, "dp": 1, "local_world": 1}
+    assert sorted(p.name for p in step.iterdir()) == [ckpt.MANIFEST, PART]
+    assert sorted(p.name for p in (step / PART).iterdir()) == [
+        "actor.safetensors", "critic.safetensors", ckpt.MANIFEST, "state.json", "state.safetensors"]
+    state = resume.load_part(run_dir / "checkpoints").state
+    assert state["reference"]["path"] and len(state["reference"]["sha256"]) == 64  # identity, not weights
+    assert m["parts"][PART]["bytes"] == sum(f.stat().st_size for f in (step / PART).iterdir()
+                                            if f.name != ckpt.MANIFEST)
+
+
+# ---------------------------------------------------------------------------- SIGKILL mid-background-save
+
+_KILL = textwrap.dedent("""
+    import json, os, signal, sys, threading
+    from pathlib import Path
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.trainer import checkpoint as ckpt
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    cfg, where = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+    saves = []
+    real_write, real_digest, real_publish = ckpt.write_dir, ckpt.part_digest, ckpt._publish
+    real_fsync = ckpt._fsync_file
+    def fsync(path):
+        # on the background writer, the second file of step 2's part: mid-write
+        if where == "mid_part" and "step_000002.tmp" in str(path) and threading.current_thread().name.startswith("ckpt"):
+            saves.append(path)
+            if len(saves) == 2:
+                die()
+        real_fsync(path)
+    def digest(part):
+        if where == "before_commit" and "step_000002" in str(part):
+            die()  # every part on disk, the global manifest not yet written
+        return real_digest(part)
+    def publish(root, step, tmp, **k):
+        if where == "before_rename" and step == 2:
+            die()  # the global manifest written, the step not yet moved in
+        return real_publish(root, step, tmp, **k)
+    ckpt._fsync_file, ckpt.part_digest, ckpt._publish = fsync, digest, publish
+    PPOTrainer(load_config_dict(cfg), log=lambda *_: None).fit()
+""")
+
+
+@pytest.mark.parametrize("where", ["mid_part", "before_commit", "before_rename"])
+def test_sigkill_during_a_background_save_keeps_latest_loadable(sft_small, tmp_path, where):
+    out = tmp_path / "run"
+    cfg = json.loads(json.dumps(TINY))
+    cfg["actor_rollout"] = {"model_path": str(sft_small)}
+    cfg["logging"] = {**cfg.get("logging", {}), **_LOG, "output_dir": str(out)}
+    cfg["training"] = {**cfg.get("training", {}), "total_training_steps": 3}
+    cfg["checkpoint"] = {"save_interval": 1, "background": True, "export_hf": False}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _KILL, str(tmp_path / "cfg.json"), where], capture_output=True,
+                          env=env, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-3000:]
+    root = out / "checkpoints"
+    assert (root / ckpt.LATEST).read_text().strip() == "step_000001"
+    assert not (root / "step_000002").exists()
+    assert list(root.glob("step_000002.tmp-*"))  # the interrupted save is left as a temp dir, never named
+    tr, msgs = _resume(sft_small, out)
+    assert tr.step == 1, msgs
+    tr.fit()  # and the next commit removes the leftover
+    assert not list(root.glob("*.tmp-*")) and (root / ckpt.LATEST).read_text().strip() == "step_000004"
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _drop(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize("case,edit,match", [
+    # a part's file missing or corrupted: step 2 is skipped, step 1 resumes
+    ("missing_file", lambda s: _drop(s / PART / "actor.safetensors"), r"actor.safetensors listed in the manifest is missing"),
+    ("corrupt_file", lambda s: (s / PART / "critic.safetensors").write_bytes(
+        (s / PART / "critic.safetensors").read_bytes()[:-1] + b"\0"), r"critic.safetensors: sha256 mismatch"),
+    # a part replaced whole (its own manifest consistent): the global manifest pins it
+    ("replaced_part", lambda s: (s / PART / ckpt.MANIFEST).write_text(
+        (s / PART / ckpt.MANIFEST).read_text() + " "), r"sha256 differs from the global manifest's entry for part"),
+    # the commit never happened (a save interrupted on some rank): no global manifest
+    ("no_global_manifest", lambda s: _drop(s / ckpt.MANIFEST), r"no manifest.json"),
+    ("stray_part", lambda s: (s / "tp0-pp0-dp1").mkdir(), r"'tp0-pp0-dp1' is not listed in manifest.json as a part"),
+])
+def test_a_bad_step_falls_back_to_the_previous_complete_one(sft_small, run_dir, tmp_path, case, edit, match):
+    out = _copy(run_dir, tmp_path)
+    edit(out / "checkpoints" / "step_000002")
+    tr, msgs = _resume(sft_small, out)
+    assert tr.step == 1, msgs
+    assert any("skipping step_000002" in m and __import__("re").search(match, m) for m in msgs), msgs
+
+
+def _edit_global(step: Path, fn) -> None:
+    m = json.loads((step / ckpt.MANIFEST).read_text())
+    fn(m)
+    (step / ckpt.MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("case,edit,match", [
+    ("layout_parts", lambda m: m["layout"].update(dp=2), r"parts \['tp0-pp0-dp0'\] must be the 2 ranks of layout"),
+    ("layout_type", lambda m: m["layout"].update(tp="1"), r"layout = .* must be \{tp, pp, dp, local_world\}"),
+    ("format", lambda m: m.update(format=4), r"format = 4, a sharded checkpoint has format 3"),
+    ("bytes", lambda m: m["parts"][PART].update(bytes=-1), r"entry of part 'tp0-pp0-dp0' = .* must be"),
+])
+def test_a_global_manifest_that_breaks_its_schema_is_named(sft_small, run_dir, tmp_path, case, edit, match):
+    out = _copy(run_dir, tmp_path)
+    for step in (1, 2):  # every step: nothing to fall back to, the refusal names each
+        _edit_global(out / "checkpoints" / f"step_{step:06d}", edit)
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint under .* can be used .*" + match):
+        _resume(sft_small, out)
+
+
+def test_a_pf_ppo_checkpoint_at_another_layout_is_refused_by_name(sft_small, tmp_path):
+    """The pool keeps bucket k on node rank k mod L: not resharded; the layout in the manifest is
+    edited to another DP size (as a 2-rank run would have written it)."""
+    out = tmp_path / "run"
+    _two_steps(sft_small, out, algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+    for step in (1, 2):
+        s = out / "checkpoints" / f"step_{step:06d}"
+        _edit_global(s, lambda m: m["layout"].update(local_world=2))
+    with pytest.raises(ckpt.CheckpointError, match=r"with 2 ranks per node, this run has tp=1 pp=1 dp=1 with 1: the "
+                                                   r"PF-PPO pool keeps bucket k on node rank k mod"):
+        _resume(sft_small, out, algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+
+
+def test_an_older_format_is_refused_by_name(sft_small, tmp_path):
+    out = tmp_path / "run"
+    ckpt.save_checkpoint(out / "checkpoints", 1, {"actor": {}}, {"step": 1}, keep_last=2)  # format 2
+    with pytest.raises(ckpt.CheckpointError, match=r"holds checkpoints of format 2 \(step_000001\), written before "
+                                                   r"sharded checkpoints"):
+        _resume(sft_small, out)
