@@ -267,6 +267,23 @@ def _bad_checkpoints(setup, root: Path) -> list[tuple[str, Path, tuple[str, ...]
     p = _copy(rm, root / "no_config")
     (p / "config.json").unlink()
     out.append(("missing_config", p, (str(p), "config.json", "is missing")))
+    # issue 24.8: a bad hidden_size / vocab_size names the reward model's config file and the key
+    for case, change in [("hidden_size_str", {"hidden_size": "32"}), ("hidden_size_0", {"hidden_size": 0}),
+                         ("hidden_size_neg", {"hidden_size": -32}), ("hidden_size_missing", {"hidden_size": None}),
+                         ("hidden_size_33", {"hidden_size": 33}), ("hidden_size_true", {"hidden_size": True}),
+                         ("vocab_size_str", {"vocab_size": str(tok.vocab_size)}),
+                         ("vocab_size_missing", {"vocab_size": None}), ("vocab_size_neg", {"vocab_size": -1})]:
+        p = _copy(rm, root / case)
+        _edit_config(p, **change)
+        key, value = next(iter(change.items()))
+        out.append((case, p, (f"the reward model's config file {str(p / 'config.json')!r}",
+                              f"{key} = {value!r}" if value is not None else f"no {key}")))
+    # consistent config, tensors of another shape: the embedding (vocab rows, hidden columns)
+    for case, rows, cols in [("embed_rows", tok.vocab_size + 4, 32), ("embed_cols", tok.vocab_size, 16)]:
+        p = _copy(rm, root / case)
+        _edit_tensors(p, lambda sd, r=rows, c=cols: sd.update({"model.embed_tokens.weight": torch.zeros(r, c)}))
+        out.append((case, p, (str(p), "model.embed_tokens.weight", f"({rows}, {cols})",
+                              f"the reward model's config file {str(p / 'config.json')!r}")))
     return out
 
 

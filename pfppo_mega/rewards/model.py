@@ -57,6 +57,22 @@ def _num_labels(hf: dict, where: str) -> int:
     return n
 
 
+def config_file(path: str | Path) -> str:
+    """How messages name the reward model's config.json (issue 24.8: the key alone left the user
+    guessing which of the two checkpoints' files it was)."""
+    return f"the reward model's config file {str(Path(path) / 'config.json')!r}"
+
+
+def _positive_ints(hf: dict, path: str | Path, keys: tuple[str, ...] = ("hidden_size", "vocab_size")) -> None:
+    where = f"reward.model_path {str(path)!r}"
+    for key in keys:
+        if key not in hf:
+            raise RewardSetupError(f"{where}: {config_file(path)} has no {key} (a positive integer is needed)")
+        v = hf[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise RewardSetupError(f"{where}: {config_file(path)} has {key} = {v!r}; must be a positive integer")
+
+
 def check_classifier(path: str | Path) -> dict:
     """config.json of a one-label ``*ForSequenceClassification`` checkpoint at ``path``, or
     RewardSetupError naming the file, key or tensor and its value."""
@@ -78,6 +94,7 @@ def check_classifier(path: str | Path) -> dict:
             raise RewardSetupError(f"{where}: config.json architectures = {archs!r}{kind}; a reward model is "
                                    f"a sequence-classification checkpoint ({want}, num_labels 1); supported: "
                                    f"{', '.join(CLASSIFIERS.values())}")
+    _positive_ints(hf, path)
     n = _num_labels(hf, where)
     if n != 1:
         key = "num_labels" if "num_labels" in hf else "id2label"
@@ -95,8 +112,8 @@ def check_classifier(path: str | Path) -> dict:
     shape = reader.shape(SCORE_HEAD)
     hidden = hf.get("hidden_size")
     if shape != (1, hidden):
-        raise RewardSetupError(f"{where}: tensor {SCORE_HEAD} has shape {shape}; expected (1, hidden_size = "
-                               f"{hidden}) (one label)")
+        raise RewardSetupError(f"{where}: tensor {SCORE_HEAD} has shape {shape}; {config_file(path)} has "
+                               f"hidden_size = {hidden!r}, so (1, {hidden}) was expected (one label)")
     return hf
 
 
@@ -115,9 +132,11 @@ def check_same_vocabulary(rm_path: str | Path, rm_hf: dict, policy_path: str | P
     then tokenizer.json's token -> id map (both named, with the first difference)."""
     rm, pol = f"reward.model_path {str(rm_path)!r}", f"actor_rollout.model_path {str(policy_path)!r}"
     if rm_hf.get("vocab_size") != policy_hf.get("vocab_size"):
-        raise RewardSetupError(f"the reward model's vocabulary differs from the policy's: {rm} has vocab_size = "
-                               f"{rm_hf.get('vocab_size')!r}, {pol} has vocab_size = {policy_hf.get('vocab_size')!r}; "
-                               f"the reward model reads the policy's token ids, so both need the same tokenizer")
+        raise RewardSetupError(f"the reward model's vocabulary differs from the policy's: {rm}: {config_file(rm_path)} "
+                               f"has vocab_size = {rm_hf.get('vocab_size')!r}, {pol}: the policy's config file "
+                               f"{str(Path(policy_path) / 'config.json')!r} has vocab_size = "
+                               f"{policy_hf.get('vocab_size')!r}; the reward model reads the policy's token ids, so "
+                               f"both need the same tokenizer")
     a, b = _vocab(Path(rm_path), rm), _vocab(Path(policy_path), pol)
     if a != b:
         diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[0]
@@ -178,7 +197,11 @@ class RewardModel:
             critic = gpt.build_critic(self.model_cfg, arch=arch)
         except ValueError as e:  # the layout cannot split it (heads, groups, ffn, layers)
             raise RewardSetupError(f"{where}: {e}") from None
-        hf_io.load_score_model_from_hf(critic, path)
+        try:
+            hf_io.load_score_model_from_hf(critic, path)
+        except CheckpointError as e:  # tensors of another shape than config.json says
+            raise RewardSetupError(f"{where}: {e}; {config_file(path)} has vocab_size = {hf['vocab_size']}, "
+                                   f"hidden_size = {hf['hidden_size']}: the tensors must have those shapes") from None
         critic.eval().requires_grad_(False)
         self.model = critic
         if critic.config.bf16:  # bf16 parameters: megatron's wrapper casts the inputs and the output
