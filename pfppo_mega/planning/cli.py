@@ -23,11 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-from pfppo_mega.families import DecoderShape
 from pfppo_mega.planning.memory import (
     GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
 )
 from pfppo_mega.planning.shapes import total_param_count
+from pfppo_mega.trainer.ledger import reward_model_shape as ledger_reward_model_shape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pool-placement", choices=POOL_PLACEMENT, default=d.pool_placement)
     out = ap.add_argument_group("output")
     out.add_argument("--json", dest="json_path", default=None, help="also write the plan as JSON")
+    out.add_argument("--ledger", action="store_true",
+                     help="also print the device-memory ledger phase by phase for every pipeline stage (the "
+                          "order the trainer runs: build, then one step; pfppo_mega/trainer/ledger.py)")
     out.add_argument("--dry-run-rank", action="append", default=[], metavar="R[,R...]",
                      help="build rank R's megatron groups and meta-device models at the full world "
                           "size (fake process group) and compare with the plan; repeatable")
@@ -123,6 +126,40 @@ def format_plan(plan: Plan, config: str) -> str:
     return "\n".join(lines)
 
 
+def format_ledger(plan: Plan) -> str:
+    """Per pipeline stage: one row per phase of the build and one step, device bytes by kind (GiB),
+    the card's free bytes, this rank's host bytes."""
+    cols = ("trainer", "engine", "refit", "transient", "reserve")
+    lines = ["device-memory ledger, per GPU (GiB), in the order the trainer runs the phases "
+             "(pfppo_mega/trainer/ledger.py; the training and rollout budgets above are its 'update' and "
+             "'generate' rows)"]
+    for h, recs in zip(plan.holdings, plan.ledger):
+        trainer = {x.name for x in h.trainer}
+        engine = {h.engine_weights.name, h.engine_kv.name}
+        refit = {h.refit_slots.name, h.refit_gather.name}
+
+        def kind(name: str) -> str:
+            if name in trainer:
+                return "trainer"
+            if name in engine:
+                return "engine"
+            if name in refit:
+                return "refit"
+            return "reserve" if name == h.reserve.name else "transient"
+
+        lines.append(f"ledger, pipeline stage {h.pp_rank} of {plan.layout.pp} "
+                     f"(capacity {plan.hardware.gpu_memory / GiB:.2f} GiB)")
+        lines.append(f"  {'phase':<22}" + "".join(f"{c:>10}" for c in cols) + f"{'device':>10}{'free':>10}{'host':>10}")
+        for r in recs:
+            by = dict.fromkeys(cols, 0.0)
+            for x in r.device:
+                by[kind(x.name)] += x.bytes
+            lines.append(f"  {r.phase:<22}" + "".join(f"{by[c] / GiB:>10.2f}" for c in cols)
+                         + f"{r.device_bytes / GiB:>10.2f}{-r.over / GiB:>10.2f}{r.host_bytes / GiB:>10.2f}"
+                         + ("" if r.fits() else "  OVER"))
+    return "\n".join(lines)
+
+
 def _ranks(specs: list[str], world: int) -> list[int]:
     out = []
     for spec in specs:
@@ -154,16 +191,10 @@ def reward_model_shape(cfg):
     path = cfg.reward.model_path
     if path is None:
         return None, None
-    if not (Path(path) / "config.json").is_file():
+    shape = ledger_reward_model_shape(path)
+    if shape is None:
         return None, f"reward model: {path!r} has no config.json here: its weights are NOT counted"
-    from pfppo_mega.config.tree import ModelConfig
-    from pfppo_mega.families import architecture_from_hf
-    from pfppo_mega.models.hf_io import model_config_from_hf, read_hf_config
-
-    hf = read_hf_config(path)
-    arch = architecture_from_hf(hf)
-    shape = DecoderShape.from_model_config(model_config_from_hf(hf, ModelConfig()), arch)
-    return shape, (f"reward model: {arch.family} from {path}/config.json, {total_param_count(shape, 'value'):,} "
+    return shape, (f"reward model: {shape.arch.family} from {path}/config.json, {total_param_count(shape, 'value'):,} "
                    f"params (bf16 weights on the actor's ranks)")
 
 
@@ -211,6 +242,9 @@ def main(argv: list[str]) -> int:
         plan.notes.insert(0, note)
         print(f"pfppo plan: note: {note}", file=sys.stderr)
     print(format_plan(plan, args.config))
+    if args.ledger:
+        print()
+        print(format_ledger(plan))
     print(arch_line)
     if rm_line:
         print(rm_line)

@@ -7,7 +7,7 @@ Rank order is megatron's default "tp-cp-ep-dp-pp" (cp = ep = 1 here):
 so a tensor-parallel group is ``tp`` consecutive ranks (one node when tp = GPUs per node), data
 parallel strides by ``tp`` and pipeline stages are the outermost factor.
 
-Parameter shapes per rank are ``pfppo_mega.families.DecoderShape.megatron_shapes`` (megatron-core
+Parameter shapes and counts per rank (pfppo_mega.trainer.ledger, re-exported here) are ``pfppo_mega.families.DecoderShape.megatron_shapes`` (megatron-core
 0.16.1's GPTModel with the local layer spec that ``pfppo_mega.models.gpt`` builds), names as in
 ``model.named_parameters()``: layers i = 0 .. L/pp - 1 (local) on each stage, the embedding on the
 first, the final norm and output_layer on the last (the LM head, absent when tied and pp = 1: the
@@ -18,28 +18,11 @@ embedding serves; or the critic's value head [1, h]). Only the standard library 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 
-from pfppo_mega.families import DecoderShape, Head, indivisible_dimensions
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Megatron parallel degrees; world size = tp * pp * dp."""
-
-    tp: int
-    pp: int
-    dp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @classmethod
-    def for_world(cls, world_size: int, tp: int, pp: int) -> "Layout":
-        if world_size % (tp * pp):
-            raise ValueError(f"tp({tp}) * pp({pp}) = {tp * pp} does not divide the world size ({world_size})")
-        return cls(tp, pp, world_size // (tp * pp))
+from pfppo_mega.families import DecoderShape, indivisible_dimensions
+from pfppo_mega.trainer.ledger import (  # noqa: F401  (the counts live with the memory ledger; re-exported)
+    Layout, count, engine_param_count, param_shapes, stage_layers, stage_param_count, total_param_count,
+)
 
 
 @dataclass(frozen=True)
@@ -86,43 +69,3 @@ def group_ranks(rank: int, layout: Layout) -> dict[str, list[int]]:
         "pipeline": pipeline,
         "embedding": sorted({pipeline[0], pipeline[-1]}),
     }
-
-
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Global indices of the decoder layers on pipeline stage ``pp_rank`` (even split)."""
-    per = num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
-
-
-def param_shapes(shape: DecoderShape, tp: int, pp: int, pp_rank: int, head: Head = "lm") -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter a rank at (any tp rank, stage ``pp_rank``) holds.
-
-    ``head`` "lm": the actor (LM head, tied or not); "value": the critic (ValueHead [1, h], never
-    tied). Tensor-parallel ranks of one stage hold the same shapes."""
-    local = range(len(stage_layers(shape.num_layers, pp, pp_rank)))
-    output = "value" if head == "value" else (None if shape.tie_word_embeddings and pp == 1 else "lm")
-    return shape.megatron_shapes(local, first=pp_rank == 0, last=pp_rank == pp - 1, head=output, tp=tp)
-
-
-def count(shapes: dict[str, tuple[int, ...]]) -> int:
-    return sum(prod(v) for v in shapes.values())
-
-
-def stage_param_count(shape: DecoderShape, tp: int, pp: int, pp_rank: int, head: Head = "lm") -> int:
-    """Parameters held by one rank of stage ``pp_rank``."""
-    return count(param_shapes(shape, tp, pp, pp_rank, head))
-
-
-def total_param_count(shape: DecoderShape, head: Head = "lm") -> int:
-    """Parameters of the whole model (tp = pp = 1)."""
-    return stage_param_count(shape, 1, 1, 0, head)
-
-
-def engine_param_count(shape: DecoderShape, rollout_tp: int) -> int:
-    """Parameters per GPU of a rollout engine with tensor parallelism ``rollout_tp`` and no pipeline.
-
-    As megatron's tp = rollout_tp, pp = 1 layout, except that a vLLM-style engine replicates KV
-    heads when rollout_tp > num_query_groups (each GPU keeps ``shape.kv_heads(rollout_tp)`` of them).
-    """
-    head = None if shape.tie_word_embeddings else "lm"
-    return count(shape.megatron_shapes(range(shape.num_layers), first=True, last=True, head=head, tp=rollout_tp))

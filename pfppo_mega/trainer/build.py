@@ -33,7 +33,7 @@ from pfppo_mega.trainer.collect import build_collector
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
 from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
-from pfppo_mega.trainer.generation import Generation
+from pfppo_mega.trainer.generation import Generation, MemoryRecorder, build_engine_colocated
 from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.rollout_split import SplitLayout
 from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
@@ -269,9 +269,15 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
     # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size))  # an in-process vLLM resets it
+    # the device-memory ledger of this rank (trainer/ledger.py, the plan's arithmetic): every phase is
+    # entered as it runs and checked against the card; the engine is built with the trainer offloaded
+    memory = MemoryRecorder.for_run(cfg, model_cfg=model_cfg, arch=arch, tp=tp, pp=pp, dp=par.dp, pp_rank=par.pp_rank,
+                                    local_world=local_world, offload=offload, device=device)
+    memory.enter("build trainer")
     try:
-        engine = build_engine(cfg, model_dir, hf_cfg, pad_token_id=tokenizer.pad_id, world_size=par.world_size,
-                              log=log)
+        engine = build_engine_colocated(lambda: build_engine(cfg, model_dir, hf_cfg, pad_token_id=tokenizer.pad_id,
+                                                             world_size=par.world_size, log=log),
+                                        offload=offload, memory=memory)
     except EngineSetupError as e:
         raise SetupError(str(e)) from e
     sync = EngineSync(engine, actor, model_cfg, refit_timeout_s=cfg.actor_rollout.refit_timeout_s,
@@ -282,7 +288,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
         world=par.world_size, rank=par.rank, rollout_tp=cfg.actor_rollout.tensor_model_parallel_size,
         dp_rank=par.dp_rank, replica_leader=par.tp_rank == 0 and par.pp_rank == 0)
     gen = Generation(cfg, engine=engine, sync=sync, offload=offload, tokenizer=tokenizer, rng=rng, device=device,
-                     guards=state.guards, split=split, log=log)
+                     guards=state.guards, split=split, log=log, memory=memory)
     a = cfg.algorithm
     n = cfg.actor_rollout.n_samples_per_prompt
     # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy

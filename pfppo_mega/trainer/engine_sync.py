@@ -250,6 +250,7 @@ class EngineSync:
         # one plan for every stream: live, pool and switch (buckets never cross a pipeline stage)
         self.plan: list[BucketSpec] = live.plan(engine.bucket_bytes)
         self.last_refit_s = 0.0
+        self.received = {"refit": 0, "switch": 0}  # weight bytes this rank's engine took (take_received)
 
     def _live(self, version: int):
         from pfppo_mega.rollout.live import LiveWeights
@@ -264,6 +265,7 @@ class EngineSync:
         t0 = time.perf_counter()
         update_everywhere(self.engine, self._live(version), self.plan, version, stream_group=self.groups.world,
                           groups=self.groups, what=f"refit to version {version}")
+        self.received["refit"] += self.plan_bytes()
         self.last_refit_s = time.perf_counter() - t0
         return self.last_refit_s
 
@@ -309,7 +311,17 @@ class EngineSync:
             return time.perf_counter() - t0
         update_everywhere(self.engine, pool.source(version), self.plan, version, stream_group=self.node_group,
                           groups=self.groups, what=f"switch to snapshot {version}")
+        self.received["switch"] += self.plan_bytes()
         return time.perf_counter() - t0
+
+    def plan_bytes(self) -> int:
+        """Weight bytes of one full update (every bucket of the plan)."""
+        return sum(spec.nbytes for spec in self.plan)
+
+    def take_received(self) -> dict[str, int]:
+        """Weight bytes this rank's engine received (live refits, pool switches) since the last call."""
+        out, self.received = self.received, {"refit": 0, "switch": 0}
+        return out
 
     def check_versions(self, what: str) -> None:
         from pfppo_mega.pool.registry import check_engine_versions

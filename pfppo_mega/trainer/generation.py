@@ -25,6 +25,8 @@ from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import RolloutBatch
 from pfppo_mega.trainer.engine_sync import EngineSync
+from pfppo_mega.trainer.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
+                                      reward_model_shape)
 from pfppo_mega.trainer.offload import TrainerOffload
 from pfppo_mega.trainer.rollout_split import SplitLayout, assemble, plan_share
 from pfppo_mega.types import Sample
@@ -67,44 +69,185 @@ def check_colocation_order(events: list[str]) -> None:
 
 @dataclass
 class Work:
-    """Generation work of this rank since the last take(): tokens its engine generated, tokens its
-    rows needed, rows it asked for (rollout, evaluation and the KL probe alike)."""
+    """Work of this rank since the last take(): tokens its engine generated, tokens its rows needed,
+    rows it asked for (rollout, evaluation and the KL probe alike); weight bytes its engine received
+    (live refits, pool switches); checkpoint bytes it wrote; and, at take(), the host bytes it holds
+    (offload buffers + its pool shards)."""
 
     generated: int = 0
     needed: int = 0
     rows: int = 0
     owned: int = 0  # needed tokens this rank answers for in the job's total (a replica's leader)
+    counted: int = 0  # generated tokens this rank answers for (its engine's first rank: a rollout-TP
+    #                   engine's ranks all return the rows it generated once)
+    refit_bytes: int = 0
+    switch_bytes: int = 0
+    checkpoint_bytes: int = 0
+    host_bytes: int = 0
 
-    def add(self, *, generated: int, needed: int, rows: int, owner: bool) -> None:
+    def add(self, *, generated: int, needed: int, rows: int, owner: bool, engine_leader: bool = True) -> None:
         self.generated += generated
         self.needed += needed
         self.rows += rows
         self.owned += needed if owner else 0
+        self.counted += generated if engine_leader else 0
 
-    def take(self) -> "Work":
-        out = dataclasses.replace(self)
-        self.generated = self.needed = self.rows = self.owned = 0
+    def saved(self, result) -> int:
+        """Count a checkpoint save's bytes from what resume.save returned: its ``bytes`` when it says
+        them, else the files of the directory it returned (this rank's series); 0 for None."""
+        n = checkpoint_bytes(result)
+        self.checkpoint_bytes += n
+        return n
+
+    def take(self, host_bytes: int = -1) -> "Work":
+        out = dataclasses.replace(self, host_bytes=host_bytes)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
         return out
 
     def metrics(self, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
-        """This rank's figures, and the job's generated / needed tokens (1.0: every row generated
-        once; a world all-reduce when distributed)."""
+        """This rank's figures (work/*), and the job's generated / needed tokens (1.0: every row
+        generated once; a world all-reduce when distributed)."""
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            total = torch.tensor([self.generated, self.owned], dtype=torch.float64, device=comm_device(group))
+            total = torch.tensor([self.counted, self.owned], dtype=torch.float64, device=comm_device(group))
             dist.all_reduce(total, group=group)
         else:
-            total = torch.tensor([self.generated, self.owned], dtype=torch.float64)
+            total = torch.tensor([self.counted, self.owned], dtype=torch.float64)
         generated, needed = total.tolist()
-        return {"work/tokens_generated": float(self.generated), "work/tokens_needed": float(self.needed),
-                "work/rows": float(self.rows),
-                "rollout/generated_over_needed": generated / needed if needed else 0.0}
+        out = {"work/tokens_generated": float(self.generated), "work/tokens_needed": float(self.needed),
+               "work/rows": float(self.rows), "work/refit_bytes_received": float(self.refit_bytes),
+               "work/switch_bytes_received": float(self.switch_bytes),
+               "work/checkpoint_bytes_written": float(self.checkpoint_bytes),
+               "rollout/generated_over_needed": generated / needed if needed else 0.0}
+        if self.host_bytes >= 0:
+            out["work/host_bytes_held"] = float(self.host_bytes)
+        return out
+
+
+def checkpoint_bytes(result) -> int:
+    """Bytes of one save: ``result.bytes`` (a save that reports them), else the sizes of the files
+    under the directory ``result`` (or ``result.path``) names, else 0."""
+    if result is None:
+        return 0
+    n = getattr(result, "bytes", None)
+    if isinstance(n, int):
+        return n
+    from pathlib import Path
+
+    path = Path(getattr(result, "path", result))
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+# ----------------------------------------------------------------------------- the memory ledger
+
+
+@dataclass(frozen=True)
+class SimulatedCard:
+    """The ledger of a GPU run, entered by a CPU run's real calls: the holdings as on a CUDA machine
+    with the vLLM engine (which sleeps there and sizes its KV cache as gpu_memory_utilization x the
+    card), no CUDA reserve or workspace, against a card of ``capacity`` bytes. For tests (set
+    SIMULATED_CARD): a call moved out of the colocated order overflows the card."""
+
+    capacity: int
+
+
+SIMULATED_CARD: Optional[SimulatedCard] = None
+
+
+def device_capacity(device: torch.device) -> Optional[int]:
+    """The card's bytes (torch's total_memory) on CUDA; None on a CPU (no card: nothing to check
+    against, the ledger only records). Tests put a card of their own here."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+class MemoryRecorder:
+    """The trainer's side of the device-memory ledger (trainer/ledger.py): every phase transition
+    enters the ledger as the code runs it (which checks the predicted device bytes against the card:
+    LedgerOverflow), with what the trainer saw there: its states' bytes on the device
+    (TrainerOffload.device_bytes) and, on CUDA, torch.cuda.memory_allocated at the transition and
+    the peak since the previous one (filled into that phase's record)."""
+
+    KEPT = 256  # records kept after the build's
+
+    def __init__(self, ledger: Ledger, offload: TrainerOffload, device: torch.device) -> None:
+        self.ledger, self.offload, self.device = ledger, offload, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    @classmethod
+    def for_run(cls, cfg, *, model_cfg, arch, tp: int, pp: int, dp: int, pp_rank: int, local_world: int,
+                offload: TrainerOffload, device: torch.device) -> "MemoryRecorder":
+        """The ledger of this rank as the plan computes it (same RunShape, Knobs and holdings), with
+        the offload as the trainer applies it and the card's capacity (device_capacity)."""
+        device = torch.device(device)
+        run = RunShape.from_config(cfg, arch, reward_model_shape(cfg.reward.model_path), model=model_cfg)
+        knobs = dataclasses.replace(Knobs.from_config(cfg), offload_during_rollout=offload.enabled)
+        kind, capacity = device.type, device_capacity(device)
+        card = SIMULATED_CARD if device.type == "cpu" else None
+        if card is not None:
+            run = dataclasses.replace(run, engine="vllm")
+            knobs = dataclasses.replace(knobs, reserve_gib=0.0, rollout_workspace_gib=0.0)
+            kind, capacity = "cuda", card.capacity
+        world = tp * pp * dp
+        holdings = rank_holdings(run, knobs, Layout(tp, pp, dp), pp_rank, cfg.actor_rollout.tensor_model_parallel_size,
+                                 gpus_per_node=local_world, nodes=max(1, world // local_world), device=kind)
+        return cls(Ledger(holdings, capacity), offload, device)
+
+    @property
+    def records(self) -> list[PhaseRecord]:
+        return self.ledger.records
+
+    def enter(self, phase: str) -> PhaseRecord:
+        measured: dict[str, int] = {"trainer_bytes": self.offload.device_bytes()}
+        if self.cuda:
+            if self.ledger.records:
+                self.ledger.records[-1].measured["cuda_peak"] = int(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            measured["cuda_allocated"] = int(torch.cuda.memory_allocated(self.device))
+        build = len(BUILD_ORDER)
+        if len(self.ledger.records) > build + 2 * self.KEPT:
+            del self.ledger.records[build:len(self.ledger.records) - self.KEPT]
+        return self.ledger.enter(phase, **measured)
+
+    def host_bytes(self, pool=None) -> int:
+        """Host bytes this rank holds now: TrainerOffload's buffers and its PF-PPO pool shards."""
+        held = sum(int(t.numel()) for t in self.offload._host)  # uint8 buffers
+        if pool is not None:
+            held += sum(t.numel() * t.element_size() for snap in pool.snapshots for _, t in snap.tensors)
+        return held
+
+
+def build_engine_colocated(build: Callable[[], Any], *, offload: TrainerOffload, memory: MemoryRecorder):
+    """The engine built with the trainer's states off the device (vLLM claims gpu_memory_utilization
+    of the card when it starts), then asleep before they come back -- the ledger's BUILD_ORDER after
+    "build trainer". (training.offload_during_rollout off: the offloads are no-ops.)"""
+    off = offload.enabled
+    if off:
+        offload.offload("early")
+    memory.enter("offload trainer")
+    try:
+        if off:
+            offload.offload("late")
+        memory.enter("offload actor weights")
+        engine = build()
+        memory.enter("build engine")
+        engine.sleep()
+        memory.enter("sleep")
+    finally:
+        if off:
+            offload.reload()
+    memory.enter("reload trainer")
+    return engine
 
 
 class Generation:
     def __init__(self, cfg, *, engine, sync: EngineSync, offload: TrainerOffload, tokenizer: Tokenizer,
                  rng: random.Random, device: torch.device, guards: dict[str, int],
-                 split: Optional[SplitLayout], log: Callable[[str], None]) -> None:
+                 split: Optional[SplitLayout], log: Callable[[str], None],
+                 memory: Optional[MemoryRecorder] = None) -> None:
         self.cfg, self.engine, self.sync, self.offload = cfg, engine, sync, offload
+        self.memory = memory  # the device-memory ledger (None: not recorded)
         self.tokenizer, self.rng, self.device, self.guards, self.log = tokenizer, rng, device, guards, log
         self.split = split  # None: one rank, nothing to split
         self.rollout_trainer_bytes = -1  # trainer bytes on the device during the last generation
@@ -126,6 +269,20 @@ class Generation:
     def record(self, name: str) -> None:
         self.events.append((name, self.offload.device_bytes() if self.offload.enabled else -1))
         del self.events[:-COLOCATION_EVENTS_KEPT]
+        self.phase(name)
+
+    def phase(self, name: str) -> None:
+        """The ledger's phase transition (checked against the card: LedgerOverflow)."""
+        if self.memory is not None:
+            self.memory.enter(name)
+
+    def take_work(self, pool=None) -> Work:
+        """This rank's work since the last take, with the weight bytes its engine received and the
+        host bytes it holds now."""
+        got = self.sync.take_received()
+        self.work.refit_bytes += got["refit"]
+        self.work.switch_bytes += got["switch"]
+        return self.work.take(self.memory.host_bytes(pool) if self.memory is not None else -1)
 
     def ensure_current(self, step: int) -> None:
         """The engine holds the current weights (version == step) afterwards."""
@@ -213,7 +370,8 @@ class Generation:
                              pool=pool)
         out = assemble(layout, share, outs, prompt_ids, pad_token_id=self.tokenizer.pad_id, what=what)
         self.work.add(generated=sum(int(o.lengths.sum()) for o in outs), needed=int(out.lengths.sum()),
-                      rows=len(prompt_ids), owner=layout.replica_leader)
+                      rows=len(prompt_ids), owner=layout.replica_leader,
+                      engine_leader=layout.rank % layout.rollout_tp == 0)
         return out
 
     def _guarded(self, attempt: Callable[[], Any], *, step: int, pool):

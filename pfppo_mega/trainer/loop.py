@@ -101,10 +101,12 @@ class PPOTrainer:
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
         add_guard_counts(run, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before)
         with timer("prepare"):
+            run.gen.phase("prepare")  # the memory ledger's phases (trainer/ledger.py)
             prep = self.prepare(sb)
         with timer("advantages"):
             eb = self.advantages(sb, prep)
         with timer("update"):
+            run.gen.phase("update")
             upd = update(run, eb)
         st.step += 1
         with timer("sync"):
@@ -116,7 +118,7 @@ class PPOTrainer:
         metrics.update(rollout_stats)
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
-        metrics.update(run.gen.work.take().metrics())  # since the last record: rollout, probe, evaluation
+        metrics.update(run.gen.take_work(getattr(run.behaviour, "pool", None)).metrics())  # since the last record
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
         return over_dp(run, metrics)
@@ -240,7 +242,7 @@ class PPOTrainer:
             si = cfg.checkpoint.save_interval
             stop = self._stop_requested()  # Slurm asked for a checkpoint before preemption / time limit
             if (si and st.step % si == 0) or st.step == total or stop:
-                resume.save(run, ckpt_root)  # once per step, whichever reasons coincide
+                run.gen.work.saved(resume.save(run, ckpt_root))  # once per step, whichever reasons coincide
             if stop:
                 run.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {st.step}, exiting")
                 break

@@ -1,0 +1,173 @@
+"""The device-memory ledger of the colocated step (trainer/ledger.py): the trainer enters every phase
+as its code runs it and the ledger checks the predicted device bytes against the card; `pfppo plan`
+computes its figures from the same ledger. On CPU the card is simulated (generation.SimulatedCard:
+the GPU run's holdings, vLLM sleeping, KV = gpu_memory_utilization x card): the trainer's real order
+fits a card just large enough for it, and one moved call overflows it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from pfppo_mega.config import load_config
+from pfppo_mega.planning.cli import main as plan_main
+from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
+from pfppo_mega.trainer import generation, ledger
+from pfppo_mega.trainer.generation import Generation, SimulatedCard
+from pfppo_mega.trainer.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
+from pfppo_mega.trainer.loop import PPOTrainer
+
+from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS_70B = sorted((REPO / "configs").glob("70b*.yaml"))
+
+
+def test_refit_constants_are_the_streams():
+    from pfppo_mega.rollout import refit, weights
+
+    assert (ledger.REFIT_MAX_AHEAD, ledger.REFIT_AHEAD_BYTES) == (refit.MAX_AHEAD, refit.AHEAD_BYTES)
+    assert ledger.REFIT_TRAILER_BYTES == weights.TRAILER_BYTES
+    from pfppo_mega.rollout import vllm
+
+    assert ledger.KV_BLOCK == vllm.KV_BLOCK
+
+
+def test_unknown_phase_is_refused():
+    cfg = load_config(CONFIGS_70B[0])
+    plan = make_plan(RunShape.from_config(cfg), Hardware.preset("h200", nodes=8, gpus_per_node=8), Knobs.from_config(cfg))
+    with pytest.raises(ValueError, match="ledger phase 'nap' must be one of"):
+        Ledger(plan.holdings[0], None).enter("nap")
+
+
+# ----------------------------------------------------------------------------- the plan reads the ledger
+
+
+@pytest.mark.parametrize("path", CONFIGS_70B, ids=lambda p: p.stem)
+def test_plan_agrees_with_the_ledger_to_the_byte(path, tmp_path, capsys):
+    """`pfppo plan` on each 70B config: its training / rollout budgets and its per-phase table are the
+    ledger's records (replayed here independently of the plan), byte for byte."""
+    cfg = load_config(path)
+    gpu = "h100" if path.stem.endswith("h100") else "h200"
+    report = tmp_path / "plan.json"
+    assert plan_main([str(path), "--gpu", gpu, "--ledger", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(report.read_text())
+    hw = Hardware.preset(gpu, nodes=8, gpus_per_node=8)
+    knobs = Knobs.from_config(cfg)
+    run = RunShape.from_config(cfg)
+    lay = ledger.Layout.for_world(hw.world_size, run.tp, run.pp)
+    for k, stage in enumerate(plan["ledger"]):
+        h = ledger.rank_holdings(run, knobs, lay, k, cfg.actor_rollout.tensor_model_parallel_size,
+                                 gpus_per_node=8, nodes=8)
+        mine = Ledger(h, hw.gpu_memory).replay(BUILD_ORDER + STEP_ORDER)  # checks: a phase over the card raises
+        assert [p["phase"] for p in stage["phases"]] == list(BUILD_ORDER + STEP_ORDER)
+        for got, want in zip(stage["phases"], mine):
+            assert got["device_bytes"] == int(want.device_bytes) and got["host_bytes"] == int(want.host_bytes)
+        train = plan["gpu_train_phase"][k]
+        update = next(r for r in mine if r.phase == "update")
+        assert sum(c["bytes"] for c in train["components"]) == sum(int(x.bytes) for x in update.device)
+    worst = plan["worst_stage"]
+    generate = next(p for p in plan["ledger"][worst]["phases"] if p["phase"] == "generate")
+    assert sum(c["bytes"] for c in plan["gpu_rollout_phase"]["components"]) == generate["device_bytes"]
+    assert "ledger, pipeline stage 0" in out and "wake kv cache" in out
+
+
+# ----------------------------------------------------------------------------- the trainer enters it
+
+
+def _sections():
+    return dict(training={"total_training_steps": 2, "offload_during_rollout": True},
+                logging={"kl_probe_size": 8, "eval_interval": 1},
+                algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+
+
+@contextmanager
+def _card(monkeypatch, capacity: int):
+    monkeypatch.setattr(generation, "SIMULATED_CARD", SimulatedCard(capacity))
+    yield
+
+
+def _wake_first(self, step: int, *, refit: bool):
+    """The colocated frame with the old bug moved in: the engine wakes (weights and KV cache) before
+    the trainer's states leave the device."""
+    self.engine.wake_up()
+    self.record("wake weights")
+    self.record("wake kv cache")
+    self.offload.offload("early")
+    self.record("offload trainer")
+    if refit:
+        self.ensure_current(step)
+    self.offload.offload("late")
+    self.record("offload actor weights")
+    try:
+        yield
+    finally:
+        self.engine.sleep()
+        self.record("sleep")
+        self.offload.reload()
+        self.record("reload trainer")
+
+
+def test_the_trainer_fits_its_card_and_a_moved_call_overflows_it(sft_dir, tmp_path, monkeypatch):  # noqa: F811
+    # 1. the holdings of this run on a card too large to matter: the smallest card its order needs
+    with _card(monkeypatch, 1 << 50):
+        probe = PPOTrainer(_cfg(tmp_path / "probe", sft_dir, **_sections()), log=lambda *_: None)
+    h = probe.run.gen.memory.ledger.h
+    card = int(min_capacity(h, BUILD_ORDER + STEP_ORDER)) + 1
+    trainer = sum(x.bytes for x in h.trainer)
+    print(f"ledger card {card} B: trainer states {trainer:.0f} B, update activations {h.update.bytes:.0f} B, engine "
+          f"weights {h.engine_weights.bytes:.0f} B, KV = {h.util} x card")
+    assert trainer > (1 - h.util) * card  # why waking before the offload cannot fit: stated, not assumed
+
+    # 2. the trainer's real order, on that card: 2 steps, rollouts, the KL probe and evaluations
+    with _card(monkeypatch, card):
+        tr = PPOTrainer(_cfg(tmp_path / "fits", sft_dir, **_sections()), log=lambda *_: None)
+        tr.fit()
+    recs = tr.run.gen.memory.records
+    phases = [r.phase for r in recs]
+    assert phases[:len(BUILD_ORDER)] == list(BUILD_ORDER)
+    for name in STEP_ORDER + ("switch",):
+        assert name in phases, name
+    assert max(r.device_bytes for r in recs) <= card
+    peak = max(recs, key=lambda r: r.device_bytes)
+    print(f"real order: {len(recs)} phases, peak {peak.device_bytes:.0f} B at {peak.phase!r} of {card}")
+
+    # 3. one call moved (the engine wakes before the offload): the ledger refuses at that phase
+    monkeypatch.setattr(Generation, "colocated", contextmanager(_wake_first))
+    with _card(monkeypatch, card):
+        moved = PPOTrainer(_cfg(tmp_path / "moved", sft_dir, **_sections()), log=lambda *_: None)
+        with pytest.raises(LedgerOverflow, match=r"phase 'wake (weights|kv cache)' needs .* over by") as e:
+            moved.fit()
+    print(f"moved call: {e.value}")
+
+
+def test_predicted_trainer_bytes_match_what_the_trainer_holds(sft_dir, tmp_path):  # noqa: F811
+    """The ledger's trainer states against TrainerOffload.device_bytes at every phase of a fp32 run
+    (CPU, offload on). Before the first update Adam has no moments yet: short by exactly 8 B x the
+    trained parameters; after it, equal up to Adam's step counters; nothing of the trainer on the
+    device while the KV cache is awake."""
+    tr = PPOTrainer(_cfg(tmp_path, sft_dir, **_sections()), log=lambda *_: None)
+    tr.fit()
+    h = tr.run.gen.memory.ledger.h
+    moments = 8 * (h.actor_params + h.critic_params)
+    worst, stepped, checked = 0.0, False, 0
+    for r in tr.run.gen.memory.records[len(BUILD_ORDER):]:
+        predicted, measured = r.trainer_bytes(h), r.measured["trainer_bytes"]
+        if r.phase in ("wake kv cache", "generate"):
+            assert predicted == measured == 0, r.phase
+        elif r.phase in ("reload trainer", "prepare", "update") and not stepped:
+            assert predicted - measured == moments, (r.phase, predicted, measured, moments)
+        elif r.phase in ("reload trainer", "prepare", "update"):
+            gap = measured - predicted
+            worst = max(worst, gap / predicted)
+            assert 0 <= gap <= 0.001 * predicted, (r.phase, predicted, measured)
+            checked += 1
+        stepped = stepped or r.phase == "update"
+    assert checked >= 4
+    print(f"trainer bytes on the device, after the first update: measured exceeds predicted by at most "
+          f"{worst:.3%} (Adam step counters); before it, short by the {moments} B of Adam moments")
