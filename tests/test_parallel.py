@@ -67,6 +67,7 @@ def _expected_checks() -> list[tuple[int, str, str]]:
                     out.append((world, layout, f"vocab_parallel_fwd_bwd[{backend}]"))
             out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
             if world == 2:
+                out.append((world, layout, "token_budget_logp_vs_fp64[llama]"))  # checks.check_token_budget
                 out += [(world, layout, check) for check in feature_checks.CHECKS]  # tests/multirank/feature_checks.py
                 out += [(world, layout, check) for check in reward_model_checks.CHECKS]  # reward models per family
     return out
@@ -190,6 +191,14 @@ def test_parallel_update_equals_serial(launches, serial, data, layout, kind):
     scalars = json.loads(Path(str(stem) + ".json").read_text())
     weights = load_file(str(stem) + ".safetensors")
     _compare(serial[kind][common.BATCH], scalars, weights, f"{layout} {kind}")
+
+
+@pytest.mark.parametrize("layout", [layout for layout, *_ in common.LAYOUTS[2]])
+def test_token_budget_update_at_a_layout_equals_serial_padded(launches, serial, data, layout):
+    """Token-budget micro-batches + response-only head at tp2 / pp2 / dp2 vs the serial padded update."""
+    stem = data / "results" / f"{layout}_llama_budget"
+    scalars = json.loads(Path(str(stem) + ".json").read_text())
+    _compare(serial["llama"][common.BATCH], scalars, load_file(str(stem) + ".safetensors"), f"{layout} budget llama")
 
 
 @pytest.mark.parametrize("kind", common.CHECKPOINTS)

@@ -10,6 +10,13 @@ one model replica (its tensor- and pipeline-parallel ranks) passes the same batc
     train_step(actor, optimizer, inputs, loss_fn, temperature=, micro_batch_size=) -> StepResult
     critic_train_step(critic, optimizer, inputs, loss_fn, micro_batch_size=)       -> StepResult
 
+``micro_batch_size`` is an int (consecutive rows, every micro-batch as long as the batch) or a
+``Batching``: micro-batches by token budget (rows sorted by length, each micro-batch cut to its
+longest row; pfppo_mega.models.microbatch) and/or the output layer at the response tokens only
+(gpt.head_at: the decoder's hidden states are cut to those positions before the LM / value head,
+so no [b, S, V] logits exist). At pp > 1 token-budget micro-batches differ in shape, and megatron's
+``variable_seq_lengths`` sends each one's shape between the stages first (_variable_shapes).
+
 Forward results are computed on the last pipeline stage and broadcast to every stage, so every
 rank of the model-parallel group returns them, on the model's device (whatever device the inputs
 were on: the trainer passes them there too). Log-probs come from the kernels backend passed in
@@ -36,17 +43,21 @@ the single-rank one of the trainer.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from pfppo_mega import parallel, ppo
-from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, unwrap, zero_grads
+from pfppo_mega.models import microbatch
+from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, head_at, unwrap, zero_grads
+from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
 from pfppo_mega.types import PackedInputs
 
@@ -72,9 +83,29 @@ class Normalizers:
 class MicroBatch:
     """What loss_fn sees besides the model outputs."""
 
-    inputs: PackedInputs  # this micro-batch's rows
-    rows: slice           # their rows in the local batch: index the caller's other [B, ...] tensors with it
+    inputs: PackedInputs  # this micro-batch's rows (cut to its own length under a token budget)
+    rows: Union[slice, Tensor]  # their rows in the local batch (a slice, or an index [b] under a token
+    #                             budget): index the caller's other [B, ...] tensors with it
     norm: Normalizers     # global counts of the response mask
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a pass cuts its batch into micro-batches and where the output layer runs. Every engine
+    call takes one as ``micro_batch_size=`` (a plain int n means Batching(n): the default plan).
+
+    The plan changes no result beyond the order of floating-point sums (losses are normalised by
+    global counts, outputs return in row order); it changes how many positions are computed."""
+
+    micro_batch_size: int               # rows per micro-batch; with max_tokens: at most this many
+    max_tokens: Optional[int] = None    # token budget: rows x padded length per micro-batch, rows sorted
+    #                                     by length (microbatch.by_token_budget); None: consecutive rows
+    response_only: bool = False         # run the LM / value head only at the response tokens
+    tally: Optional[Tally] = None       # counts the work of the pass (decoder positions, padding, head)
+
+
+def _as_batching(micro_batch_size: Union[int, Batching]) -> Batching:
+    return micro_batch_size if isinstance(micro_batch_size, Batching) else Batching(int(micro_batch_size))
 
 
 @dataclass
@@ -131,9 +162,11 @@ def agg_loss_share(loss_mat: Tensor, mask: Tensor, norm: Normalizers, *, mode: s
 
 @dataclass(frozen=True)
 class _Chunk:
-    input_ids: Tensor  # [mbs, S] on the model's device; rows past `real` are padding (pp > 1 only)
-    rows: slice        # the real rows in the local batch
+    input_ids: Tensor             # [b', S'] on the model's device; rows past `real` are padding (pp > 1 only)
+    rows: Union[slice, Tensor]    # the real rows in the local batch (a slice, or an index [real])
     real: int
+    inputs: PackedInputs          # those rows, cut to S' (masked response slots point inside it)
+    head_index: Optional[Tensor]  # [N] flat positions s * b' + row of the response tokens (response_only)
 
 
 def seq_multiple(model: torch.nn.Module) -> int:
@@ -145,26 +178,85 @@ def seq_multiple(model: torch.nn.Module) -> int:
 
 def _chunks(input_ids: Tensor, micro_batch_size: int, *, pad: bool, device: torch.device,
             multiple: int = 1) -> list[_Chunk]:
-    """Split [B, S] into ceil(B / mbs) micro-batches. With ``pad`` (pipeline parallelism: every
-    micro-batch must have the shape the stages exchange) the last one is filled with token-0 rows.
-    S is right-padded with token 0 to a multiple of ``multiple`` (``seq_multiple``) unless
-    ``pack(..., multiple_of=)`` did it: causal attention, so no real position sees the padding."""
+    """The by-rows plan of [B, S] ids alone (no head selection): see _plan."""
     b, s = input_ids.shape
-    if s % multiple:
-        input_ids = torch.cat([input_ids, input_ids.new_zeros((b, multiple - s % multiple))], dim=1)
+    ones = torch.ones(b, 1)
+    inputs = PackedInputs(input_ids, torch.ones_like(input_ids, dtype=torch.bool), ones.long() * 0,
+                          ones.long() * 0, ones)
+    return _plan(inputs, Batching(micro_batch_size), pad=pad, device=device, multiple=multiple)
+
+
+def _cut(inputs: PackedInputs, rows: Union[slice, Tensor], s: int) -> PackedInputs:
+    """``rows`` of ``inputs`` with the sequence cut (or right-padded with token 0) to length s."""
+    ids, mask = inputs.input_ids[rows], inputs.attention_mask[rows]
+    if ids.shape[1] < s:
+        ids = torch.cat([ids, ids.new_zeros((ids.shape[0], s - ids.shape[1]))], dim=1)
+        mask = torch.cat([mask, mask.new_zeros((mask.shape[0], s - mask.shape[1]))], dim=1)
+    resp_pos = inputs.resp_pos[rows]
+    if s < inputs.input_ids.shape[1]:
+        resp_pos = resp_pos.clamp(max=s - 1)  # only masked slots (clamped by pack) can point past s
+    return PackedInputs(ids[:, :s], mask[:, :s], resp_pos, inputs.labels[rows], inputs.response_mask[rows])
+
+
+def _head_index(inputs: PackedInputs, width: int) -> Tensor:
+    """[N] flat positions s * width + row of the response tokens of ``inputs`` in the [S, width]
+    layout megatron's decoder returns, row-major (the order of response_mask.bool() indexing).
+    No response token at all: position 0 alone, whose output is discarded (the head must run once
+    for the backward to reach it)."""
+    resp = inputs.response_mask.bool()                                   # [b, T]
+    row, t = resp.nonzero(as_tuple=True)                                 # [N] each
+    index = inputs.resp_pos[row, t] * width + row
+    return index if index.numel() else index.new_zeros(1)
+
+
+def _plan(inputs: PackedInputs, batching: Batching, *, pad: bool, device: torch.device,
+          multiple: int = 1) -> list[_Chunk]:
+    """The micro-batches of ``inputs`` under ``batching`` (pfppo_mega.models.microbatch), their
+    rows moved to ``device``. By rows: ceil(B / mbs) micro-batches of consecutive rows, all of the
+    batch's S, and with ``pad`` (pipeline parallelism at fixed shapes) the last filled with token-0
+    rows. By token budget: each micro-batch cut to its longest row (the stages exchange each
+    micro-batch's shape, see _variable_shapes). S is right-padded with token 0 to a multiple of
+    ``multiple`` (``seq_multiple``) unless ``pack(..., multiple_of=)`` did it: causal attention, so
+    no real position sees the padding. Counts the work into batching.tally."""
+    b, s = inputs.input_ids.shape
+    full = -(-s // multiple) * multiple
+    if batching.max_tokens is None:
+        lengths = None
+        groups = [slice(r[0], r[-1] + 1) for r in microbatch.by_rows(b, batching.micro_batch_size)]
+        widths = [full] * len(groups)
+    else:
+        lengths = inputs.attention_mask.sum(1).tolist()                 # a host sync
+        plan = microbatch.by_token_budget(lengths, max_tokens=batching.max_tokens,
+                                          max_rows=batching.micro_batch_size, multiple=multiple)
+        groups = [torch.tensor(r, dtype=torch.long, device=inputs.input_ids.device) for r in plan]
+        widths = [-(-max(lengths[i] for i in r) // multiple) * multiple for r in plan]
     out = []
-    for start in range(0, b, micro_batch_size):
-        ids = input_ids[start:start + micro_batch_size].to(device)
-        real = ids.shape[0]
-        if pad and real < micro_batch_size:
-            ids = torch.cat([ids, ids.new_zeros((micro_batch_size - real, ids.shape[1]))])
-        out.append(_Chunk(ids, slice(start, start + real), real))
+    for rows, width in zip(groups, widths):
+        cut = _cut(inputs, rows, width)
+        cut = PackedInputs(*(t.to(device) for t in (cut.input_ids, cut.attention_mask, cut.resp_pos, cut.labels,
+                                                      cut.response_mask)))
+        ids, real = cut.input_ids, cut.input_ids.shape[0]
+        if pad and lengths is None and real < batching.micro_batch_size:
+            ids = torch.cat([ids, ids.new_zeros((batching.micro_batch_size - real, ids.shape[1]))])
+        index = _head_index(cut, ids.shape[0]) if batching.response_only else None
+        out.append(_Chunk(ids, rows if lengths is None else rows.to(device), real, cut, index))
+    if batching.tally is not None:
+        _count(batching, inputs, out)
     return out
 
 
-def _slice(inputs: PackedInputs, rows: slice) -> PackedInputs:
-    return PackedInputs(inputs.input_ids[rows], inputs.attention_mask[rows], inputs.resp_pos[rows],
-                        inputs.labels[rows], inputs.response_mask[rows])
+def _count(batching: Batching, inputs: PackedInputs, chunks: list[_Chunk]) -> None:
+    n = inputs.attention_mask.sum(1).double()                            # [B] real tokens per row
+    need = int(inputs.response_mask.sum())
+    t = batching.tally
+    t.passes += 1
+    t.micro_batches += len(chunks)
+    t.computed += sum(c.input_ids.numel() for c in chunks)
+    t.real += int(n.sum())
+    t.attn_pairs += int((n * (n + 1) / 2).sum())
+    t.head_computed += (sum(int(c.head_index.numel()) for c in chunks) if batching.response_only
+                        else sum(c.input_ids.numel() for c in chunks))
+    t.head_needed += need
 
 
 def _check_inputs(inputs: PackedInputs, micro_batch_size: int) -> None:
@@ -188,19 +280,37 @@ def _pp() -> int:
     return ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
+@contextlib.contextmanager
+def _variable_shapes(model: torch.nn.Module, chunks: list[_Chunk]) -> Iterator[None]:
+    """megatron's pipeline stages receive tensors of the shape given to the schedule unless
+    ``config.variable_seq_lengths``, which sends each micro-batch's shape first: on while the
+    chunks differ in shape at pp > 1 (token-budget micro-batches), restored after."""
+    config = unwrap(model).config
+    varying = _pp() > 1 and len({tuple(c.input_ids.shape) for c in chunks}) > 1
+    before = config.variable_seq_lengths
+    config.variable_seq_lengths = before or varying
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = before
+
+
 def _run_schedule(model: torch.nn.Module, chunks: list[_Chunk], micro_batch_size: int,
                   head: Callable[[_Chunk, Tensor], tuple[Tensor, dict]], *, forward_only: bool) -> None:
     """megatron's schedule over ``chunks``; ``head(chunk, output)`` runs on the last stage and
     returns what megatron's loss function returns (loss, dict)."""
     def forward_step(data_iterator, module):
         chunk = next(data_iterator)
-        output = module(chunk.input_ids, _positions(chunk.input_ids), None)
+        with head_at(module, chunk.head_index):
+            output = module(chunk.input_ids, _positions(chunk.input_ids), None)
         return output, functools.partial(head, chunk)
 
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(chunks), model=model,
-        num_microbatches=len(chunks), seq_length=chunks[0].input_ids.shape[1],
-        micro_batch_size=micro_batch_size, forward_only=forward_only)
+    with _variable_shapes(model, chunks):
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(chunks), model=model,
+            num_microbatches=len(chunks), seq_length=chunks[0].input_ids.shape[1],
+            micro_batch_size=chunks[0].input_ids.shape[0] if micro_batch_size is None else micro_batch_size,
+            forward_only=forward_only)
 
 
 def _last_stage() -> bool:
@@ -228,27 +338,45 @@ def _tp() -> tuple[int, int, Optional[dist.ProcessGroup]]:
             ps.get_tensor_model_parallel_group())
 
 
-def _logp_entropy(model: torch.nn.Module, logits: Tensor, inputs: PackedInputs, *, temperature: float,
+def _logp_entropy(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temperature: float,
                   kernels: Optional[KernelBackend]) -> tuple[Tensor, Tensor]:
-    """logits [b', S, Vp/tp] of this rank's vocab shard -> logp, entropy [b, T] of inputs.labels
-    under logits / temperature over the unpadded vocabulary (b = inputs' rows; extra padded rows
-    of logits are ignored)."""
+    """This rank's vocab shard of the chunk's logits -> logp, entropy [b, T] of its labels under
+    logits / temperature over the unpadded vocabulary (b = the chunk's real rows). logits: [b', S,
+    Vp/tp] (every position; extra padded rows ignored), or [1, N, Vp/tp] at the response tokens
+    only (chunk.head_index; the other slots of the result are 0)."""
+    inputs = chunk.inputs
     b, t = inputs.labels.shape
     vs = logits.shape[-1]
-    resp_pos = inputs.resp_pos.to(logits.device)
-    labels = inputs.labels.to(logits.device).reshape(-1)                          # [b*T]
-    # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
-    # and the padding columns are applied inside the backend's kernel, not on this tensor.
-    sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs))            # [b, T, Vp/tp]
+    if chunk.head_index is not None:
+        resp = inputs.response_mask.to(logits.device).bool()                      # [b, T]
+        sel = logits.reshape(-1, vs)                                               # [N, Vp/tp]
+        labels = inputs.labels.to(logits.device)[resp]                             # [N]
+        labels = labels if labels.numel() else labels.new_zeros(1)                 # the head's one dummy row
+    else:
+        resp_pos = inputs.resp_pos.to(logits.device)
+        labels = inputs.labels.to(logits.device).reshape(-1)                       # [b*T]
+        # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
+        # and the padding columns are applied inside the backend's kernel, not on this tensor.
+        sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs)).view(-1, vs)  # [b*T, Vp/tp]
     tp, tp_rank, group = _tp()
     logp, ent = vocab_parallel_logprob_entropy(
-        sel.view(-1, vs), labels, vocab_start=tp_rank * vs, vocab_size=unwrap(model).unpadded_vocab_size,
+        sel, labels, vocab_start=tp_rank * vs, vocab_size=unwrap(model).unpadded_vocab_size,
         group=group if tp > 1 else None, temperature=temperature, backend=kernels)
-    return logp.view(b, t), ent.view(b, t)
+    if chunk.head_index is None:
+        return logp.view(b, t), ent.view(b, t)
+    return _scatter(logp, resp), _scatter(ent, resp)
 
 
-def _values(values: Tensor, inputs: PackedInputs) -> Tensor:
-    """values [b', S] -> [b, T] at the response positions."""
+def _scatter(values: Tensor, resp: Tensor) -> Tensor:
+    """values [>= N] at the N response slots of resp [b, T] (row-major), 0 elsewhere; differentiable."""
+    return values.new_zeros(resp.shape).masked_scatter(resp, values)
+
+
+def _values(values: Tensor, chunk: _Chunk) -> Tensor:
+    """values [b', S] (or [1, N] at the response tokens only) -> [b, T] at the response positions."""
+    inputs = chunk.inputs
+    if chunk.head_index is not None:
+        return _scatter(values.reshape(-1), inputs.response_mask.to(values.device).bool())
     b = inputs.labels.shape[0]
     return values[:b].gather(1, inputs.resp_pos.to(values.device))
 
@@ -256,48 +384,62 @@ def _values(values: Tensor, inputs: PackedInputs) -> Tensor:
 # ----------------------------------------------------------------------------- forward only
 
 
-def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_size: int,
-                     compute: Callable[[Tensor, PackedInputs], Tensor], out_shape: tuple[int, ...]) -> Tensor:
-    """Run the forward schedule; compute(output, chunk inputs) -> [b, ...] per micro-batch on the
-    last stage; the concatenation, float32, on every stage and on the model's device (where the
+def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_size: Union[int, Batching],
+                     compute: Callable[[Tensor, _Chunk], Tensor], out_shape: tuple[int, ...]) -> Tensor:
+    """Run the forward schedule; compute(output, chunk) -> [b, ...] per micro-batch on the last
+    stage; the results in row order, float32, on every stage and on the model's device (where the
     trainer keeps everything that meets the model; see pfppo_mega.trainer.devicecheck)."""
-    _check_inputs(inputs, micro_batch_size)
-    mbs = min(micro_batch_size, inputs.labels.shape[0])
+    batching = _as_batching(micro_batch_size)
+    _check_inputs(inputs, batching.micro_batch_size)
+    mbs = min(batching.micro_batch_size, inputs.labels.shape[0])
+    batching = dataclasses.replace(batching, micro_batch_size=mbs)
     device = _device(model)
-    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=device, multiple=seq_multiple(model))
+    chunks = _plan(inputs, batching, pad=_pp() > 1, device=device, multiple=seq_multiple(model))
     parts: list[Tensor] = []
 
     def head(chunk: _Chunk, output: Tensor):
-        parts.append(compute(output, _slice(inputs, chunk.rows)).float())
+        parts.append(compute(output, chunk).float())
         return torch.zeros((), device=output.device), {}
 
     with torch.no_grad():
-        _run_schedule(model, chunks, mbs, head, forward_only=True)
-        result = torch.cat(parts) if _last_stage() else None
+        _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head, forward_only=True)
+        result = _in_row_order(parts, chunks, out_shape) if _last_stage() else None
         result = _broadcast_from_last_stage(result, out_shape, device)
     return result
 
 
+def _in_row_order(parts: list[Tensor], chunks: list[_Chunk], out_shape: tuple[int, ...]) -> Tensor:
+    """The chunks' results [b, ...] as one [B, ...] in the batch's row order."""
+    if all(isinstance(c.rows, slice) for c in chunks):
+        return torch.cat(parts)
+    out = parts[0].new_empty(out_shape)
+    for chunk, part in zip(chunks, parts):
+        out[chunk.rows] = part
+    return out
+
+
 def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temperature: float,
-                         micro_batch_size: int, kernels: Optional[KernelBackend] = None
+                         micro_batch_size: Union[int, Batching], kernels: Optional[KernelBackend] = None
                          ) -> tuple[Tensor, Tensor]:
     """(logp, entropy) [B, T] float32 of inputs.labels at inputs.resp_pos under logits / temperature.
 
     No gradients. ``kernels`` (the trainer's backend, get_backend(cfg.kernels); None: pure torch)
-    computes them at every tp (at tp > 1 from vocabulary shards, see _logp_entropy).
+    computes them at every tp (at tp > 1 from vocabulary shards, see _logp_entropy). With
+    Batching(response_only=True) the masked slots are 0 (else the log-prob at a clamped position).
     """
     if not temperature > 0:
         raise ValueError(f"temperature({temperature}) must be > 0")
     b, t = inputs.labels.shape
     both = _forward_collect(
         model, inputs, micro_batch_size,
-        lambda logits, mb: torch.stack(_logp_entropy(model, logits, mb, temperature=temperature,
-                                                     kernels=kernels), dim=1),   # [b, 2, T]
+        lambda logits, chunk: torch.stack(_logp_entropy(model, logits, chunk, temperature=temperature,
+                                                        kernels=kernels), dim=1),   # [b, 2, T]
         (b, 2, t))
     return both[:, 0], both[:, 1]
 
 
-def forward_values(critic: torch.nn.Module, inputs: PackedInputs, *, micro_batch_size: int) -> Tensor:
+def forward_values(critic: torch.nn.Module, inputs: PackedInputs, *,
+                   micro_batch_size: Union[int, Batching]) -> Tensor:
     """Critic values [B, T] float32 at inputs.resp_pos. No gradients."""
     return _forward_collect(critic, inputs, micro_batch_size, _values, tuple(inputs.labels.shape))
 
@@ -313,9 +455,9 @@ def forward_logits(model: torch.nn.Module, input_ids: Tensor, *, micro_batch_siz
                           torch.zeros(b, 1, dtype=torch.long, device=dev), torch.zeros(b, 1, dtype=torch.long, device=dev),
                           torch.ones(b, 1, device=dev))
 
-    def compute(logits: Tensor, mb: PackedInputs) -> Tensor:
+    def compute(logits: Tensor, chunk: _Chunk) -> Tensor:
         full = gather_from_tensor_model_parallel_region(logits) if _tp()[0] > 1 else logits
-        return full[:mb.input_ids.shape[0], :s, :vocab_size]  # S padding (seq_multiple) dropped
+        return full[:chunk.real, :s, :vocab_size]  # S padding (seq_multiple) dropped
 
     return _forward_collect(model, inputs, micro_batch_size, compute, (b, s, vocab_size))
 
@@ -367,11 +509,14 @@ def _require_ddp(model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
 
 
 def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,
-           micro_batch_size: int, share_of: Callable[[Tensor, MicroBatch], tuple[Tensor, Stats]]) -> StepResult:
+           micro_batch_size: Union[int, Batching],
+           share_of: Callable[[Tensor, _Chunk, MicroBatch], tuple[Tensor, Stats]]) -> StepResult:
     _require_ddp(model, optimizer)
-    _check_inputs(inputs, micro_batch_size)
-    mbs = min(micro_batch_size, inputs.labels.shape[0])
-    chunks = _chunks(inputs.input_ids, mbs, pad=_pp() > 1, device=_device(model), multiple=seq_multiple(model))
+    batching = _as_batching(micro_batch_size)
+    _check_inputs(inputs, batching.micro_batch_size)
+    mbs = min(batching.micro_batch_size, inputs.labels.shape[0])
+    batching = dataclasses.replace(batching, micro_batch_size=mbs)
+    chunks = _plan(inputs, batching, pad=_pp() > 1, device=_device(model), multiple=seq_multiple(model))
     norm = global_normalizers(inputs.response_mask)
     # megatron divides the returned loss by the number of micro-batches and DDP averages over dp.
     undo = float(len(chunks) * (ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1))
@@ -380,8 +525,8 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
     tokens: list[float] = []
 
     def head(chunk: _Chunk, output: Tensor):
-        mb = MicroBatch(inputs=_slice(inputs, chunk.rows), rows=chunk.rows, norm=norm)
-        share, mb_stats = share_of(output, mb)
+        mb = MicroBatch(inputs=chunk.inputs, rows=chunk.rows, norm=norm)
+        share, mb_stats = share_of(output, chunk, mb)
         if share.dim() != 0:
             raise ValueError(f"loss_fn must return a 0-dim loss share, got shape {tuple(share.shape)}")
         shares.append(float(share.detach()))
@@ -390,7 +535,8 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
         return share * undo if undo != 1.0 else share, {}
 
     zero_grads(model, optimizer)
-    _run_schedule(model, chunks, mbs, head, forward_only=False)  # backward + finalize_model_grads
+    _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head,
+                  forward_only=False)  # backward + finalize_model_grads
     local_loss = math.fsum(shares) if _last_stage() else None
     local_stats = _token_weighted(stats, tokens, norm.tokens) if _last_stage() else None
     loss, mean_stats = _reduce_summary(local_loss, local_stats)
@@ -404,7 +550,7 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
 
 
 def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,
-               loss_fn: ActorLossFn, *, temperature: float, micro_batch_size: int,
+               loss_fn: ActorLossFn, *, temperature: float, micro_batch_size: Union[int, Batching],
                kernels: Optional[KernelBackend] = None) -> StepResult:
     """One actor update: zero grads, forward + backward of every micro-batch through megatron's
     schedule (gradients accumulate; finalize_model_grads reduces them over DP and ties), then the
@@ -413,15 +559,15 @@ def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inp
     if not temperature > 0:
         raise ValueError(f"temperature({temperature}) must be > 0")
 
-    def share_of(logits: Tensor, mb: MicroBatch):
-        logp, ent = _logp_entropy(model, logits, mb.inputs, temperature=temperature, kernels=kernels)
+    def share_of(logits: Tensor, chunk: _Chunk, mb: MicroBatch):
+        logp, ent = _logp_entropy(model, logits, chunk, temperature=temperature, kernels=kernels)
         return loss_fn(logp, ent, mb)
 
     return _train(model, optimizer, inputs, micro_batch_size, share_of)
 
 
 def critic_train_step(critic: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,
-                      loss_fn: CriticLossFn, *, micro_batch_size: int) -> StepResult:
+                      loss_fn: CriticLossFn, *, micro_batch_size: Union[int, Batching]) -> StepResult:
     """train_step for the critic: loss_fn(values [b, T], mb) -> (share, stats)."""
     return _train(critic, optimizer, inputs, micro_batch_size,
-                  lambda values, mb: loss_fn(_values(values, mb.inputs), mb))
+                  lambda values, chunk, mb: loss_fn(_values(values, chunk), mb))

@@ -278,6 +278,8 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
         rotary.inv_freq = rope_inv_freq(config.kv_channels, shape.rope_theta, arch.rope, device=rotary.inv_freq.device)
     module.unpadded_vocab_size = shape.vocab_size
     module.architecture = arch
+    if module.post_process:
+        _selectable(module.output_layer)
     return module
 
 
@@ -334,8 +336,50 @@ def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None,
     config = transformer_config(model, arch=shape.arch, features=features)
     critic = _gpt(CriticModel, shape, config, tie=False)
     if critic.post_process:
-        critic.output_layer = ValueHead(shape.hidden_size, config.params_dtype)
+        critic.output_layer = _selectable(ValueHead(shape.hidden_size, config.params_dtype))
     return critic
+
+
+# ----------------------------------------------------------------------------- the head at chosen positions
+
+
+def _select_positions(layer: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of the output layer: hidden states [S, b, H] -> [N, 1, H] at
+    ``layer.head_index`` (flat positions s * b + row), when one is set (see ``head_at``)."""
+    index = getattr(layer, "head_index", None)
+    if index is None:
+        return None
+    hidden = args[0]                                                   # [S, b, H]
+    s, b, h = hidden.shape
+    return (hidden.reshape(s * b, h).index_select(0, index).unsqueeze(1), *args[1:]), kwargs  # [N, 1, H]
+
+
+def _selectable(layer: torch.nn.Module) -> torch.nn.Module:
+    layer.head_index = None
+    layer.register_forward_pre_hook(_select_positions, with_kwargs=True)
+    return layer
+
+
+@contextlib.contextmanager
+def head_at(model: torch.nn.Module, index: Optional[Tensor]) -> Iterator[None]:
+    """Within it, the output layer (LM head or ValueHead) of ``model``'s last pipeline stage runs
+    only at ``index`` [N] (flat positions s * b + row of the decoder's [S, b] output; None: every
+    position), so the model returns [1, N, Vp/tp] logits (actor) or [1, N] values (critic) instead
+    of [b, S, ...]. No effect on the other stages (they have no output layer). The decoder still
+    runs every position; only the head's work (the [.., V] matmul and whatever reads it) shrinks."""
+    inner = unwrap(model)
+    layer = getattr(inner, "output_layer", None) if getattr(inner, "post_process", False) else None
+    if layer is None or index is None:
+        yield
+        return
+    if inner.config.sequence_parallel:  # the head's input would be the S/tp shard of this rank
+        raise ValueError("training.response_only_head = true with parallel.sequence_parallel = true: the output "
+                         "layer's input is split over the sequence; set one of them false")
+    layer.head_index = index
+    try:
+        yield
+    finally:
+        layer.head_index = None
 
 
 # ----------------------------------------------------------------------------- forward helpers

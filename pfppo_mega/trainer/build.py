@@ -34,6 +34,7 @@ from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, Snapsho
 from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.generation import Generation, MemoryRecorder, build_engine_colocated
+from pfppo_mega.trainer.passes import PassWork
 from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.rollout_split import SplitLayout
 from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
@@ -115,6 +116,7 @@ class Run:
     assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
     value_guard: ValueLossGuard
     state: TrainState
+    passes: PassWork = field(default_factory=PassWork)  # the model passes' work since the last step (perf/)
 
     def models(self) -> dict[str, torch.nn.Module]:
         """The trained models by checkpoint name (the critic only when built)."""

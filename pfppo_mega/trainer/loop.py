@@ -23,11 +23,11 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.models import hf_io
-from pfppo_mega.trainer import devicecheck, resume, worst_samples
+from pfppo_mega.trainer import devicecheck, passes, perf, resume, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
-from pfppo_mega.trainer.evaluation import evaluate, kl_probe, micro_batch_size, policy_logp
+from pfppo_mega.trainer.evaluation import evaluate, kl_probe, policy_logp
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import update
@@ -119,6 +119,7 @@ class PPOTrainer:
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
         metrics.update(run.gen.take_work(getattr(run.behaviour, "pool", None)).metrics())  # since the last record
+        metrics.update(perf.step_perf(run, scored, timer.seconds))  # perf/: against the machine's rates
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
         return over_dp(run, metrics)
@@ -176,11 +177,12 @@ class PPOTrainer:
         values when the run has a critic."""
         run, rb = self.run, sb.rollout
         inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
-        old_logp, entropy = policy_logp(run, run.actor, inp)
-        ref_logp, _ = policy_logp(run, run.ref, inp)
+        old_logp, entropy = policy_logp(run, run.actor, inp, run.passes.prepare_lm)
+        ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
         m = inp.response_mask
         values = None if run.critic is None else mengine.forward_values(
-            run.critic, inp, micro_batch_size=micro_batch_size(run, m.shape[0]))           # [B, T]
+            run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],
+                                                              run.passes.prepare_value))   # [B, T]
         devicecheck.expect("prepare: model inputs and results", run.device, inputs=inp, old_logp=old_logp,
                            ref_logp=ref_logp, values=values, scores=sb.scores)
         return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m,

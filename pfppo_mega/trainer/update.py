@@ -7,10 +7,9 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.models import engine as mengine
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer import devicecheck, passes
 from pfppo_mega.trainer.batch import ExperienceBatch
 from pfppo_mega.trainer.build import Run
-from pfppo_mega.trainer.evaluation import micro_batch_size
 from pfppo_mega.trainer.policy_loss import PolicyLossInputs
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import pre_update_value_loss
@@ -78,7 +77,8 @@ def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
     run.actor.train()
     res = mengine.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
                              temperature=run.cfg.actor_rollout.temperature,
-                             micro_batch_size=micro_batch_size(run, eb.advantages.shape[0]), kernels=run.kernels)
+                             micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
+                                                              run.passes.update_lm), kernels=run.kernels)
     count_skip(run, "actor", res)
     return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
 
@@ -99,7 +99,8 @@ def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
 
     run.critic.train()
     res = mengine.critic_train_step(run.critic, run.critic_opt, eb.inputs, loss_fn,
-                                    micro_batch_size=micro_batch_size(run, eb.advantages.shape[0]))
+                                    micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
+                                                                     run.passes.update_value))
     count_skip(run, "critic", res)
     return {**res.stats, "critic/grad_norm": res.grad_norm}
 

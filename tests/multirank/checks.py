@@ -213,6 +213,32 @@ def check_ppo_update(layout: str, kind: str, path: Path, mbs: int, batch: common
     report(layout, f"replicas_identical[{kind}]", all_ranks_ok(torch.equal(flat, reference)), 0.0, 0.0)
 
 
+BUDGET = 24  # tokens per micro-batch: 2-3 of ppo_batch()'s rows (3-11 tokens), each micro-batch its own shape
+
+
+def check_token_budget(layout: str, path: Path, mbs: int, batch: common.PPOBatch, refs: dict, results: Path) -> None:
+    """Token-budget micro-batches (a shape of their own each, through the pipeline stages) with the
+    head at the response tokens only: log-probs vs fp64, and one PPO update saved for the pytest
+    side to compare with the serial padded one (tests/test_token_budget.py has the single-rank
+    comparisons)."""
+    from megatron.core import parallel_state as ps
+
+    from pfppo_mega.models import engine
+
+    batching = engine.Batching(mbs, max_tokens=BUDGET, response_only=True)
+    _, actor = _actor(path)
+    logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+                                            micro_batch_size=batching)
+    m = batch.inputs.response_mask.bool()
+    err = max_over_ranks(max((logp.double() - refs["logp/llama"])[m].abs().max().item(),
+                             (ent.double() - refs["entropy/llama"])[m].abs().max().item()))
+    report(layout, "token_budget_logp_vs_fp64[llama]", err < LOGP_TOL, err, LOGP_TOL)
+    res = common.ppo_update(path, batch, micro_batch_size=batching, dp_rank=ps.get_data_parallel_rank(),
+                            dp=ps.get_data_parallel_world_size())
+    if dist.get_rank() == 0:
+        res.save(results / f"{layout}_llama_budget")
+
+
 def check_bad_layout(world: int) -> None:
     """A layout whose product does not divide the world size fails before any collective."""
     try:
@@ -254,6 +280,8 @@ def main() -> None:
             check_round_trip(layout, kind, data / kind, exports)
         check_logp_entropy(layout, "llama", paths["llama"], mbs, batch, refs)
         refit_checks.run(layout, paths, report, all_ranks_ok)  # broadcast refit, sharded pool, registry
+        if world == 2:  # token-budget micro-batches at tp2, pp2, dp2
+            check_token_budget(layout, paths["llama"], mbs, batch, refs, results)
         if world == 2:  # distributed optimizer, bf16 with fp32 main weights, features refused on CPU
             feature_checks.run(layout, paths["llama"], batch, mbs, report, all_ranks_ok)
             reward_model_checks.run(layout, data, mbs, report, all_ranks_ok)  # scores vs transformers, per family

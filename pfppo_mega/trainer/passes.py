@@ -1,0 +1,39 @@
+"""The engine's micro-batching for the trainer's model passes (training.micro_batch_size,
+use_dynamic_bsz, max_tokens_per_micro_batch, response_only_head), and the work those passes did
+(counted per phase and head for the perf/ metrics, trainer/perf.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from pfppo_mega.models import engine as mengine
+from pfppo_mega.models.microbatch import Tally
+
+
+@dataclass
+class PassWork:
+    """Work of the trainer's passes since the last take(): one Tally per phase and head (the LM
+    head's FLOPs differ from the value head's)."""
+
+    prepare_lm: Tally = field(default_factory=Tally)     # old and reference log-probs
+    prepare_value: Tally = field(default_factory=Tally)  # the critic's values
+    update_lm: Tally = field(default_factory=Tally)      # the actor's update (forward + backward)
+    update_value: Tally = field(default_factory=Tally)   # the critic's update
+
+    def take(self) -> "PassWork":
+        return PassWork(**{f.name: getattr(self, f.name).take() for f in fields(self)})
+
+    def total(self) -> Tally:
+        out = Tally()
+        for f in fields(self):
+            out.add(getattr(self, f.name))
+        return out
+
+
+def batching(training, rows: int, tally: Optional[Tally] = None) -> mengine.Batching:
+    """The engine's plan for a pass over ``rows`` rows under the config's training section."""
+    return mengine.Batching(
+        micro_batch_size=training.micro_batch_size or rows,
+        max_tokens=training.max_tokens_per_micro_batch if training.use_dynamic_bsz else None,
+        response_only=training.response_only_head, tally=tally)

@@ -1,0 +1,108 @@
+"""perf/ metrics: each phase's work against what this machine can do (rates measured in the run,
+trainer/machine.py).
+
+Model FLOPs of a forward pass (the work the result needs, not what was computed: padding and
+prompt-position logits are waste, so they lower the fractions): per real token 2 x the decoder's
+matmul parameters (q, k, v, o, gate, up, down of every layer), plus 4 x heads x head_dim x layers
+per causal (query, key) pair, plus 2 x hidden x V (LM head) or 2 x hidden (value head) per
+response token. A training pass is 3 x its forward (backward: twice the forward).
+
+    perf/prepare_matmul_frac  prepare phase's model FLOPs / (its time x matmul rate)
+    perf/update_matmul_frac   update phase's (actor + critic, forward + backward) likewise
+    perf/padding_frac         share of the decoder positions the prepare and update passes ran on padding
+    perf/head_waste_frac      share of the head's positions whose output is never read (prompt, padding)
+    perf/rollout_floor_s      the rollout's floor: prefill FLOPs at the matmul rate, then per decode
+                              step the larger of (weight + KV-cache bytes at the memcpy rate) and
+                              (its FLOPs at the matmul rate), steps = the longest response
+    perf/rollout_floor_frac   floor / the rollout phase's time (1.0: at the floor)
+    perf/matmul_gflops, perf/memcpy_gbps  the measured rates
+
+The floor is computed from this rank's rows as one batch in one engine call (PF-PPO's snapshot
+groups, DAPO's extra rounds and a split rollout run more calls): a lower bound, exact in kind
+for one rank and one call. Rates are measured in the models' parameter dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pfppo_mega.families import DecoderShape
+from pfppo_mega.models.microbatch import Tally
+from pfppo_mega.trainer import machine
+from pfppo_mega.trainer.batch import ScoredBatch
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def layer_matmul_params(shape: DecoderShape) -> int:
+    """Matmul weights of one decoder layer (norms and biases are not matmuls)."""
+    h, d = shape.hidden_size, shape.head_dim
+    attn = h * shape.num_attention_heads * d + 2 * h * shape.num_query_groups * d + shape.num_attention_heads * d * h
+    return attn + 3 * h * shape.ffn_hidden_size
+
+
+def forward_flops(shape: DecoderShape, *, tokens: float, attn_pairs: float, head_tokens: float,
+                  head_width: int) -> float:
+    """Model FLOPs of a forward over ``tokens`` real tokens with ``attn_pairs`` causal pairs and the
+    head (``head_width`` outputs: V or 1) at ``head_tokens`` positions."""
+    trunk = 2.0 * shape.num_layers * layer_matmul_params(shape) * tokens
+    attn = 4.0 * shape.num_attention_heads * shape.head_dim * shape.num_layers * attn_pairs
+    return trunk + attn + 2.0 * shape.hidden_size * head_width * head_tokens
+
+
+def tally_flops(shape: DecoderShape, tally: Tally, *, head_width: int) -> float:
+    return forward_flops(shape, tokens=tally.real, attn_pairs=tally.attn_pairs, head_tokens=tally.head_needed,
+                         head_width=head_width)
+
+
+def rollout_floor_s(shape: DecoderShape, prompt_lengths: list[int], response_lengths: list[int], *,
+                    matmul: float, memcpy: float, dtype_bytes: int) -> float:
+    """Seconds the rollout of these rows cannot beat on this machine (see the module docstring)."""
+    if not prompt_lengths:
+        return 0.0
+    layer = layer_matmul_params(shape)
+    heads, d, L = shape.num_attention_heads, shape.head_dim, shape.num_layers
+    head = shape.hidden_size * shape.vocab_size
+    per_token = 2.0 * (L * layer + head)                                 # decoder + LM head, per token
+    pairs = sum(p * (p + 1) / 2 for p in prompt_lengths)
+    prefill = (2.0 * L * layer * sum(prompt_lengths) + 4.0 * heads * d * L * pairs
+               + 2.0 * head * len(prompt_lengths)) / matmul               # logits at the last prompt token only
+    weight_bytes = (L * layer + head) * dtype_bytes
+    kv_per_pos = 2 * L * shape.num_query_groups * d * dtype_bytes        # K and V of one position, every layer
+    p = torch.tensor(prompt_lengths, dtype=torch.float64)
+    r = torch.tensor(response_lengths, dtype=torch.float64)
+    decode = 0.0
+    for k in range(1, int(r.max()) if len(r) else 0):                    # the first token comes from the prefill
+        alive = r > k
+        n = float(alive.sum())
+        ctx = float((p[alive] + k).sum())                                # positions each alive row attends to
+        bytes_ = weight_bytes + kv_per_pos * ctx
+        flops = n * per_token + 4.0 * heads * d * L * ctx
+        decode += max(bytes_ / memcpy, flops / matmul)
+    return prefill + decode
+
+
+def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, float]:
+    """This step's perf/ record (takes the passes' tallies: the next step starts from zero)."""
+    work = run.passes.take()
+    shape = DecoderShape.from_model_config(run.model_cfg, run.arch)
+    dtype = getattr(torch, run.model_cfg.params_dtype)
+    matmul, memcpy = machine.matmul_rate(run.device, dtype), machine.memcpy_rate(run.device)
+    vocab = shape.vocab_size
+    prepare = tally_flops(shape, work.prepare_lm, head_width=vocab) + tally_flops(shape, work.prepare_value,
+                                                                                   head_width=1)
+    update = 3.0 * (tally_flops(shape, work.update_lm, head_width=vocab)
+                    + tally_flops(shape, work.update_value, head_width=1))
+    total = work.total()
+    rb = scored.rollout
+    floor = rollout_floor_s(shape, [len(p) for p in rb.prompt_ids], [int(n) for n in rb.response_mask.sum(1).tolist()],
+                            matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[run.model_cfg.params_dtype])
+    out = {"perf/matmul_gflops": matmul / 1e9, "perf/memcpy_gbps": memcpy / 1e9,
+           "perf/padding_frac": total.padding_frac, "perf/head_waste_frac": total.head_waste_frac,
+           "perf/rollout_floor_s": floor}
+    for name, flops in (("prepare", prepare), ("update", update)):
+        if times.get(name, 0.0) > 0 and flops > 0:
+            out[f"perf/{name}_matmul_frac"] = flops / (times[name] * matmul)
+    if times.get("rollout", 0.0) > 0:
+        out["perf/rollout_floor_frac"] = floor / times["rollout"]
+    return out

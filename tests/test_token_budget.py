@@ -1,0 +1,196 @@
+"""No work on padding (issue 23.3): micro-batches by token budget (training.use_dynamic_bsz,
+max_tokens_per_micro_batch) and the LM / value head at the response tokens only
+(training.response_only_head) compute the same log-probs, values, losses, gradients and metrics as
+the padded path, up to the order of floating-point sums, on fewer positions.
+
+Single rank here; the same comparison at TP2 and PP2 (token-budget micro-batches of varying shape
+through megatron's pipeline schedule) runs in the 2-process launch of tests/test_parallel.py
+(tests/multirank/checks.py: check_token_budget)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+
+import common  # noqa: E402
+
+from pfppo_mega import parallel  # noqa: E402
+from pfppo_mega.compat import megatron_cpu  # noqa: E402
+from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
+from pfppo_mega.config.tree import ModelConfig  # noqa: E402
+from pfppo_mega.models import engine, gpt, microbatch  # noqa: E402
+from pfppo_mega.types import pack  # noqa: E402
+
+LOSS_RTOL = 1e-6
+WEIGHT_ATOL = common.LR / 50
+CLIPFRAC_ATOL = 3 / 150  # three of the ~150 response tokens of a tiny trainer step (see the trainer test)  # as tests/test_parallel.py: Adam's first step amplifies round-off of tiny grads
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _ragged(n: int, seed: int) -> list[int]:
+    """Row lengths like a real rollout's: prompts of 20-60 tokens + responses of 1-64 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(20, 61, (n,), generator=g) + torch.randint(1, 65, (n,), generator=g)).tolist()
+
+
+def test_token_budget_plan_covers_every_row_once_within_the_budget():
+    lengths = _ragged(97, 1)
+    for budget, cap, multiple in ((512, None, 1), (1000, 4, 1), (130, None, 8)):
+        plan = microbatch.by_token_budget(lengths, max_tokens=budget, max_rows=cap, multiple=multiple)
+        assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+        for mb in plan:
+            width = -(-max(lengths[i] for i in mb) // multiple) * multiple
+            assert len(mb) * width <= budget and (cap is None or len(mb) <= cap), (budget, mb)
+        assert plan == microbatch.by_token_budget(lengths, max_tokens=budget, max_rows=cap, multiple=multiple)
+    with pytest.raises(ValueError, match=r"a row of 9 tokens \(padded to 9\) does not fit .* max_tokens\(8\)"):
+        microbatch.by_token_budget([3, 9], max_tokens=8)
+
+
+def test_token_budget_cuts_padding_on_a_ragged_distribution():
+    """The figure README quotes: 256 rows, by rows of 16 at the batch's longest row vs a budget of
+    16 x the mean row length."""
+    lengths = _ragged(256, 2)
+    rows = microbatch.padding_frac(lengths, microbatch.by_rows(256, 16), width=max(lengths))
+    budget = microbatch.by_token_budget(lengths, max_tokens=16 * sum(lengths) // 256)
+    sorted_frac = microbatch.padding_frac(lengths, budget)
+    print(f"padding: by rows {rows:.3f}, by token budget {sorted_frac:.3f} ({len(budget)} micro-batches)")
+    assert rows > 0.3 and sorted_frac < 0.10
+
+
+# ----------------------------------------------------------------------------- the engine at one rank
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """A TP1 world for the module, and tests/multirank/common.py's checkpoints by kind."""
+    parallel.init_parallel(tp=1, pp=1, seed=1234)
+    root = tmp_path_factory.mktemp("budget")
+    for kind in common.CHECKPOINTS:
+        common.hf_model(kind).save_pretrained(root / kind)
+    yield {kind: root / kind for kind in common.CHECKPOINTS}
+    parallel.destroy_parallel()
+    megatron_cpu.disable()
+
+
+MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                    vocab_size=97, max_position_embeddings=128, rope_theta=10000.0, norm_epsilon=1e-5,
+                    tie_word_embeddings=False)
+
+
+def _batch(b: int = 24, t: int = 20):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 97, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (b,), generator=g)]
+    lens = torch.randint(1, t + 1, (b,), generator=g)
+    lens[5] = 0  # a row without a response token: nothing for the head at all
+    mask = (torch.arange(t)[None] < lens[:, None]).float()
+    return pack(prompts, torch.randint(1, 97, (b, t), generator=g), mask, pad_id=0)
+
+
+def test_forward_passes_match_the_padded_path(world):
+    torch.manual_seed(0)
+    actor, critic = gpt.build_actor(MODEL), gpt.build_critic(MODEL)
+    with torch.no_grad():
+        critic.output_layer.weight.normal_()
+    inp = _batch()
+    m = inp.response_mask.bool()
+    ref = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=4),
+           engine.forward_values(critic, inp, micro_batch_size=4))
+    plain = microbatch.Tally()
+    engine.forward_values(critic, inp, micro_batch_size=engine.Batching(4, tally=plain))
+    for batching in (engine.Batching(4, response_only=True), engine.Batching(64, max_tokens=160),
+                     engine.Batching(5, max_tokens=400, response_only=True, tally=microbatch.Tally())):
+        got = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
+               engine.forward_values(critic, inp, micro_batch_size=batching))
+        for name, a, b in zip(("logp", "entropy", "values"), ref, got):
+            torch.testing.assert_close(b[m], a[m], rtol=0, atol=2e-6, msg=lambda s: f"{name} {batching}: {s}")
+            if batching.response_only:
+                assert not b[~m].any(), f"{name}: masked slots must be 0 with response_only"
+    tally = batching.tally
+    assert tally.passes == 2 and tally.head_computed == tally.head_needed == int(m.sum()) * 2
+    assert tally.padding_frac < plain.padding_frac and plain.head_waste_frac > 0.5 and tally.head_waste_frac == 0
+    print(f"padding {plain.padding_frac:.3f} -> {tally.padding_frac:.3f}; head waste {plain.head_waste_frac:.3f} -> 0")
+
+
+@pytest.mark.parametrize("kind", common.CHECKPOINTS)  # llama: untied head; qwen2: tied to the embedding
+def test_ppo_update_matches_the_padded_path(world, kind):
+    batch = common.ppo_batch()
+    ref = common.ppo_update(world[kind], batch, micro_batch_size=common.BATCH, dp_rank=0, dp=1)
+    for batching in (engine.Batching(common.BATCH, max_tokens=24, response_only=True),
+                     engine.Batching(3, max_tokens=40), engine.Batching(2, response_only=True)):
+        got = common.ppo_update(world[kind], batch, micro_batch_size=batching, dp_rank=0, dp=1)
+        rs, gs = ref.scalars(), got.scalars()
+        assert sorted(rs) == sorted(gs)
+        for k in rs:
+            assert abs(gs[k] - rs[k]) <= LOSS_RTOL * max(1.0, abs(rs[k])) * (10 if "grad_norm" in k else 1), \
+                (batching, k, rs[k], gs[k])
+        worst = max((got.weights[n] - ref.weights[n]).abs().max().item() for n in ref.weights)
+        print(f"{kind} {batching.max_tokens} {batching.response_only}: weights max |diff| {worst:.1e}")
+        assert worst <= WEIGHT_ATOL
+
+
+# ----------------------------------------------------------------------------- the config keys
+
+
+def test_config_keys_are_validated():
+    base = {"actor_rollout": {"model_path": "x"}, "data": {"max_prompt_length": 16},
+            "algorithm": {"max_response_length": 8}}
+    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = None: must be set"):
+        load_config_dict({**base, "training": {"use_dynamic_bsz": True}})
+    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = 20: must hold the longest row: "
+                                          r"at least .* \(24\)"):
+        load_config_dict({**base, "training": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 20}})
+    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = 0"):
+        load_config_dict({**base, "training": {"max_tokens_per_micro_batch": 0}})
+    cfg = load_config_dict({**base, "training": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 24,
+                                                 "response_only_head": True}})
+    assert cfg.training.max_tokens_per_micro_batch == 24 and cfg.training.response_only_head
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def test_trainer_steps_match_and_report_perf(world, tmp_path):
+    """Two PPO steps of the tiny trainer, padded vs token budget + response-only head: every metric
+    but the timings agrees; perf/ reports the padding and the machine fractions."""
+    from test_trainer import TINY, _cfg
+
+    from pfppo_mega.sft import run_sft
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    sft = tmp_path / "sft"
+    d = json.loads(json.dumps(TINY))
+    d["sft"].update(output_dir=str(sft), steps=20)
+    d["actor_rollout"] = {"model_path": str(sft)}
+    run_sft(load_config_dict(d), log=lambda *_: None)
+    runs = {}
+    for name, training in (("padded", {}), ("budget", {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 104,
+                                                       "response_only_head": True})):
+        cfg = _cfg(tmp_path / name, sft, training={"total_training_steps": 2, **training}, checkpoint={"resume": False})
+        trainer = PPOTrainer(cfg, log=lambda *_: None)
+        runs[name] = [trainer.train_step() for _ in range(2)]
+    for step, (a, b) in enumerate(zip(runs["padded"], runs["budget"])):
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if k.startswith(("time/", "perf/")):
+                continue
+            # A clip fraction counts strict comparisons: where the clip is idle, V_clip = old + (V - old)
+            # equals V only up to its last bit, so a token or two may flip when V moved by round-off
+            # (token-budget micro-batches of another length give the update's forward other sums).
+            tol = CLIPFRAC_ATOL if k.endswith("clipfrac") else 1e-5 * max(1.0, abs(a[k]))
+            assert abs(a[k] - b[k]) <= tol, (step, k, a[k], b[k])
+    a, b = runs["padded"][-1], runs["budget"][-1]
+    print({k: (round(a[k], 4), round(b[k], 4)) for k in sorted(a) if k.startswith("perf/")})
+    assert b["perf/padding_frac"] < a["perf/padding_frac"] and b["perf/head_waste_frac"] == 0.0 < a["perf/head_waste_frac"]
+    for k in ("perf/prepare_matmul_frac", "perf/update_matmul_frac", "perf/rollout_floor_frac"):
+        assert 0 < a[k] < 1.5 and 0 < b[k] < 1.5, k  # a fraction of what the machine did beside it
+    assert a["perf/matmul_gflops"] > 0 and a["perf/memcpy_gbps"] > 0
