@@ -184,3 +184,43 @@ def test_an_older_format_is_refused_by_name(sft_small, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"holds checkpoints of format 2 \(step_000001\), written before "
                                                    r"sharded checkpoints"):
         _resume(sft_small, out)
+
+
+# ---------------------------------------------------------------------------- the pool, written in place
+
+_PF = {"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}}
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "control_without_hold"])
+def test_the_pool_is_written_in_place_and_not_reused_while_a_save_writes_it(sft_small, tmp_path, monkeypatch, hold):
+    """A background save writes the pool's buffers without a host copy; a capture during the write
+    must not reuse them (ShardedSnapshotPool.hold_buffers). The writer is slowed so that step 3's
+    capture (which evicts a snapshot) runs while step 2's save is writing; step 2 then resumes with
+    its pool checksums intact. Without the hold (the control) the same run writes torn bytes and
+    the resume refuses step 2 -- so this test can tell."""
+    import time
+
+    from pfppo_mega.pool.sharded import ShardedSnapshotPool
+
+    real = ckpt.write_dir
+
+    def slow(path, step, *a, **k):
+        if step == 2:
+            time.sleep(1.0)  # the training thread meanwhile runs step 3 (a capture)
+        return real(path, step, *a, **k)
+
+    monkeypatch.setattr(ckpt, "write_dir", slow)
+    if not hold:
+        monkeypatch.setattr(ShardedSnapshotPool, "hold_buffers", lambda self, until: None)
+    out = tmp_path / "run"
+    PPOTrainer(_cfg(out, sft_small, logging=_LOG, algorithm=_PF, training={"total_training_steps": 3},
+                    checkpoint={"save_interval": 1, "keep_last": 3, "max_saves_in_flight": 2}), log=quiet).fit()
+    monkeypatch.setattr(ckpt, "write_dir", real)
+    shutil.rmtree(out / "checkpoints" / "step_000003")  # resume step 2, the one written during a capture
+    (out / "checkpoints" / ckpt.LATEST).write_text("step_000002\n")
+    if hold:
+        tr, msgs = _resume(sft_small, out, algorithm=_PF)
+        assert tr.step == 2, msgs
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=r"pool"):
+            _resume(sft_small, out, algorithm=_PF)

@@ -18,7 +18,9 @@ from pfppo_mega.trainer import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer import TINY, _cfg
 
-_TIMING = ("time/", "perf/", "pool/switch_s")
+# timings, and the bytes an engine switch moves: a resumed engine holds none of the restored
+# snapshots, so its first switch to each reloads it (engine state is not checkpoint state)
+_TIMING = ("time/", "perf/", "pool/switch_s", "work/switch_bytes_received")
 _PF = {"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1, "sampling": "reward"}}
 _LOG = {"eval_interval": 2, "log_interval": 1, "tensorboard": False, "plots": False, "progress": False}
 

@@ -18,6 +18,7 @@ only its own shards (``bucket.<k>`` tensors), so checkpointing a rank's pool sav
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -59,6 +60,7 @@ class ShardedSnapshotPool(SnapshotPool):
         self._producer_checksums: dict[int, dict[int, str]] = {}  # version -> bucket index -> checksum
         self.stream_checksums: dict[int, str] = {}  # version -> stream checksum of the whole snapshot
         self._specs: dict[int, BucketSpec] = {}  # bucket index -> spec, for the buckets this rank keeps
+        self._hold: Optional[Future] = None  # a background checkpoint still writing the kept buffers
 
     def keeper(self, spec: BucketSpec) -> int:
         return self.node_ranks[spec.index % len(self.node_ranks)]
@@ -75,6 +77,8 @@ class ShardedSnapshotPool(SnapshotPool):
         if slot is None:
             return {}
         old = self._snapshots.pop(slot)
+        if self._hold is not None and not self._hold.done():
+            return {}  # a checkpoint is writing these very buffers: fresh ones for this capture
         reuse = {_index(n): t for n, t in old.tensors if n != NONE}
         old.tensors = []  # its buffers now belong to the new snapshot
         return reuse
@@ -165,6 +169,12 @@ class ShardedSnapshotPool(SnapshotPool):
         return True
 
     # ----------------------------------------------------------------------- checkpoint
+    def hold_buffers(self, until: Future) -> None:
+        """A background checkpoint writes the kept buffers as they are (no host copy): until `until`
+        is done, a capture allocates new buffers instead of reusing those of the snapshot it evicts
+        (at most one snapshot's share more host memory, and only while the write lasts)."""
+        self._hold = until
+
     def state_meta(self) -> dict:
         """SnapshotPool's state; each snapshot's checksum is recomputed over its stored buffers (the
         'fingerprint' method, which SnapshotPool.from_state checks)."""

@@ -14,8 +14,9 @@ part's manifest is on disk (checkpoint.py). A part holds:
   - ``state.json`` / ``state.safetensors``: this rank's counters, RNG streams, data position,
     config, pool statistics and the frozen reference's identity (path + hash, not its weights).
 
-Saving: the training thread copies this rank's tensors to the host (the only time it is blocked),
-then a background thread writes, fsyncs and hashes (read back) the part; at most
+Saving: the training thread copies this rank's tensors to the host (the only time it is blocked;
+the pool's buffers are written in place, and a capture does not reuse them while the write lasts:
+ShardedSnapshotPool.hold_buffers), then a background thread writes, fsyncs and hashes (read back) the part; at most
 checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for every part's manifest
 (checkpoint.commit_timeout_s), then writes the global manifest, renames the step in and moves
 ``latest``: a kill at any moment leaves ``latest`` on a complete, verified checkpoint.
@@ -227,7 +228,12 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
     # the step's temp dir name, from rank 0 (and every rank's part name, for rank 0's commit)
     agreed = parallel.dp_gather_objects((my_part(run), f"{os.getpid()}-{time.time_ns()}"), parallel.world_group())
     parts, token = [a for a, _ in agreed], agreed[0][1]
+    bg = background if background is not None else c.background
+    pool = getattr(run.behaviour, "pool", None) if "pool" in tensors else None
+    held = tensors.pop("pool") if bg and hasattr(pool, "hold_buffers") else None  # written in place, held
     tensors, state = _host_copy(tensors), _host_copy(state)
+    if held is not None:
+        tensors["pool"] = held
     blocked = time.perf_counter() - t0
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step_{st.step:06d}.tmp-{token}"
@@ -237,9 +243,11 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
                  inflight=frozenset(n for n, _ in saver.inflight) | {tmp.name})
     info = SaveInfo(step=st.step, path=root / f"step_{st.step:06d}", bytes=_nbytes(tensors) + _nbytes(state),
                     blocked_s=blocked)
-    if background if background is not None else c.background:
+    if bg:
         info.done = saver.pool.submit(job)
         saver.inflight.append((tmp.name, info.done))
+        if held is not None:
+            pool.hold_buffers(info.done)
     else:
         job()
     return info
