@@ -9,9 +9,14 @@
 #      written by `pfppo sft` (1 step), then 10 PPO steps, colocated: the trainer's states
 #      offloaded to pinned host memory while the engine generates and the engine put to sleep
 #      after it (training.offload_during_rollout=true); step 1 in the device-check mode
-#      (PFPPO_DEVICE_CHECK's session). Prints the step time, the pool switch time, offload /
-#      reload time, the trainer's bytes on the GPU during generation and the peak GPU memory
-#      against the planner's training- and rollout-phase predictions for the same config
+#      (PFPPO_DEVICE_CHECK's session). The colocated order of issue 20: the engine built with
+#      the trainer offloaded, then every generation offload trainer -> wake weights -> refit ->
+#      wake KV cache -> generate -> sleep -> reload trainer, then prepare -> update. Prints the
+#      step time, the pool switch time, offload / reload time, the trainer's bytes on the GPU
+#      during generation, the peak GPU memory against the planner's training- and rollout-phase
+#      predictions, and the device-memory ledger per phase: its prediction next to
+#      torch.cuda.max_memory_allocated / memory_allocated (pfppo_mega/trainer/ledger.py; every
+#      phase is also checked against the card: a predicted overflow stops the run, named)
 #      (python -m pfppo_mega.bench.gpu_check ppo)                    (the time left, >= 60 s)
 # Logs and JSON go to $OUT (default build/gpu_check); summary.txt lists every step's status.
 # Exit status: 0 all passed, 1 something failed (see summary.txt), 2 not a GPU machine.

@@ -80,3 +80,33 @@ def test_ppo_config_is_a_1b_llama_the_planner_fits_on_one_h200(tmp_path):
     assert 0 < train < 140 and in_rollout == 0  # offloaded: no trainer state on the GPU while generating
     _, kept = gpu_check.planned_gib(gpu_check.CONFIG_1B, ["training.offload_during_rollout=false"])
     assert kept > 1  # GiB: bf16 weights + fp32 grads + Adam of actor and critic, reference weights
+
+
+def test_ledger_rows_put_the_prediction_next_to_what_was_measured():
+    """The per-phase table the PPO part prints (its CPU-side logic): the build's phases, then the last
+    step's from its last 'offload trainer' before 'prepare', each with the ledger's predicted bytes and
+    the measured ones (here: made-up measurements on the plan's own records of the 1B config)."""
+    import dataclasses
+
+    from pfppo_mega.config import load_config
+    from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
+    from pfppo_mega.trainer.ledger import BUILD_ORDER, STEP_ORDER
+
+    cfg = load_config(gpu_check.CONFIG_1B, ["training.offload_during_rollout=true"])
+    plan = make_plan(RunShape.from_config(cfg), Hardware.preset("h200", nodes=1, gpus_per_node=1), Knobs.from_config(cfg))
+    one = plan.ledger[0]
+    steps = one[len(BUILD_ORDER):]
+    records = one + steps  # the build, then two steps
+    records = [dataclasses.replace(r, measured={"trainer_bytes": 7 * i, "cuda_allocated": 11 * i, "cuda_peak": 13 * i})
+               for i, r in enumerate(records)]
+    rows = gpu_check.ledger_rows(records, plan.holdings[0])
+    assert [r["phase"] for r in rows] == list(BUILD_ORDER + STEP_ORDER)
+    last = len(records) - len(STEP_ORDER)
+    assert rows[len(BUILD_ORDER)]["peak"] == 13 * last and rows[-1]["allocated"] == 11 * (len(records) - 1)
+    assert [r["predicted"] for r in rows] == [int(r.device_bytes) for r in one]
+    update = rows[-1]
+    assert update["predicted_trainer"] > 0 and update["predicted"] > update["predicted_trainer"]
+    generate = next(r for r in rows if r["phase"] == "generate")
+    assert generate["predicted_trainer"] == 0  # offloaded while the engine generates
+    text = gpu_check.format_ledger_rows(rows)
+    assert text.count("\n") == len(rows) and "wake kv cache" in text and "max_memory_allocated" in text

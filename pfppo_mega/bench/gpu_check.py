@@ -10,7 +10,10 @@
         Prints seconds per step, pool switch time, offload / reload time, the trainer's bytes on
         the GPU during generation and the GPU memory allocated then, peak GPU memory, and the
         planner's training- and rollout-phase predictions for the same config on 1 x 1 H200
-        (`pfppo plan`). The first step runs in the device-check mode (trainer/devicecheck.py).
+        (`pfppo plan`). The first step runs in the device-check mode (trainer/devicecheck.py). Then
+        the device-memory ledger of the colocated order (build, then the last step: offload trainer
+        -> wake weights -> refit -> wake KV -> generate -> sleep -> reload -> prepare -> update),
+        its prediction per phase next to torch.cuda.max_memory_allocated / memory_allocated.
 
 Exit status: 0 every target met / the run finished; 1 a target missed or the run failed; 2 bad
 arguments (also: no CUDA device). Nothing here runs without a GPU; the CPU tests check only that
@@ -116,6 +119,39 @@ def planned_gib(config: Path, overrides: list[str]) -> tuple[float, float]:
     return max(b["total_gib"] for b in plan["gpu_train_phase"]), trainer_in_rollout
 
 
+def ledger_rows(records, holdings) -> list[dict]:
+    """One row per phase record: the ledger's predicted device bytes and trainer bytes next to what
+    the trainer measured there (TrainerOffload bytes; on CUDA torch.cuda.memory_allocated at the
+    transition and max_memory_allocated until the next one). Rows: the build's phases, then the
+    last step's (from its last 'offload trainer' before a 'prepare' on)."""
+    from pfppo_mega.trainer.ledger import BUILD_ORDER
+
+    phases = [r.phase for r in records]
+    build = len(BUILD_ORDER)
+    last_prepare = max((i for i, p in enumerate(phases) if p == "prepare"), default=len(phases))
+    start = max((i for i, p in enumerate(phases[:last_prepare]) if p == "offload trainer" and i >= build),
+                default=build)
+    rows = []
+    for r in records[:build] + records[start:]:
+        m = r.measured
+        rows.append({"phase": r.phase, "predicted": int(r.device_bytes), "predicted_trainer": int(r.trainer_bytes(holdings)),
+                     "trainer": m.get("trainer_bytes"), "allocated": m.get("cuda_allocated"), "peak": m.get("cuda_peak")})
+    return rows
+
+
+def format_ledger_rows(rows: list[dict]) -> str:
+    def gib(x) -> str:
+        return f"{x / 2**30:>10.2f}" if isinstance(x, (int, float)) else f"{'-':>10}"
+
+    lines = [f"{'phase':<22}{'predicted':>10}{'peak':>10}{'allocated':>10}{'pred.tr':>10}{'trainer':>10}   (GiB; "
+             f"ledger prediction vs torch.cuda.max_memory_allocated in the phase, memory_allocated at its start, "
+             f"the trainer's states predicted / measured)"]
+    for r in rows:
+        lines.append(f"{r['phase']:<22}{gib(r['predicted'])}{gib(r['peak'])}{gib(r['allocated'])}"
+                     f"{gib(r['predicted_trainer'])}{gib(r['trainer'])}")
+    return "\n".join(lines)
+
+
 def run_ppo(args: argparse.Namespace) -> int:
     import torch
 
@@ -168,8 +204,16 @@ def run_ppo(args: argparse.Namespace) -> int:
           f"GPU during rollout: measured {steps[-1]['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
           f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
           f"({type(trainer.run.engine).__name__}: {'frees its KV cache' if getattr(trainer.run.engine, 'sleep_supported', False) else 'a logged no-op'})")
+    memory = trainer.run.gen.memory
+    if memory is not None:  # the ledger of the colocated order, phase by phase (trainer/ledger.py)
+        memory.enter("sleep")  # closes the last phase's peak (the engine is asleep already)
+        ledger = ledger_rows(memory.records[:-1], memory.ledger.h)
+        print(format_ledger_rows(ledger))
+    else:
+        ledger = []
     if args.json:
         args.json.write_text(json.dumps({"steps": steps, "peak_gib": peak, "planned_train_gib": planned,
+                                         "ledger": ledger,
                                          "planned_rollout_trainer_gib": planned_rollout, "slept_at": slept,
                                          "device_check": {"checks": chk.checks, "collectives": chk.collectives}},
                                         indent=1))
