@@ -35,8 +35,11 @@ from pfppo_mega.types import Sample
 path, run_dir, texts, workers, landlock, close = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), \
     int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
 logs = []
-r = CustomReward(path, "compute_score", num_workers=workers, timeout_s=5.0, run_dir=run_dir, landlock=landlock,
-                 log=logs.append)
+try:
+    r = CustomReward(path, "compute_score", num_workers=workers, timeout_s=5.0, run_dir=run_dir, landlock=landlock,
+                     log=logs.append)
+except TypeError:  # a tree from before issue 24.4 (the "before" counts): no run_dir, no sandbox
+    r = CustomReward(path, "compute_score", num_workers=workers, timeout_s=5.0, log=logs.append)
 print("PIDS " + json.dumps([p.proc.pid for p in r._procs]), flush=True)
 samples = [Sample((1,), "x", "gt", {}, row=f"r:{i}") for i in range(len(texts))]
 print("CALLING", flush=True)
@@ -61,8 +64,9 @@ def trainer(tmp_path: Path, body: str, texts: list[str], *, workers: int = 1, la
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(user), str(run_dir), json.dumps(texts), str(workers),
-                             "1" if landlock else "0", "1" if close else "0"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "1" if landlock else "0", "1" if close else "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": os.environ.get("PFPPO_TREE", str(REPO))})
     t0, early = time.monotonic(), ""
     if signal_after is not None:  # SIGTERM from outside while the call runs
         for line in proc.stdout:
@@ -95,15 +99,18 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def outcome(r: dict, *, want_scores: list[float] | None = None) -> str:
+def outcome(r: dict, *, want_scores: list[float] | None = None, kept: Path | None = None, text: str = "") -> str:
     """The class of what happened: held, hang, killed (the trainer died by a signal), traceback
-    (it raised out, or a Python traceback on stderr), silent (scores other than the honest ones)."""
+    (it raised out, or a Python traceback on stderr), lost_data (the file `kept` no longer holds
+    `text`), silent (scores other than the honest ones)."""
     if r["hang"]:
         return "hang"
     if r["rc"] is not None and r["rc"] < 0:
         return "killed"
     if "Traceback" in r["stderr"] or "scores" not in r and "error" not in r:
         return "traceback"
+    if kept is not None and kept.read_text() != text:
+        return "lost_data"
     if want_scores is not None and r.get("scores") != want_scores:
         return "silent"
     return "held"
@@ -267,7 +274,7 @@ def test_the_run_directory_is_not_writable_by_the_workers(tmp_path):
     metrics.parent.mkdir()
     metrics.write_text('{"step": 1}\n')
     r = trainer(tmp_path, _writes(metrics), ["1", "2"])
-    assert outcome(r, want_scores=[0.0, 0.0]) == "held", r
+    assert outcome(r, want_scores=[0.0, 0.0], kept=metrics, text='{"step": 1}\n') == "held", r
     assert metrics.read_text() == '{"step": 1}\n'
     assert r["outcomes"] == ["reward_errors"] * 2 and any("PermissionError" in m for m in r["logs"]), r["logs"]
 
@@ -277,7 +284,7 @@ def test_a_write_to_the_run_directory_stops_the_run_by_name_without_landlock(tmp
     metrics.parent.mkdir()
     metrics.write_text('{"step": 1}\n')
     r = trainer(tmp_path, _writes(metrics), ["1"], landlock=False)
-    assert outcome(r) == "held", r
+    assert outcome(r) == "held", r  # the file is overwritten, but the run stops by name before it appends
     assert r["error"].startswith("RunDirectoryWritten: reward.custom_function: 'compute_score'"), r
     assert "metrics.jsonl (size 12 -> 34 bytes)" in r["error"], r["error"]
 
@@ -363,3 +370,47 @@ def test_pfppo_train_closes_the_reward_workers_on_every_exit(tiny_run, tmp_path,
     else:
         assert cli._train(cfg) == (0 if ending == "success" else 3)
     assert len(seen) == 2 and not any(alive(p) for p in seen), seen
+
+
+# ----------------------------------------------------------------------------- counts per class
+
+def _counted_cases(root: Path) -> dict[str, str]:
+    """case -> outcome class, for the cases issue 24.4 counted (the kill(-1, 0) probe, the external
+    SIGTERM and the grandchild are this file's extra checks, not counted)."""
+    def at(name: str) -> Path:
+        (root / name).mkdir()
+        return root / name
+
+    out = {}
+    texts = [str(i) for i in range(1, 7)]
+    out["fork_returns_into_the_loop"] = outcome(trainer(at("a"), FORK_RETURNS, texts),
+                                                want_scores=[float(t) for t in texts])
+    out["forked_child_answers"] = outcome(trainer(at("b"), FORK_WRITES, ["1", "2", "3"]), want_scores=[1.0, 0.0, 3.0])
+    out["killpg_own_group"] = outcome(trainer(at("c"), KILLPG_OWN, ["1", "2", "3"]), want_scores=[1.0, 0.0, 3.0])
+    for k, call in enumerate(["os.kill(os.getppid(), signal.SIGTERM)",
+                              "os.killpg(os.getpgid(os.getppid()), signal.SIGTERM)"]):
+        body = KILLPG_OWN.replace("os.killpg(os.getpgid(0), signal.SIGTERM)   # \"clean up my process group\"", call)
+        out[f"signal_trainer_{'kill' if k == 0 else 'killpg'}"] = outcome(trainer(at(f"d{k}"), body, ["1", "2", "3"]),
+                                                                          want_scores=[1.0, 0.0, 3.0])
+    out["signal_trainer_libc"] = outcome(trainer(at("e"), KILL_PARENT_LIBC, ["1", "2", "3"]),
+                                         want_scores=[1.0, -1.0, 3.0])
+    out["ignores_sigterm_no_close"] = outcome(trainer(at("f"), IGNORES_SIGTERM, ["1", "2"], workers=2, close=False,
+                                                      timeout=30), want_scores=[1.0, 1.0])
+    run = at("g") / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = trainer(root / "g", _writes(run / "metrics.jsonl"), ["1"])
+    out["overwrites_metrics_jsonl"] = "held" if "RunDirectoryWritten" in r.get("error", "") else \
+        outcome(r, kept=run / "metrics.jsonl", text='{"step": 1}\n')
+    return out
+
+
+if __name__ == "__main__":  # PFPPO_TREE=<an older checkout> for the "before" column
+    import tempfile
+    from collections import Counter
+
+    with tempfile.TemporaryDirectory() as d:
+        cases = _counted_cases(Path(d))
+    for name, kind in cases.items():
+        print(f"{name:30s} {kind}")
+    print(json.dumps(dict(Counter(cases.values()))))
