@@ -52,8 +52,8 @@ def test_token_budget_plan_covers_every_row_once_within_the_budget():
             width = -(-max(lengths[i] for i in mb) // multiple) * multiple
             assert len(mb) * width <= budget and (cap is None or len(mb) <= cap), (budget, mb)
         assert plan == microbatch.by_token_budget(lengths, max_tokens=budget, max_rows=cap, multiple=multiple)
-    with pytest.raises(ValueError, match=r"a row of 9 tokens \(padded to 9\) does not fit .* max_tokens\(8\)"):
-        microbatch.by_token_budget([3, 9], max_tokens=8)
+    # a row longer than the budget runs alone (verl refuses the batch); the others still share
+    assert microbatch.by_token_budget([3, 9, 2, 3], max_tokens=8) == [[1], [0, 3], [2]]
 
 
 def test_token_budget_cuts_padding_on_a_ragged_distribution():
@@ -142,18 +142,14 @@ def test_ppo_update_matches_the_padded_path(world, kind):
 
 
 def test_config_keys_are_validated():
-    base = {"actor_rollout": {"model_path": "x"}, "data": {"max_prompt_length": 16},
-            "algorithm": {"max_response_length": 8}}
-    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = None: must be set"):
-        load_config_dict({**base, "training": {"use_dynamic_bsz": True}})
-    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = 20: must hold the longest row: "
-                                          r"at least .* \(24\)"):
-        load_config_dict({**base, "training": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 20}})
-    with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = 0"):
-        load_config_dict({**base, "training": {"max_tokens_per_micro_batch": 0}})
-    cfg = load_config_dict({**base, "training": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 24,
-                                                 "response_only_head": True}})
-    assert cfg.training.max_tokens_per_micro_batch == 24 and cfg.training.response_only_head
+    base = {"actor_rollout": {"model_path": "x"}}
+    for bad in (0, -5, 1.5, "many"):
+        with pytest.raises(ConfigError, match=r"training.max_tokens_per_micro_batch = "):
+            load_config_dict({**base, "training": {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": bad}})
+    with pytest.raises(ConfigError, match=r"training.response_only_head"):
+        load_config_dict({**base, "training": {"response_only_head": "yes please"}})
+    cfg = load_config_dict({**base, "training": {"use_dynamic_bsz": True, "response_only_head": True}})
+    assert cfg.training.max_tokens_per_micro_batch == 16384 and cfg.training.response_only_head  # verl's default
 
 
 # ----------------------------------------------------------------------------- the trainer

@@ -644,10 +644,10 @@ class TrainingConfig(Section):
                "fit in max_tokens_per_micro_batch (rows x its longest row), each cut to its longest row, so little "
                "is computed on padding (perf/padding_frac). micro_batch_size, when set, caps its rows. Results "
                "change only by the order of floating-point sums (tests/test_token_budget.py).")
-    max_tokens_per_micro_batch: Optional[int] = opt(
-        None, "With use_dynamic_bsz: the token budget of one micro-batch per data-parallel rank (verl's "
-              "ppo_max_token_len_per_gpu), at least the longest row (data.max_prompt_length + "
-              "algorithm.max_response_length). Required then; not read otherwise.")
+    max_tokens_per_micro_batch: int = opt(
+        16384, "With use_dynamic_bsz: the token budget of one micro-batch per data-parallel rank, rows x its "
+               "longest row (verl's ppo_max_token_len_per_gpu, same default); a row longer than it runs alone. "
+               "Not read otherwise.")
     response_only_head: bool = opt(
         False, "Run the LM head (and the critic's value head) only at the response tokens: the decoder's "
                "hidden states are cut to those positions before the head, so no logits are computed for "
@@ -693,11 +693,7 @@ class TrainingConfig(Section):
         _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
         _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0, le=C.MAX_STEPS)
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
-        _range(p, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, ge=1, le=C.MAX_COUNT * C.MAX_TOKENS,
-               optional=True)
-        if self.use_dynamic_bsz and self.max_tokens_per_micro_batch is None:
-            p.append(Problem("max_tokens_per_micro_batch", None, "must be set (a token budget per micro-batch) when "
-                             "training.use_dynamic_bsz is true"))
+        _range(p, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, ge=1, le=C.MAX_COUNT * C.MAX_TOKENS)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
         _range(p, "num_threads", self.num_threads, ge=1, le=C.MAX_THREADS)
         _range(p, "max_consecutive_skipped_updates", self.max_consecutive_skipped_updates, ge=0, le=C.MAX_STEPS)
@@ -912,11 +908,5 @@ class Config(Section):
             p.append(Problem("sft.carry_digit", self.sft.carry_digit,
                              f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
                              f"(no carry reaches a higher digit)"))
-        budget, longest = self.training.max_tokens_per_micro_batch, self.data.max_prompt_length + \
-            self.algorithm.max_response_length
-        if self.training.use_dynamic_bsz and isinstance(budget, int) and 1 <= budget < longest:
-            p.append(Problem("training.max_tokens_per_micro_batch", budget,
-                             f"must hold the longest row: at least data.max_prompt_length + "
-                             f"algorithm.max_response_length ({longest})"))
         if self.sft.warmup_steps >= self.sft.steps >= 1:
             p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))

@@ -276,9 +276,11 @@ FORWARD_MICRO = ("forward-only micro-batch (log-probs); here forward passes use 
                  + SPEED)
 REF_LAYOUT = "the reference model uses the actor's layout here (parallel.*)"
 CRITIC_LAYOUT = "the critic uses the actor's layout here (parallel.*)"
-DYNAMIC_BSZ = ("token-budget micro-batching: not implemented here; here micro-batches change memory and speed "
-               "only (every loss is normalised over the whole mini-batch). In verl's default (legacy) workers "
-               "each micro-batch's token-mean is averaged on its own, so there it also re-weights tokens slightly")
+DYNAMIC_BSZ = ("token-budget micro-batching follows actor_rollout_ref.actor.use_dynamic_bsz / "
+               "ppo_max_token_len_per_gpu here (training.use_dynamic_bsz, one budget for every pass); micro-batches "
+               "change memory and speed only (every loss is normalised over the whole mini-batch). In verl's default "
+               "(legacy) workers each micro-batch's token-mean is averaged on its own, so there it also re-weights "
+               "tokens slightly")
 NOT_MEGATRON_SCHED = "only used with an lr schedule other than constant (refused)"
 
 
@@ -746,8 +748,10 @@ RULES: tuple[Rule, ...] = (
     M(f"{A}.ppo_micro_batch_size_per_gpu", "training.micro_batch_size", _micro_batch, why='samples per data-parallel rank in both; memory and speed only here (the loss is normalised over the whole mini-batch)'),
     I(f"{A}.ppo_micro_batch_size", "verl's deprecated global micro-batch, divided by the data-parallel size at "
                                    "launch; set training.micro_batch_size (per rank); " + SPEED),
-    I(f"{A}.use_dynamic_bsz", DYNAMIC_BSZ),
-    I(f"{A}.ppo_max_token_len_per_gpu", DYNAMIC_BSZ),
+    M(f"{A}.use_dynamic_bsz", "training.use_dynamic_bsz",
+      why="token-budget micro-batches for the actor, the critic and the forward passes alike here"),
+    M(f"{A}.ppo_max_token_len_per_gpu", "training.max_tokens_per_micro_batch",
+      why="tokens per micro-batch per data-parallel rank in both (read only with use_dynamic_bsz)"),
     M(f"{A}.ppo_epochs", "algorithm.ppo_epochs"),
     I(f"{A}.shuffle", "here each epoch shuffles the rollout batch into mini-batches (verl's default keeps "
                       "rollout order); with one mini-batch per rollout the same"),

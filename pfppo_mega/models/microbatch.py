@@ -70,8 +70,8 @@ def by_token_budget(lengths: list[int], *, max_tokens: int, max_rows: int | None
     added to the current micro-batch while rows x padded length <= max_tokens (the padded length:
     its longest row rounded up to ``multiple``) and rows <= max_rows (None: no cap).
 
-    A row longer than max_tokens on its own is refused (ValueError): the budget must hold the
-    longest row. Deterministic: the same lengths always give the same plan."""
+    A row longer than max_tokens runs alone in its micro-batch (over the budget; verl refuses such a
+    batch). Deterministic: the same lengths always give the same plan."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens({max_tokens}) must be >= 1")
     if max_rows is not None and max_rows < 1:
@@ -83,10 +83,6 @@ def by_token_budget(lengths: list[int], *, max_tokens: int, max_rows: int | None
     def padded(n: int) -> int:
         return -(-n // multiple) * multiple
 
-    longest = padded(lengths[order[0]])
-    if longest > max_tokens:
-        raise ValueError(f"a row of {lengths[order[0]]} tokens (padded to {longest}) does not fit in a micro-batch "
-                         f"of max_tokens({max_tokens}) tokens: raise the budget to at least the longest row")
     plan: list[list[int]] = []
     current: list[int] = []
     width = 0  # padded length of the current micro-batch: its first (longest) row's
