@@ -40,7 +40,7 @@ REFUSED_AT_LOAD: dict[str, str] = {}  # config name -> the key its load refuses
 # What the gloo step replaces on CPU (config name -> feature): megatron's recompute needs CUDA.
 _70B = ("70b_pfppo.yaml", "70b_pfppo_h100.yaml", "70b_llama33_pfppo.yaml", "70b_llama33_pfppo_h100.yaml")
 SUBSTITUTED = {name: {"recompute"} for name in _70B}
-LAUNCH_TIMEOUT_S = 420
+LAUNCH_TIMEOUT_S = 600  # the configs' steps and the TP2 x PP2 trainer's two
 
 
 def _reduced(model):
@@ -135,11 +135,35 @@ def test_the_build_catches_what_megatron_asserts(monkeypatch):
         build_every_stage(cfg, sp)
 
 
-def test_every_config_trains_one_step_on_gloo():
-    """One launch of 4 ranks: every config's actor trains a step and its critic runs a forward."""
+def _trainer_config(root: Path) -> Path:
+    """tests/test_trainer_parallel.py's tiny config with its SFT checkpoint, for the TP2 x PP2 trainer
+    run that shares this launch (4 ranks are slow to start on 2 cores)."""
+    import json
+
+    from pfppo_mega.config import load_config_dict
+    from pfppo_mega.sft import run_sft
+    from test_trainer_parallel import CFG
+
+    cfg = json.loads(json.dumps(CFG))
+    cfg["sft"]["output_dir"] = str(root / "sft")
+    cfg["actor_rollout"] = {"model_path": str(root / "sft")}
+    cfg["logging"]["output_dir"] = str(root / "runs")
+    run_sft(load_config_dict(cfg), log=lambda *_: None)
+    path = root / "trainer.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_every_config_trains_one_step_on_gloo(tmp_path):
+    """One launch of 4 ranks: every config's actor trains a step and its critic runs a forward; then
+    the whole trainer at TP2 x PP2 generates every row once (generated / needed 1.00 over the job,
+    the rollout split across the 4 engines) with PF-PPO's assignment drawn by rank 0."""
+    import json
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests" / "multirank" / "config_steps.py"), *map(str, CONFIGS)]
+           str(REPO / "tests" / "multirank" / "config_steps.py"), *map(str, CONFIGS),
+           f"--trainer={_trainer_config(tmp_path)}"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -164,6 +188,16 @@ def test_every_config_trains_one_step_on_gloo():
     assert set(results) == {p.name for p in CONFIGS} - set(skipped)
     failed = [line for ok, line in results.values() if not ok]
     assert not failed, "\n".join(failed) + "\n" + err[-6000:]
+    trainer = [json.loads(line.split(" ", 2)[2]) for line in out.splitlines() if line.startswith("TRAINER tp2pp2 ")]
+    assert trainer, "the TP2 x PP2 trainer run printed no result\n" + err[-6000:]
+    r = trainer[0]
+    assert (r["tp"], r["pp"], r["dp"], r["rollout_tp"]) == (2, 2, 1, 1), r
+    assert r["generated_over_needed"] == [1.0, 1.0], r["generated_over_needed"]
+    assert r["assignment_from_rank0"], r["ranks"]
+    shares = [e["generated"] for e in r["ranks"]]
+    assert all(all(g > 0 for g in x) for x in shares), shares  # each of the 4 engines generated a share
+    print(f"trainer tp2 x pp2, rollout TP 1 (4 engines): generated/needed {r['generated_over_needed']}; "
+          f"tokens per rank per step {shares}")
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused_by_key(monkeypatch):

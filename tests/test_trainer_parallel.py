@@ -92,6 +92,29 @@ def test_every_row_is_generated_once_and_the_split_equals_one_engine(setup, layo
           f"{[(c['generated'], c['needed']) for c in r['split']]}")
 
 
+def test_rollout_tp2_generates_every_row_once_with_one_vllm_engine(setup):
+    """Rollout TP 2 with the real vLLM (one engine over both ranks, external launcher) under DP2: the
+    engine generates both replicas' rows once (generated / needed 1.00; its two ranks return the
+    same rows, counted once), PF-PPO's snapshot assignment is rank 0's draw on every rank, and the
+    engine's ranks received the refits and switches."""
+    from pfppo_mega.rollout.vllm import unavailable_reason
+
+    _, results = setup
+    if "vllm_rtp2" not in results:
+        assert unavailable_reason(), "the vLLM rollout-TP-2 run printed no result"
+        pytest.skip(unavailable_reason())
+    r = results["vllm_rtp2"]
+    assert (r["engine"], r["rollout_tp"], r["dp"]) == ("VLLMEngine", 2, 2), r
+    assert r["generated_over_needed"] == [1.0, 1.0], r["generated_over_needed"]
+    assert r["assignment_from_rank0"], r["ranks"]
+    a, b = r["ranks"]
+    assert a["generated"] == b["generated"] and all(g > 0 for g in a["generated"])  # one engine, both ranks
+    assert all(x > 0 for x in a["refit_bytes"]) or all(x > 0 for x in a["switch_bytes"])
+    print(f"rollout TP 2 (vLLM), trainer DP 2: generated/needed {r['generated_over_needed']}; per rank tokens "
+          f"{a['generated']} / {b['generated']}; refit bytes {a['refit_bytes']}, switch bytes {a['switch_bytes']}, "
+          f"host bytes {a['host_bytes']}")
+
+
 def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
     """DP2 vs DP1 on the same global batch: the reward z-scores (running moments) and quantile clip,
     the whitened advantages and the moments themselves agree; per-rank statistics would not."""

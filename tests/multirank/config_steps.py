@@ -1,7 +1,10 @@
 """Every shipped config's models, built and trained one step on gloo, in ONE torchrun launch of 4
 processes (started by tests/test_every_config.py):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/multirank/config_steps.py CONFIG...
+    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/multirank/config_steps.py CONFIG... \
+        [--trainer=CONFIG.json]
+
+(--trainer: afterwards, the whole trainer at TP2 x PP2 on these ranks, sharing the launch; see trainer_tp2pp2.)
 
 For each config: the model at reduced width (hidden 8 per head, ffn 2 x hidden, vocab 128, one
 layer per pipeline stage; heads and query groups kept), the config's layout clipped to these 4
@@ -122,9 +125,29 @@ def step(name: str, cfg) -> None:
     say(f"RESULT {name} step {'PASS' if all_ok(ok) else 'FAIL'} loss={loss:.4g} {note}")
 
 
+def trainer_tp2pp2(path: str) -> None:
+    """The whole PPO trainer at TP2 x PP2 (these 4 ranks, one replica) with PF-PPO, 2 steps, from the
+    config JSON of tests/test_trainer_parallel.py's setup: generated / needed tokens over the job and
+    rank 0's snapshot assignment (tests/multirank/trainer_layouts.py:split_run). Prints
+    ``TRAINER tp2pp2 <json>``."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trainer_layouts import pf_ppo, split_run
+
+    base = json.loads(Path(path).read_text())
+    d = pf_ppo(base, "tp2pp2", parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    try:
+        res = split_run(d, steps=2)
+    finally:
+        parallel.destroy_parallel()
+    say("TRAINER tp2pp2 " + json.dumps(res))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
-    for arg in sys.argv[1:]:
+    trainer = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--trainer=")]
+    for arg in (a for a in sys.argv[1:] if not a.startswith("--trainer=")):
         path = Path(arg)
         name = path.name
         try:
@@ -136,6 +159,8 @@ def main() -> None:
             say(f"SKIP {name} no model shape in the file (it comes from actor_rollout.model_path's config.json)")
             continue
         step(name, cfg)
+    for path in trainer:
+        trainer_tp2pp2(path)
     dist.barrier()
     dist.destroy_process_group()
 

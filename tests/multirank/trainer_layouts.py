@@ -102,6 +102,53 @@ def split_vs_single(tr: PPOTrainer) -> dict:
             "generated": work.generated, "needed": work.needed}
 
 
+def split_run(d: dict, steps: int) -> dict:
+    """A trainer with the layout and engine ``d`` names, ``steps`` steps with PF-PPO on (rank 0 draws
+    each step's snapshot assignment, every rank must hold the same table): the job's generated /
+    needed tokens per step, each rank's work, and whether every rank's assignment equals rank 0's
+    own draw (recorded around the broadcast)."""
+    from pfppo_mega.trainer import behaviour
+
+    drawn: list = []
+    broadcast = behaviour.broadcast_assignment
+
+    def recorded(assign, n, group=None):
+        out = broadcast(assign, n, group=group)
+        drawn.append((None if assign is None else assign.tolist(), out.tolist()))
+        return out
+
+    behaviour.broadcast_assignment = recorded
+    try:
+        tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+        metrics = [tr.train_step() for _ in range(steps)]
+    finally:
+        behaviour.broadcast_assignment = broadcast
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"drawn": drawn, "generated": [m["work/tokens_generated"] for m in metrics],
+                                      "refit_bytes": [m["work/refit_bytes_received"] for m in metrics],
+                                      "switch_bytes": [m["work/switch_bytes_received"] for m in metrics],
+                                      "host_bytes": [m.get("work/host_bytes_held") for m in metrics]})
+    rank0 = [mine for mine, _ in everyone[0]["drawn"]]
+    same = all([got for _, got in e["drawn"]] == rank0 for e in everyone)
+    return {"generated_over_needed": [m["rollout/generated_over_needed"] for m in metrics],
+            "assignment_from_rank0": same and len(rank0) == steps, "ranks": everyone,
+            "tp": tr.run.parallel.tp, "pp": tr.run.parallel.pp, "dp": tr.run.parallel.dp,
+            "rollout_tp": d["actor_rollout"].get("tensor_model_parallel_size", 1),
+            "engine": type(tr.run.engine).__name__}
+
+
+def pf_ppo(base: dict, name: str, **sections) -> dict:
+    """``base`` with PF-PPO on (a pool of 2, a snapshot every step) and ``sections`` merged in."""
+    d = json.loads(json.dumps(base))
+    d["algorithm"]["use_pf_ppo"] = True
+    d["algorithm"]["pool"] = {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/{name}"
+    d["checkpoint"] = {"save_interval": 0, "resume": False, "export_hf": False}
+    for sec, vals in sections.items():
+        d.setdefault(sec, {}).update(vals)
+    return d
+
+
 def _shard_state(tr: PPOTrainer) -> list[torch.Tensor]:
     """This rank's distributed-optimizer shards (fp32 main params, exp_avg, exp_avg_sq, step) of
     both models, in the optimizers' parameter order."""
@@ -245,6 +292,20 @@ def main(path: str) -> None:
         print("RESULT device_check", json.dumps({"requested": devicecheck.requested(), **devicecheck.TOTALS}),
               flush=True)
     destroy_parallel()
+    # last (an in-process vLLM changes the process): rollout TP 2 -- one vLLM engine over both ranks
+    # (external launcher) generating both DP replicas' rows, PF-PPO assignment from rank 0
+    from pfppo_mega.rollout.vllm import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        if dist.get_rank() == 0:
+            print("SKIP vllm_rtp2", why, flush=True)
+    else:
+        rtp2 = split_run(pf_ppo(base, "vllm_rtp2", actor_rollout={"engine": "vllm", "tensor_model_parallel_size": 2}),
+                         steps=2)
+        if dist.get_rank() == 0:
+            print("RESULT vllm_rtp2", json.dumps(rtp2), flush=True)
+        destroy_parallel()
     dist.destroy_process_group()
 
 
