@@ -171,3 +171,51 @@ def test_predicted_trainer_bytes_match_what_the_trainer_holds(sft_dir, tmp_path)
     assert checked >= 4
     print(f"trainer bytes on the device, after the first update: measured exceeds predicted by at most "
           f"{worst:.3%} (Adam step counters); before it, short by the {moments} B of Adam moments")
+
+
+# ----------------------------------------------------------------------------- per-rank work
+
+
+def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, monkeypatch):  # noqa: F811
+    """work/* per step (one rank): tokens generated = needed, weight bytes received = the full
+    plan's bytes x the refits and switches the engine took, checkpoint bytes = what each save
+    reported, host bytes held = the offload's host buffers + the pool's shards at the step's end."""
+    from pfppo_mega.trainer import loop, resume
+
+    reported: list[int] = []
+    save = resume.save
+
+    def counted(run, root, **kw):
+        out = save(run, root, **kw)
+        reported.append(generation.checkpoint_bytes(out))
+        return out
+
+    monkeypatch.setattr(loop.resume, "save", counted)
+    sections = _sections()
+    sections["checkpoint"] = {"save_interval": 1, "resume": False, "export_hf": False}
+    tr = PPOTrainer(_cfg(tmp_path, sft_dir, **sections), log=lambda *_: None)
+    updates, update_weights = [], tr.run.engine.update_weights
+    monkeypatch.setattr(tr.run.engine, "update_weights",
+                        lambda buckets, version: (updates.append(version), update_weights(buckets, version))[1])
+    res = tr.fit()
+    recs = [json.loads(line) for line in open(res.metrics_path)]
+    steps = [r for r in recs if "work/tokens_generated" in r]
+    assert len(steps) == 2
+    rest = tr.run.gen.take_work(tr.run.behaviour.pool)  # what came after the last record (final eval, save)
+    plan_bytes = tr.run.sync.plan_bytes()
+    got = sum(r["work/refit_bytes_received"] + r["work/switch_bytes_received"] for r in steps)
+    got += rest.refit_bytes + rest.switch_bytes
+    took = len(updates)  # a switch to the snapshot the engine holds already moves nothing
+    assert plan_bytes > 0 and got == took * plan_bytes, (got, took, plan_bytes)
+    assert all(r["work/tokens_generated"] == r["work/tokens_needed"] > 0 for r in steps)
+    written = sum(r["work/checkpoint_bytes_written"] for r in steps) + rest.checkpoint_bytes
+    assert len(reported) == 2 and written == sum(reported) > 0, (written, reported)
+    pool = tr.run.behaviour.pool
+    held_pool = sum(t.numel() * t.element_size() for s in pool.snapshots for _, t in s.tensors)
+    held_offload = sum(t.numel() for t in tr.run.offload._host)
+    assert rest.host_bytes == held_pool + held_offload and held_pool > 0 and held_offload > 0
+    assert steps[-1]["work/host_bytes_held"] > 0
+    print(f"work per step: tokens {[r['work/tokens_generated'] for r in steps]}, weight bytes received "
+          f"{[r['work/refit_bytes_received'] + r['work/switch_bytes_received'] for r in steps]} ({took} updates x "
+          f"{plan_bytes} B in all), checkpoint bytes {[r['work/checkpoint_bytes_written'] for r in steps]} "
+          f"(+ {rest.checkpoint_bytes} after the last record), host bytes held {[r['work/host_bytes_held'] for r in steps]}")
