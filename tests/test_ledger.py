@@ -219,3 +219,35 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
           f"{[r['work/refit_bytes_received'] + r['work/switch_bytes_received'] for r in steps]} ({took} updates x "
           f"{plan_bytes} B in all), checkpoint bytes {[r['work/checkpoint_bytes_written'] for r in steps]} "
           f"(+ {rest.checkpoint_bytes} after the last record), host bytes held {[r['work/host_bytes_held'] for r in steps]}")
+
+
+def test_on_cuda_the_recorder_puts_allocated_and_the_phase_peak_next_to_the_prediction(monkeypatch):
+    """The CUDA branch of MemoryRecorder.enter, with torch.cuda's counters faked (no GPU here):
+    memory_allocated at each transition, max_memory_allocated since the previous one filled into
+    that phase's record, the peak counter reset at every transition."""
+    import torch
+
+    cfg = load_config(CONFIGS_70B[0])
+    plan = make_plan(RunShape.from_config(cfg), Hardware.preset("h200", nodes=8, gpus_per_node=8), Knobs.from_config(cfg))
+    state = {"allocated": 0, "peak": 0, "resets": 0}
+
+    def reset(device=None):
+        state["resets"] += 1
+        state["peak"] = state["allocated"]
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+
+    class Offload:
+        def device_bytes(self):
+            return 123
+
+    rec = generation.MemoryRecorder(Ledger(plan.holdings[0], plan.hardware.gpu_memory), Offload(), torch.device("cuda"))
+    for i, phase in enumerate(BUILD_ORDER):
+        state["allocated"] = 1000 * i
+        rec.enter(phase)
+        state["peak"] = 1000 * i + 500  # what the phase reached before the next transition
+    got = [(r.measured["cuda_allocated"], r.measured.get("cuda_peak")) for r in rec.records]
+    assert got == [(1000 * i, 1000 * i + 500) for i in range(len(BUILD_ORDER) - 1)] + [(1000 * (len(BUILD_ORDER) - 1), None)]
+    assert state["resets"] == len(BUILD_ORDER) and all(r.measured["trainer_bytes"] == 123 for r in rec.records)
