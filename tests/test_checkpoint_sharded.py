@@ -224,3 +224,27 @@ def test_the_pool_is_written_in_place_and_not_reused_while_a_save_writes_it(sft_
     else:
         with pytest.raises(ckpt.CheckpointError, match=r"pool"):
             _resume(sft_small, out, algorithm=_PF)
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 2), (2, 4), (8, 8)])
+def test_each_pool_bucket_is_written_once_per_job_and_read_back_by_every_keeper(nodes, local):
+    """Every node keeps the same pool bytes (bucket k on node rank k mod L). Saving, bucket k is
+    written by exactly one rank (its keeper on node (k // L) mod nodes), so a job writes the pool
+    once, spread over all nodes; resuming, every rank finds all the buckets it keeps in the parts
+    pool_parts names."""
+    world, buckets = nodes * local, 3 * nodes * local + 1
+    ranks = [f"r{r}" for r in range(world)]
+    names = [f"{slot}/bucket.{k}" for slot in range(2) for k in range(buckets)]
+    written: dict[str, list[str]] = {}
+    for rank in range(world):
+        kept = [n for n in names if int(n.rsplit(".", 1)[1]) % local == rank % local]  # this rank keeps these
+        for n in kept:
+            if resume.pool_writer(n, local, nodes) == rank // local:
+                written.setdefault(n, []).append(ranks[rank])
+    assert sorted(written) == sorted(names) and all(len(w) == 1 for w in written.values())  # once each
+    per_rank = {r: sum(1 for w in written.values() if w == [r]) for r in ranks}
+    assert max(per_rank.values()) - min(per_rank.values()) <= 2 * -(-buckets // (local * nodes))  # spread
+    for rank in range(world):
+        kept = {n for n in names if int(n.rsplit(".", 1)[1]) % local == rank % local}
+        found = {n for n, (w,) in written.items() if w in resume.pool_parts(rank, ranks, local)}
+        assert kept <= found, rank

@@ -158,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--layouts: {bad} not among {sorted(LAYOUTS)}")
     from pfppo_mega.bench.kernels import git_sha, machine_info
-    from pfppo_mega.config import load_config_dict
-    from pfppo_mega.sft import run_sft
+    from pfppo_mega.config import dump_yaml, load_config_dict
 
     with tempfile.TemporaryDirectory(prefix="pfppo-bench-ckpt-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if not (work / "sft" / "config.json").exists():
-            run_sft(load_config_dict(_config(args, work)), log=lambda *_: None)
+        if not (work / "sft" / "config.json").exists():  # the warm start, by `pfppo sft`
+            (work / "sft.yaml").write_text(dump_yaml(load_config_dict(_config(args, work))))
+            subprocess.run([sys.executable, "-m", "pfppo_mega.cli", "sft", str(work / "sft.yaml")], check=True,
+                           capture_output=True, timeout=args.timeout)
         results = {"git": git_sha(), "machine": machine_info("cpu"), "hidden": args.hidden, "layers": args.layers,
                    "layouts": {}}
         for name in names:

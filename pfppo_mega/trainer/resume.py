@@ -9,8 +9,9 @@ part's manifest is on disk (checkpoint.py). A part holds:
   - ``optim.safetensors``: with parallel.use_distributed_optimizer, this rank's element ranges of
     the fp32 main params and Adam moments, by parameter name (checkpoint.optimizer_shard); a plain
     optimizer's state is in dp_rank 0's state;
-  - ``pool.safetensors``: the PF-PPO pool's buckets, written only by the ranks of the first node
-    (every node keeps the same bytes: bucket k on node rank k mod L), so the pool is written once;
+  - ``pool.safetensors``: the PF-PPO pool's buckets. Every node keeps the same bytes (bucket k on
+    node rank k mod L), so each bucket is written once per job, by its keeper on node
+    (k // L) mod nodes (pool_writer): the pool's writes spread over every node;
   - ``state.json`` / ``state.safetensors``: this rank's counters, RNG streams, data position,
     config, pool statistics and the frozen reference's identity (path + hash, not its weights).
 
@@ -191,8 +192,11 @@ def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
             opt_states[name] = opt.state_dict() if p.dp_rank == 0 else None
     if shard:
         tensors[OPTIM] = shard
-    if b.keeps_state and p.rank < _local_world(run):  # the first node's keepers write the pool's bytes
-        tensors["pool"] = b.state_tensors()
+    if b.keeps_state:  # the pool's bytes once per job: each bucket by its keeper on one node (pool_writer)
+        L, nodes = _local_world(run), max(1, p.world_size // _local_world(run))
+        mine = {n: t for n, t in b.state_tensors().items() if pool_writer(n, L, nodes) == p.rank // L}
+        if mine:
+            tensors["pool"] = mine
     state = {"step": st.step, "rank": {"rank": p.rank, "tp": p.tp_rank, "pp": p.pp_rank, "dp": p.dp_rank},
              "rng": run.rng.getstate(), "torch_rng": torch.get_rng_state(),
              "assign_rng": run.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
@@ -201,6 +205,19 @@ def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
              "pool": b.state_meta() if b.keeps_state else None,
              "reference": reference_identity(run.cfg.actor_rollout.model_path)}
     return tensors, state
+
+
+def pool_writer(name: str, local_world: int, nodes: int) -> int:
+    """The node whose keeper writes pool tensor `name` ("<slot>/bucket.<k>"): every node keeps the
+    same bytes (bucket k on node rank k mod L), so bucket k is written by node (k // L) mod nodes
+    only -- the job's writes spread over all nodes, each byte written once."""
+    bucket = name.rsplit("bucket.", 1)[-1]
+    return 0 if not bucket.isdigit() else (int(bucket) // local_world) % nodes
+
+
+def pool_parts(rank: int, ranks: list[str], local_world: int) -> list[str]:
+    """The parts holding the pool buckets global rank `rank` keeps: its node index's keeper on every node."""
+    return [ranks[n * local_world + rank % local_world] for n in range(len(ranks) // local_world)]
 
 
 def _nbytes(obj: Any) -> int:
@@ -418,8 +435,8 @@ def needed_parts(run: Run, saved: dict, ranks: list[str], *, distributed: bool) 
         parts = _coords(saved) if distributed else [ckpt.part_name(t, s, 0) for t in range(saved["tp"])
                                                     for s in range(saved["pp"])]
     parts.append(_state_part(run, saved))
-    if run.behaviour.keeps_state and saved == layout_of(run):  # the pool's bytes: this node index's keeper
-        parts.append(ranks[p.rank % saved["local_world"]])
+    if run.behaviour.keeps_state and saved == layout_of(run):  # the pool's bytes: this node index's keepers
+        parts += pool_parts(p.rank, ranks, saved["local_world"])
     return list(dict.fromkeys(parts))
 
 
@@ -751,10 +768,12 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
         run.prompts.load_state_dict(s["data"])
     except (ValueError, KeyError, TypeError) as e:
         need(False, f"state data (the data position) refused: {e}")
-    if has_pool:  # the same layout (checked): the bytes from the first node's rank of this node index
-        keeper = ranks[p.rank % old["local_world"]]
-        need("pool" in saved.groups(keeper), f"pool shards: part {keeper} holds no pool.safetensors")
-        run.behaviour.load_state(s["pool"], saved.tensors(keeper, "pool"), saved.step, need)
+    if has_pool:  # the same layout (checked): this node index's buckets, from the keeper on each node
+        pool: dict[str, torch.Tensor] = {}
+        for part in pool_parts(p.rank, ranks, old["local_world"]):
+            if "pool" in saved.groups(part):
+                pool.update(saved.tensors(part, "pool"))
+        run.behaviour.load_state(s["pool"], pool, saved.step, need)
     st.guards.update(s["guards"])
     st.consecutive_skips.update(s["consecutive_skips"])
     st.step = s["step"]
