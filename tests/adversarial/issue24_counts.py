@@ -8,7 +8,8 @@ ended badly, per class: 24 trained silently, 5 hung, 10 ended in a traceback, 5 
 1 lost data, 5 gave a vague message. It did not list all 50; CASES below are the ones it names,
 each with the class we read it as and the regression test (a pytest node id, every parameter
 of it) that checks the fixed behaviour, or None where no test covers it. A case is `held` when
-all of its tests pass, `still bad` when one fails, `skipped` when they skip here (e.g. CUDA).
+all of its tests pass, `still bad` when one fails, `skipped` when they skip here (e.g. CUDA),
+`not found` when pytest collected no test under its id (renamed or not importable).
 
 The "before" of the custom-reward-worker cases is measured too (the same cases on the tree before
 the fix): PFPPO_TREE=<checkout> python tests/adversarial/test_adv_reward_workers.py.
@@ -80,7 +81,7 @@ CASES = [
     ("24.7", "silent", "... a fixed text", T + "[<|user|>hello<|assistant|>-ignores the messages]"),
     ("24.7", "silent", "a template ending every prompt in EOS trained on with no warning", None),
     ("24.7", "hang", "a template looping for minutes", T + "[{% for i in range(99999) %}"),
-    ("24.7", "hang", "a 20 MB template", T + "[xxxx"),
+    ("24.7", "hang", "a 20 MB template", T + "[source8"),
     ("24.7", "traceback", "ZeroDivisionError from a template", T + "[{{ 1 / 0 }}"),
     ("24.7", "traceback", "OverflowError from a template", T + "[{% for i in range(10**9) %}"),
     ("24.7", "traceback", "RecursionError from a template", T + "[{% macro f(n) %}"),
@@ -125,7 +126,7 @@ def judge(selector: str | None, results: dict[str, str]) -> str:
     got = [k for n, k in results.items() if n == selector or n.startswith(selector if "[" in selector
                                                                             else selector + "[")]
     if not got:
-        return "still bad"  # not collected: the test is gone or does not import
+        return "not found"  # not collected: the test is gone, renamed, or does not import
     if "failed" in got:
         return "still bad"
     return "skipped" if all(k == "skipped" for k in got) else "held"
@@ -143,12 +144,13 @@ def main() -> int:
         per[cls][verdict] += 1
         rows.append({"item": item, "class": cls, "case": case, "test": sel, "after": verdict})
         print(f"{item:5s} {cls:10s} {verdict:10s} {case}")
-    print("\n| class | before (issue) | named cases here | held after | still bad | no regression test | skipped |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| class | before (issue) | named cases here | held after | still bad | no regression test | skipped | "
+          "test not found |")
+    print("|---|---|---|---|---|---|---|---|")
     for cls in CLASSES:
         c = per[cls]
         print(f"| {cls} | {ISSUE_BEFORE[cls]} | {sum(c.values())} | {c['held']} | {c['still bad']} | {c['no test']} "
-              f"| {c['skipped']} |")
+              f"| {c['skipped']} | {c['not found']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
