@@ -340,7 +340,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return m
 
 
-def verify(path: Path, *, threads: int = 1) -> dict[str, Any]:
+def verify(path: Path, *, threads: int = 1, hash_files: bool = True) -> dict[str, Any]:
     """Raise CheckpointError unless the manifest is well-formed, the directory holds exactly the
     files it lists (plus itself), all regular files, each with its size and sha256. Returns it."""
     if path.is_symlink() or not path.is_dir():
@@ -356,11 +356,16 @@ def verify(path: Path, *, threads: int = 1) -> dict[str, Any]:
         st = _regular_file(f, f"{path}: file {name} listed in the manifest is missing")
         if st.st_size != meta["bytes"]:
             raise CheckpointError(f"{f}: size {st.st_size} != manifest {meta['bytes']}")
-    names = list(files)
-    for name, digest in zip(names, _hash_files([path / n for n in names], threads)):
-        if digest != files[name]["sha256"]:
-            raise CheckpointError(f"{path / name}: sha256 mismatch (corrupted)")
+    if hash_files:
+        check_hashes([(path / n, files[n]["sha256"]) for n in files], threads)
     return manifest
+
+
+def check_hashes(expected: list[tuple[Path, str]], threads: int) -> None:
+    """Every file's sha256 against its manifest's, `threads` files at a time."""
+    for (f, want), digest in zip(expected, _hash_files([f for f, _ in expected], threads)):
+        if digest != want:
+            raise CheckpointError(f"{f}: sha256 mismatch (corrupted)")
 
 
 def _pointer_step(root: Path, log) -> int | None:
@@ -552,16 +557,18 @@ def read_sharded_manifest(path: Path) -> dict[str, Any]:
     return m
 
 
-def verify_part(path: Path, name: str, entry: dict[str, Any], step: int, *, threads: int = 1) -> dict[str, Any]:
+def verify_part(path: Path, name: str, entry: dict[str, Any], step: int, *, threads: int = 1,
+                hash_files: bool = True) -> dict[str, Any]:
     """Verify part `name` of sharded step directory `path` against its global manifest entry: its
-    manifest's sha256, then every file's (`threads` at a time). Returns the part's manifest."""
+    manifest's sha256, then every file's (`threads` at a time; hash_files=False: the caller hashes
+    them, e.g. several parts' files in one pool). Returns the part's manifest."""
     part = path / name
     mpath = part / MANIFEST
     _regular_file(mpath, f"{part}: no {MANIFEST} (this rank's write did not finish)")
     if _sha256(mpath) != entry["sha256"]:
         raise CheckpointError(f"{mpath}: sha256 differs from the global manifest's entry for part {name} "
                               f"(replaced or corrupted)")
-    manifest = verify(part, threads=threads)
+    manifest = verify(part, threads=threads, hash_files=hash_files)
     if manifest["step"] != step:
         raise CheckpointError(f"{mpath}: step = {manifest['step']}, the checkpoint's is {step}")
     return manifest

@@ -387,10 +387,13 @@ class Saved:
         self._files: dict[tuple[str, str], Any] = {}
 
     def verify(self, parts: list[str]) -> None:
+        """Check the parts' manifests, then hash all their files in one pool of `threads`."""
         todo = [p for p in parts if p not in self._verified]
-        for p in todo:  # each part's files are hashed `threads` at a time
-            self._verified[p] = ckpt.verify_part(self.path, p, self.manifest["parts"][p], self.step,
-                                                 threads=self.threads)
+        manifests = {p: ckpt.verify_part(self.path, p, self.manifest["parts"][p], self.step, hash_files=False)
+                     for p in todo}
+        ckpt.check_hashes([(self.path / p / n, meta["sha256"]) for p, m in manifests.items()
+                           for n, meta in m["files"].items()], self.threads)
+        self._verified.update(manifests)
 
     def groups(self, part: str) -> set[str]:
         files = self._verified[part]["files"]
