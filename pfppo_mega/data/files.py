@@ -71,6 +71,8 @@ def _json_rows(text: str, where: str, *, whole: bool) -> list[Any]:
             return json.loads(stripped)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise DataError(f"{where}: nested deeper than Python's JSON reader allows") from None
     rows = []
     for n, line in enumerate(text.splitlines()):
         if not line.strip():
@@ -79,6 +81,8 @@ def _json_rows(text: str, where: str, *, whole: bool) -> list[Any]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise DataError(f"{where} line {n + 1}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where} line {n + 1}: nested deeper than Python's JSON reader allows") from None
     return rows
 
 
@@ -129,6 +133,11 @@ def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, 
                 text = template.render(messages, add_generation_prompt=True)
             except ChatTemplateError as e:
                 raise DataError(f"{at}: {e}") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in JSON): no tokenizer can read it
+            raise DataError(f"{at}: the prompt is not valid Unicode ({e.reason} at character {e.start}: "
+                            f"{text[max(0, e.start - 20):e.start]!r} ...)") from None
         ids = tokenizer.encode(text, add_bos=not (bos and text.startswith(bos)))
         if len(ids) > max_prompt_length:
             if overlong == "error":

@@ -33,6 +33,7 @@ ISSUE_BEFORE = {"silent": 24, "hang": 5, "traceback": 10, "killed": 5, "lost_dat
 W = "tests/adversarial/test_adv_reward_workers.py::"
 T = "tests/test_chat_template_files.py::test_a_template_that_would_train_on_nothing_is_refused_at_start"
 RESUME = "tests/test_resume_edits.py::"
+R = "tests/adversarial/test_adv_rows_and_templates.py::"
 # (issue item, class, case, test node id or None)
 CASES = [
     ("24.1", "lost_data", "resume at another TP size restarted from step 0 over metrics.jsonl",
@@ -85,11 +86,13 @@ CASES = [
     ("24.7", "traceback", "ZeroDivisionError from a template", T + "[{{ 1 / 0 }}"),
     ("24.7", "traceback", "OverflowError from a template", T + "[{% for i in range(10**9) %}"),
     ("24.7", "traceback", "RecursionError from a template", T + "[{% macro f(n) %}"),
-    ("24.7", "traceback", "SyntaxError from a template", None),
-    ("24.7", "traceback", "a deeply nested JSONL row", None),
-    ("24.7", "traceback", "a lone surrogate in a row", None),
-    ("24.8", "vague", "'range() arg 3 must not be zero' without the template's file", None),
-    ("24.8", "vague", "'substring not found' without the template's file", None),
+    ("24.7", "traceback", "SyntaxError from a template", R + "test_a_template_error_names_the_templates_file[{% for %}"),
+    ("24.7", "traceback", "a deeply nested JSONL row", R + "test_a_row_nested_too_deep_is_refused_by_file"),
+    ("24.7", "traceback", "a lone surrogate in a row", R + "test_a_lone_surrogate_is_refused_by_row"),
+    ("24.8", "vague", "'range() arg 3 must not be zero' without the template's file",
+     R + "test_a_template_error_names_the_templates_file[{{ range(1, 5, 0)"),
+    ("24.8", "vague", "'substring not found' without the template's file",
+     R + "test_a_template_error_names_the_templates_file[{{ 'abc'.index('z') }}"),
     ("24.8", "vague", "a reward model's bad hidden_size without its config file",
      "tests/test_reward_model.py::test_bad_reward_models_are_refused_at_start_by_name"),
     ("24.8", "vague", "a reward model's bad vocab_size without its config file",
