@@ -190,3 +190,19 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path):
     for k in ("perf/prepare_matmul_frac", "perf/update_matmul_frac", "perf/rollout_floor_frac"):
         assert 0 < a[k] < 1.5 and 0 < b[k] < 1.5, k  # a fraction of what the machine did beside it
     assert a["perf/matmul_gflops"] > 0 and a["perf/memcpy_gbps"] > 0
+
+
+def test_bench_passes_reports_every_figure(world, tmp_path):
+    """python -m pfppo_mega.bench.passes at the tiny shape: both paths and the rollout measured."""
+    from pfppo_mega.bench import passes
+
+    out = passes.main(["--shape", "tiny", "--rows", "6", "--max-response", "12", "--new-tokens", "4",
+                       "--threads", "1", "--out", str(tmp_path / "passes.json")])
+    assert json.loads((tmp_path / "passes.json").read_text())["paths"].keys() == {"padded", "token_budget"}
+    padded, budget = out["paths"]["padded"], out["paths"]["token_budget"]
+    assert budget["padding_frac"] < padded["padding_frac"] and budget["head_waste_frac"] == 0 < padded["head_waste_frac"]
+    for loss in ("actor_loss", "critic_loss"):  # both paths start from the same weights
+        assert abs(budget[loss] - padded[loss]) <= 1e-6 * max(1.0, abs(padded[loss])), loss
+    for r in (padded, budget):
+        assert 0 < r["prepare_matmul_frac"] < 1.5 and 0 < r["update_matmul_frac"] < 1.5
+    assert 0 < out["rollout"]["floor_frac"] < 1.5 and out["rollout"]["new_tokens"] == 6 * 4

@@ -22,10 +22,6 @@ def policy_logp(run: Run, model, inp: PackedInputs, tally=None) -> tuple[torch.T
                                         kernels=run.kernels)
 
 
-def micro_batch_size(run: Run, rows: int) -> int:
-    return run.cfg.training.micro_batch_size or rows
-
-
 def evaluate(run: Run) -> dict[str, float]:
     """Held-out accuracy of the current weights: sampled at the rollout temperature (the
     policy's own success rate, seeded) and greedy."""
