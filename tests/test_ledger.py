@@ -251,3 +251,23 @@ def test_on_cuda_the_recorder_puts_allocated_and_the_phase_peak_next_to_the_pred
     got = [(r.measured["cuda_allocated"], r.measured.get("cuda_peak")) for r in rec.records]
     assert got == [(1000 * i, 1000 * i + 500) for i in range(len(BUILD_ORDER) - 1)] + [(1000 * (len(BUILD_ORDER) - 1), None)]
     assert state["resets"] == len(BUILD_ORDER) and all(r.measured["trainer_bytes"] == 123 for r in rec.records)
+
+
+def test_a_reward_model_stays_on_the_gpu_through_the_offload():
+    """TrainerOffload moves the actor, critic and reference; a reward model's weights stay: the
+    ledger keeps them on the device while the engine generates, and the plan's rollout budget says so."""
+    from pfppo_mega.families import DecoderShape
+
+    rm = DecoderShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                      num_query_groups=8, vocab_size=128256, max_position_embeddings=8192, norm_epsilon=1e-5,
+                      tie_word_embeddings=False, rope_theta=500000.0)
+    cfg = load_config(CONFIGS_70B[0])
+    hw = Hardware.preset("h200", nodes=8, gpus_per_node=8)
+    plan = make_plan(RunShape.from_config(cfg, None, rm), hw, Knobs.from_config(cfg))
+    h = plan.holdings[0]
+    assert h.kept == ("reward model weights (bf16)",)
+    generate = next(r for r in plan.ledger[0] if r.phase == "generate")
+    on_gpu = {x.name: x.bytes for x in generate.device if x.name in {t.name for t in h.trainer}}
+    assert list(on_gpu) == ["reward model weights (bf16)"] and on_gpu["reward model weights (bf16)"] > 0
+    kept = {c.name: c.bytes for c in plan.rollout.components}["trainer states kept on the GPU"]
+    assert kept == on_gpu["reward model weights (bf16)"]

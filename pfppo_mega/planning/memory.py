@@ -254,6 +254,9 @@ def _rollout_budget(h: RankHoldings, rec: PhaseRecord, hw: Hardware, run: RunSha
     trainer = sum(held[x.name].bytes for x in h.trainer if x.name in held)
     if offload:
         note = "trainer states offloaded to host"
+        if trainer:  # what no offload moves (a reward model's weights)
+            comps.append(Component("trainer states kept on the GPU", trainer, "the reward model's weights "
+                                   "(TrainerOffload moves the actor, critic and reference)"))
     else:
         comps.append(Component("trainer states (not offloaded)", trainer,
                                f"{_trained(run)} train states + reference weights stay on the GPU"))

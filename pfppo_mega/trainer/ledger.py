@@ -421,6 +421,7 @@ class RankHoldings:
     offload: bool
     kv_per_token: float = 0.0
     util: float = 0.0
+    kept: tuple[str, ...] = ()          # trainer holdings no offload moves (a reward model stays on the device)
 
     def kv_for(self, capacity: Optional[float]) -> Holding:
         """The KV cache at this capacity: utilization x capacity - weights - workspace (vLLM on a GPU)."""
@@ -507,10 +508,12 @@ def rank_holdings(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, rol
     if run.reference:
         trainer.append(Holding(f"reference weights ({SHORT[run.params_dtype]})", w * na,
                                f"{w} B x actor params on this rank (forward only)"))
+    kept: tuple[str, ...] = ()
     if run.reward_model is not None:  # scalar head, same layout as the actor (rewards/model.py)
         nr = stage_param_count(run.reward_model, layout.tp, layout.pp, pp_rank, "value")
         trainer.append(Holding(f"reward model weights ({SHORT[run.params_dtype]})", w * nr,
                                f"{w} B x reward-model params on this rank (forward only)"))
+        kept = (trainer[-1].name,)  # TrainerOffload moves the actor, critic and reference only
     act_a, f_a = _activations(run, knobs, layout, pp_rank, b, m, logits=True)
     act_c, f_c = _activations(run, knobs, layout, pp_rank, b, m, logits=False)
     which, act, formula = ("actor", act_a, f_a) if act_a >= act_c or not run.critic else ("critic", act_c, f_c)
@@ -557,7 +560,7 @@ def rank_holdings(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, rol
     host_reserve = Holding("host reserve share", knobs.host_reserve_gib * GiB / gpus_per_node,
                            f"{knobs.host_reserve_gib:g} GiB per node / {gpus_per_node} ranks")
     return RankHoldings(
-        pp_rank=pp_rank, actor_params=na, critic_params=nc, trainer=tuple(trainer), late=trainer[0].name,
+        pp_rank=pp_rank, actor_params=na, critic_params=nc, trainer=tuple(trainer), late=trainer[0].name, kept=kept,
         engine_weights=engine_w, engine_kv=kv, kv_mode=kv_mode,
         engine_workspace=Holding("engine workspace", workspace, "activations and sampler (--rollout-workspace-gib)"),
         engine_on_device=vllm or not on_cuda, engine_sleeps=vllm and on_cuda, sleep_level=run.sleep_level,
@@ -642,7 +645,7 @@ class Ledger:
         if phase == "build trainer":
             self.device.update((x.name, x) for x in h.trainer)
         elif phase == "offload trainer" and h.offload:
-            self._move_out([x.name for x in h.trainer if x.name != h.late])
+            self._move_out([x.name for x in h.trainer if x.name != h.late and x.name not in h.kept])
         elif phase == "offload actor weights" and h.offload:
             self._move_out([h.late])
         elif phase == "build engine":  # the engine starts awake; vLLM profiles its workspace there
