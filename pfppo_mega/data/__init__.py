@@ -40,6 +40,8 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
         src = AdditionPrompts(AdditionTask.from_config(d), tokenizer, rng)
         return PromptData(train=src, val=src.eval_samples(d.eval_size), train_rows=[])
     template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
+    for note in template.notes if template is not None else ():
+        log(f"[pfppo] warning: {note}")
     keys = Keys(prompt=d.prompt_key, data_source=d.data_source_key, ground_truth=d.ground_truth_key,
                 extra_info=d.extra_info_key)
     common = dict(keys=keys, tokenizer=tokenizer, template=template, max_prompt_length=d.max_prompt_length,

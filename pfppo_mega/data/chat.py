@@ -62,6 +62,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{where}: chat_template does not compile: {e}") from None
         self.special_tokens = {k: v or "" for k, v in special_tokens.items()}
+        self.notes: list[str] = []  # what the probe found worth saying at start (build_prompt_data logs it)
         self._probe()
 
     def _probe(self) -> None:
@@ -73,6 +74,11 @@ class ChatTemplate:
             if mark not in out:
                 raise ChatTemplateError(f"{self.where}: chat_template ignores the messages (a user message "
                                         f"{mark!r} rendered as {out[:120]!r}): prompts would not reach the model")
+        eos = self.special_tokens.get("eos_token", "")
+        if eos and all(out.rstrip().endswith(eos) for out in outs):
+            self.notes.append(f"{self.where}: chat_template ends every prompt with the EOS token {eos!r} (a user "
+                              f"message rendered as {outs[0][-120:]!r}): the model is asked to continue after "
+                              f"end-of-sequence; a generation prompt usually ends with the assistant's header")
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         try:
