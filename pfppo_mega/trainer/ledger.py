@@ -692,11 +692,24 @@ class Ledger:
         return [self.enter(p) for p in phases]
 
 
+# what to change when a phase does not fit (config keys)
+REMEDY = {
+    "update": "training.micro_batch_size, training.recompute, parallel.use_distributed_optimizer or a longer pipeline",
+    "prepare": "training.micro_batch_size",
+    "generate": "actor_rollout.gpu_memory_utilization, training.offload_during_rollout",
+    "wake kv cache": "actor_rollout.gpu_memory_utilization, training.offload_during_rollout",
+    "build engine": "actor_rollout.gpu_memory_utilization, training.offload_during_rollout",
+    "refit": "actor_rollout.refit_bucket_mb, actor_rollout.tensor_model_parallel_size",
+    "switch": "actor_rollout.refit_bucket_mb, actor_rollout.tensor_model_parallel_size",
+}
+
+
 def overflow_message(rec: PhaseRecord) -> str:
     parts = ", ".join(f"{x.name} {x.bytes / GiB:.3f}" for x in sorted(rec.device, key=lambda x: -x.bytes))
+    fix = REMEDY.get(rec.phase, "the order of the calls (this phase should not hold this much)")
     return (f"device memory ledger: phase {rec.phase!r} needs {rec.device_bytes / GiB:.3f} GiB "
             f"({int(rec.device_bytes)} B) of the card's {rec.capacity / GiB:.3f} GiB ({int(rec.capacity)} B), over by "
-            f"{rec.over / GiB:.3f} GiB; on the device (GiB): {parts}")
+            f"{rec.over / GiB:.3f} GiB; on the device (GiB): {parts}. Keys that change it: {fix}")
 
 
 def min_capacity(holdings: RankHoldings, phases) -> float:
