@@ -165,17 +165,19 @@ def test_a_global_manifest_that_breaks_its_schema_is_named(sft_small, run_dir, t
         _resume(sft_small, out)
 
 
-def test_a_pf_ppo_checkpoint_at_another_layout_is_refused_by_name(sft_small, tmp_path):
-    """The pool keeps bucket k on node rank k mod L: not resharded; the layout in the manifest is
-    edited to another DP size (as a 2-rank run would have written it)."""
+def test_a_pf_ppo_pool_of_another_bucket_plan_is_refused_by_name(sft_small, tmp_path):
+    """The pool is kept in the rollout layout's buckets: a resume whose bucket plan differs
+    (actor_rollout.refit_bucket_mb) cannot re-deal it and says so; with the same plan it resumes
+    even when the manifest's node size differs (the buckets re-dealt to this run's keepers)."""
+    pf = {"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}}
     out = tmp_path / "run"
-    _two_steps(sft_small, out, algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+    _two_steps(sft_small, out, algorithm=pf, actor_rollout={"refit_bucket_mb": 0.01})
+    with pytest.raises(ckpt.CheckpointError, match=r"pool snapshots do not have the model's layout"):
+        _resume(sft_small, out, algorithm=pf)  # the default bucket size: another plan
     for step in (1, 2):
-        s = out / "checkpoints" / f"step_{step:06d}"
-        _edit_global(s, lambda m: m["layout"].update(local_world=2))
-    with pytest.raises(ckpt.CheckpointError, match=r"with 2 ranks per node, this run has tp=1 pp=1 dp=1 with 1: the "
-                                                   r"PF-PPO pool keeps bucket k on node rank k mod"):
-        _resume(sft_small, out, algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+        _edit_global(out / "checkpoints" / f"step_{step:06d}", lambda m: m["layout"].update(local_world=2))
+    tr, msgs = _resume(sft_small, out, algorithm=pf, actor_rollout={"refit_bucket_mb": 0.01})
+    assert tr.step == 2 and len(tr.run.behaviour.pool.versions) == 2, msgs
 
 
 def test_an_older_format_is_refused_by_name(sft_small, tmp_path):

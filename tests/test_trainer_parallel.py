@@ -195,8 +195,10 @@ def test_a_resume_at_another_layout_is_refused_by_name_not_restarted(setup):
     assert (metrics.read_bytes() if metrics.exists() else None) == before
 
 
-def _resume_here(name: str, **parallel_cfg):
+def _resume_here(name: str, sections: dict | None = None, **parallel_cfg):
     cfg = json.loads(json.dumps(RUNS["cfg"]))
+    for sec, vals in (sections or {}).items():
+        cfg.setdefault(sec, {}).update(vals)
     cfg["logging"]["output_dir"] = str(Path(cfg["logging"]["output_dir"]) / name)
     cfg["checkpoint"] = {"resume": True, "export_hf": False}
     cfg["parallel"] = parallel_cfg
@@ -258,4 +260,23 @@ def test_a_dp2_distributed_optimizer_checkpoint_resumes_at_dp1_exactly(setup):
                 assert (a, b) == (0, whole.numel()) and torch.equal(v.detach(), whole), (names[p], k)
                 compared += 1
     assert compared > 0
+    assert math.isfinite(tr.train_step()["policy/pg_loss"])
+
+
+def test_a_dp2_pf_ppo_checkpoint_resumes_at_dp1_with_the_whole_pool(setup):
+    """The DP2 PF-PPO checkpoint (each rank kept half of every snapshot) resumed by one process:
+    its single rank keeps every bucket now, re-dealt from both ranks' parts -- the same versions and
+    producer checksums as the two halves together -- and switches to them in the next step."""
+    import math
+
+    _, results = setup
+    r = results["dp2_pf_resume"]
+    pf = {"algorithm": {"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}},
+          "actor_rollout": {"refit_bucket_mb": 0.01}}
+    tr, msgs = _resume_here("dp2_pf", pf)
+    assert tr.step == 2 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
+    pool = tr.run.behaviour.pool
+    a, b = r["ranks"]
+    assert pool.versions == a["versions"]
+    assert sorted(i for c in pool._producer_checksums.values() for i in c) == sorted(a["kept"] + b["kept"])
     assert math.isfinite(tr.train_step()["policy/pg_loss"])

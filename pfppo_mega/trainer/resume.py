@@ -25,8 +25,9 @@ checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for ev
 Resuming: the ranks agree on the newest step every rank can verify (each hashes only the parts it
 reads, in threads, once); then each installs what it owns in this run's layout. A DP change
 re-slices the distributed optimizer by parameter name and element range; a TP/PP change reshards
-the weights and moments (models/reshard.py). What cannot be resharded (the PF-PPO pool at another
-world size or node size, a plain optimizer at another TP/PP) is refused by name, never restarted.
+the weights and moments (models/reshard.py); the PF-PPO pool (in the rollout layout) is re-dealt
+to the keepers of the new node size. What cannot be resharded (a plain optimizer at another
+TP/PP, a pool of another bucket plan) is refused by name, never restarted.
 """
 
 from __future__ import annotations
@@ -438,8 +439,8 @@ def needed_parts(run: Run, saved: dict, ranks: list[str], *, distributed: bool) 
         parts = _coords(saved) if distributed else [ckpt.part_name(t, s, 0) for t in range(saved["tp"])
                                                     for s in range(saved["pp"])]
     parts.append(_state_part(run, saved))
-    if run.behaviour.keeps_state and saved == layout_of(run):  # the pool's bytes: this node index's keepers
-        parts += pool_parts(p.rank, ranks, saved["local_world"])
+    if run.behaviour.keeps_state:  # the pool's bytes: this node index's keepers (another layout: every part)
+        parts += pool_parts(p.rank, ranks, saved["local_world"]) if saved == layout_of(run) else _coords(saved)
     return list(dict.fromkeys(parts))
 
 
@@ -657,12 +658,44 @@ def _check_layout(run: Run, saved: Saved, need) -> None:
                         f"another tensor/pipeline layout; resume at the layout it was written at, or with "
                         f"parallel.use_distributed_optimizer=true on both sides, or use another logging.output_dir, "
                         f"or checkpoint.resume=false (the HF export of a run loads at any layout)")
-    if run.behaviour.keeps_state:
-        need(old == mine, f"written at tp={old['tp']} pp={old['pp']} dp={old['dp']} with {old['local_world']} ranks "
-                          f"per node, this run has tp={p.tp} pp={p.pp} dp={p.dp} with {mine['local_world']}: the "
-                          f"PF-PPO pool keeps bucket k on node rank k mod (ranks per node) and is not resharded; "
-                          f"resume at the layout it was written at, or use another logging.output_dir, or "
-                          f"checkpoint.resume=false")
+
+
+def _pool_share(run: Run, saved: Saved, ranks: list[str], meta: Any, need) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The pool statistics and the bucket tensors this rank keeps. Same layout: its node index's
+    buckets from the keeper on each node. Another layout (another world or node size): the buckets
+    it keeps now (bucket k on node rank k mod L) picked from every part that wrote some, and each
+    snapshot's entry rebuilt for that set (its checksum over those bytes, which the parts' sha256
+    verified); the bucket plan must be the same (load_state compares it with the live pool)."""
+    from pfppo_mega.pool.sharded import NONE
+    from pfppo_mega.pool.snapshots import compute_checksum
+
+    old, p = saved.layout, run.parallel
+    if old == layout_of(run):
+        pool: dict[str, torch.Tensor] = {}
+        for part in pool_parts(p.rank, ranks, old["local_world"]):
+            if "pool" in saved.groups(part):
+                pool.update(saved.tensors(part, "pool"))
+        return meta, pool
+    need(isinstance(meta, dict) and isinstance(meta.get("snapshots"), list),
+         "state pool must hold the pool's snapshots (a list)")
+    everything: dict[str, str] = {}  # "<slot>/bucket.<k>" -> the part that wrote it
+    for part in _coords(old):
+        if "pool" in saved.groups(part):
+            everything.update({n: part for n in saved.file(part, "pool").keys()})
+    L = _local_world(run)
+    j = p.rank % L
+    pool, snapshots = {}, []
+    for slot, entry in enumerate(meta["snapshots"]):
+        need(isinstance(entry, dict), f"state pool snapshot {slot} must be an object")
+        mine = sorted((int(n.rsplit(".", 1)[1]), n) for n in everything
+                      if n.startswith(f"{slot}/bucket.") and n.rsplit(".", 1)[1].isdigit()
+                      and int(n.rsplit(".", 1)[1]) % L == j)
+        named = [(n.split("/", 1)[1], saved.file(everything[n], "pool").get_tensor(n)) for _, n in mine]
+        if not named:  # more ranks per node than buckets: this rank keeps none
+            named = [(NONE, torch.zeros(0, dtype=torch.uint8))]
+        pool.update({f"{slot}/{n}": t for n, t in named})
+        snapshots.append({**entry, "names": [n for n, _ in named], "checksum": compute_checksum(named, "fingerprint")})
+    return {**meta, "snapshots": snapshots}, pool
 
 
 def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
@@ -771,12 +804,9 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
         run.prompts.load_state_dict(s["data"])
     except (ValueError, KeyError, TypeError) as e:
         need(False, f"state data (the data position) refused: {e}")
-    if has_pool:  # the same layout (checked): this node index's buckets, from the keeper on each node
-        pool: dict[str, torch.Tensor] = {}
-        for part in pool_parts(p.rank, ranks, old["local_world"]):
-            if "pool" in saved.groups(part):
-                pool.update(saved.tensors(part, "pool"))
-        run.behaviour.load_state(s["pool"], pool, saved.step, need)
+    if has_pool:
+        meta, pool = _pool_share(run, saved, ranks, s["pool"], need)
+        run.behaviour.load_state(meta, pool, saved.step, need)
     st.guards.update(s["guards"])
     st.consecutive_skips.update(s["consecutive_skips"])
     st.step = s["step"]
