@@ -343,8 +343,9 @@ class CustomReward:
             r = self.reward
             pids = [p.proc.pid for p in r._procs]
             print(f"pfppo: SIGTERM reached the trainer (pid {os.getpid()}) while {r.where} ran in its workers "
-                  f"(pids {pids}); if that function signals processes (os.kill, os.killpg, a kill command) it "
-                  f"may be the sender. The trainer ends as SIGTERM asks.", file=sys.stderr, flush=True)
+                  f"(pids {pids}); the sender is that function if it signals processes (os.kill, os.killpg, a "
+                  f"kill command), else the launcher (torchrun, Slurm, a user). The trainer ends as SIGTERM asks.",
+                  file=sys.stderr, flush=True)
             self._disarm()
             r.close()
             signal.raise_signal(signal.SIGTERM)  # the disposition the trainer had (default: end)
