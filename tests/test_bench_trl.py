@@ -1,0 +1,24 @@
+"""pfppo bench trl's arithmetic and refusals (the benchmark itself needs the optional TRL packages and
+the imported model; its figures are in docs/experiments/llm/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pfppo_mega.bench import trl
+
+
+def test_ratios_are_against_trl():
+    s = trl.summarize({"trl_grpo": {"step_s": [30.0, 34.0, 32.0], "tokens": [300, 340, 320]},
+                       "ours_grpo": {"step_s": [10.0, 12.0, 11.0], "tokens": [330, 360, 330]}})
+    assert s["trl_grpo"]["steps_per_s_ratio_to_trl"] == pytest.approx(1.0)
+    assert s["ours_grpo"]["median_step_s"] == 11.0
+    assert s["ours_grpo"]["steps_per_s_ratio_to_trl"] == pytest.approx(32.0 / 11.0)
+    assert s["ours_grpo"]["tokens_per_s_ratio_to_trl"] == pytest.approx((1020 / 33.0) / (960 / 96.0))
+
+
+def test_unknown_arm_and_missing_model_are_refused(tmp_path, capsys):
+    assert trl.main(["--arms", "trl_grpo,verl"]) == 2
+    assert "allowed trl_grpo, ours_grpo, ours_ppo" in capsys.readouterr().err
+    assert trl.main(["--model", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl")]) == 2
+    assert "make demo-llm" in capsys.readouterr().err
