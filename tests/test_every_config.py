@@ -196,8 +196,11 @@ def test_every_config_trains_one_step_on_gloo(tmp_path):
     assert r["assignment_from_rank0"], r["ranks"]
     shares = [e["generated"] for e in r["ranks"]]
     assert all(all(g > 0 for g in x) for x in shares), shares  # each of the 4 engines generated a share
+    for rank, c in enumerate(r["split"]):  # the exchanged rows = one engine generating the batch alone
+        assert c["tokens_equal"] and c["logp_max_gap"] == 0.0 and 0 < c["generated"] < c["needed"], (rank, c)
     print(f"trainer tp2 x pp2, rollout TP 1 (4 engines): generated/needed {r['generated_over_needed']}; "
-          f"tokens per rank per step {shares}")
+          f"tokens per rank per step {shares}; split check per rank (generated, needed) "
+          f"{[(c['generated'], c['needed']) for c in r['split']]}, rows equal to one engine's")
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused_by_key(monkeypatch):

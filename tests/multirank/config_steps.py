@@ -138,7 +138,7 @@ def trainer_tp2pp2(path: str) -> None:
     base = json.loads(Path(path).read_text())
     d = pf_ppo(base, "tp2pp2", parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
     try:
-        res = split_run(d, steps=2)
+        res = split_run(d, steps=2, against_one_engine=True)
     finally:
         parallel.destroy_parallel()
     say("TRAINER tp2pp2 " + json.dumps(res))

@@ -102,11 +102,12 @@ def split_vs_single(tr: PPOTrainer) -> dict:
             "generated": work.generated, "needed": work.needed}
 
 
-def split_run(d: dict, steps: int) -> dict:
+def split_run(d: dict, steps: int, *, against_one_engine: bool = False) -> dict:
     """A trainer with the layout and engine ``d`` names, ``steps`` steps with PF-PPO on (rank 0 draws
     each step's snapshot assignment, every rank must hold the same table): the job's generated /
     needed tokens per step, each rank's work, and whether every rank's assignment equals rank 0's
-    own draw (recorded around the broadcast)."""
+    own draw (recorded around the broadcast); ``against_one_engine`` (an engine each rank can call
+    alone): split_vs_single afterwards."""
     from pfppo_mega.trainer import behaviour
 
     drawn: list = []
@@ -130,7 +131,10 @@ def split_run(d: dict, steps: int) -> dict:
                                       "host_bytes": [m.get("work/host_bytes_held") for m in metrics]})
     rank0 = [mine for mine, _ in everyone[0]["drawn"]]
     same = all([got for _, got in e["drawn"]] == rank0 for e in everyone)
-    return {"generated_over_needed": [m["rollout/generated_over_needed"] for m in metrics],
+    split: list = [None] * dist.get_world_size()
+    if against_one_engine:  # the split rows vs this rank's engine generating the replica's batch alone
+        dist.all_gather_object(split, split_vs_single(tr))
+    return {"generated_over_needed": [m["rollout/generated_over_needed"] for m in metrics], "split": split,
             "assignment_from_rank0": same and len(rank0) == steps, "ranks": everyone,
             "tp": tr.run.parallel.tp, "pp": tr.run.parallel.pp, "dp": tr.run.parallel.dp,
             "rollout_tp": d["actor_rollout"].get("tensor_model_parallel_size", 1),
@@ -268,13 +272,13 @@ def main(path: str) -> None:
             inv = dp_invariance(tr)
             if tr.run.is_logger:
                 print("RESULT dp2_invariance", json.dumps(inv), flush=True)
-        if name == "tp2":  # resume from the per-model-parallel-rank checkpoints, take one more step
+        if name in ("tp2", "pp2"):  # resume from the sharded checkpoint, take one more step
             d["checkpoint"]["resume"] = True
             again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
             m = again.train_step()
             if again.run.is_logger:
-                print("RESULT tp2_resumed", json.dumps({"step": again.step, "pg_loss": m["policy/pg_loss"]}),
-                      flush=True)
+                print(f"RESULT {name}_resumed", json.dumps({"step": again.step, "pg_loss": m["policy/pg_loss"],
+                                                            "metrics": {k: m[k] for k in KEYS}}), flush=True)
         destroy_parallel()
     result = dp2_distributed_optimizer(base)
     if dist.get_rank() == 0:
