@@ -135,7 +135,7 @@ def test_data_parallel_batch_statistics_do_not_depend_on_dp_size(setup):
 
 def test_resume_from_sharded_checkpoints(setup):
     _, results = setup
-    assert results["tp2_resumed"]["step"] == 4
+    assert results["tp2_resumed"]["step"] == 4 and results["pp2_resumed"]["step"] == 4
 
 
 def test_distributed_optimizer_shards_survive_a_dp2_checkpoint(setup):
@@ -175,24 +175,34 @@ def test_every_layout_passes_the_device_check(setup):
     print(f"device check over the 2-rank layouts: {r}")
 
 
-def test_a_resume_at_another_layout_is_refused_by_name_not_restarted(setup):
-    """The TP2 run's checkpoints (a plain optimizer, kept by parameter index) resumed by one process
-    (TP1): refused with both layouts named, and its metrics.jsonl is left as it was (it used to
-    restart from step 0 and overwrite it)."""
-    from pfppo_mega.trainer.checkpoint import CheckpointError
-
-    cfg = json.loads(json.dumps(RUNS["cfg"]))
-    out = Path(cfg["logging"]["output_dir"]) / "tp2"
-    assert any((out / "checkpoints").glob("step_*/tp1-pp0-dp0"))
-    cfg["logging"]["output_dir"] = str(out)
-    cfg["checkpoint"] = {"resume": True, "export_hf": False}
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_plain_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout):
+    """The TP2 / PP2 runs' checkpoints (a plain fp32 optimizer, its state by parameter index and
+    name) resumed by one process: weights and Adam moments resharded by name; step 4 equals the
+    2-rank resumed run's step 4 within 1e-5, and metrics.jsonl is left as it was (a resume at
+    another layout used to restart from step 0 and overwrite it)."""
+    _, results = setup
+    out = Path(RUNS["cfg"]["logging"]["output_dir"]) / layout
+    assert any((out / "checkpoints").glob("step_*/tp0-pp0-dp0"))
     metrics = out / "metrics.jsonl"
     before = metrics.read_bytes() if metrics.exists() else None
-    with pytest.raises(CheckpointError, match=r"written at tp=2 pp=1, this run has tp=1 pp=1: a plain optimizer's "
-                                              r"state \(actor_opt, critic_opt\) is kept by parameter index and is "
-                                              r"not resharded"):
-        PPOTrainer(load_config_dict(cfg), log=lambda *_: None)
+    tr, msgs = _resume_here(layout)
+    assert tr.step == 3 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
     assert (metrics.read_bytes() if metrics.exists() else None) == before
+    m = tr.train_step()
+    want = results[f"{layout}_resumed"]["metrics"]
+    for k in KEYS:
+        assert abs(m[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (layout, k, m[k], want[k])
+
+
+def test_a_bf16_plain_optimizer_at_another_layout_is_refused_by_name(setup):
+    """bf16 parameters with a plain optimizer keep fp32 main copies by index: refused by name, both
+    layouts named (the tp2 checkpoint resumed with model.params_dtype=bfloat16)."""
+    from pfppo_mega.trainer.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"written at tp=2 pp=1, this run has tp=1 pp=1: a plain optimizer's "
+                                              r"state \(actor_opt, critic_opt\) over bfloat16 parameters"):
+        _resume_here("tp2", {"model": {"params_dtype": "bfloat16"}})
 
 
 def _resume_here(name: str, sections: dict | None = None, **parallel_cfg):

@@ -54,7 +54,7 @@ from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.seeds import stream_seed
 
 STATE_KEYS = frozenset({"step", "rank", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
-                        "consecutive_skips", "actor_opt", "critic_opt", "config", "pool", "reference"})
+                        "consecutive_skips", "actor_opt", "critic_opt", "opt_names", "config", "pool", "reference"})
 OPT_MODEL = {"actor_opt": "actor", "critic_opt": "critic"}
 OPTIM = "optim"  # the tensor group of a rank's distributed-optimizer shard
 
@@ -183,14 +183,16 @@ def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
         tensors.update({name: {stage.to_global(k): v for k, v in tensor_state(m).items()}
                         for name, m in run.models().items()})
     opt_states: dict[str, Any] = {"critic_opt": None}
+    opt_names: dict[str, list] = {}
     shard: dict[str, torch.Tensor] = {}
     for name, opt in run.optimizers().items():
         if ckpt.is_distributed(opt):  # every rank its own share (one small all-reduce each)
             meta, ts = ckpt.optimizer_shard(opt, param_names(run, run.models()[OPT_MODEL[name]]))
             opt_states[name] = meta
             shard.update({f"{name}/{k}": v for k, v in ts.items()})
-        else:  # replicated over DP: dp_rank 0 writes it
+        else:  # replicated over DP: dp_rank 0 writes it, with the name of each parameter index
             opt_states[name] = opt.state_dict() if p.dp_rank == 0 else None
+            opt_names[name] = plain_param_names(opt, param_names(run, run.models()[OPT_MODEL[name]]))
     if shard:
         tensors[OPTIM] = shard
     if b.keeps_state:  # the pool's bytes once per job: each bucket by its keeper on one node (pool_writer)
@@ -202,10 +204,22 @@ def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
              "rng": run.rng.getstate(), "torch_rng": torch.get_rng_state(),
              "assign_rng": run.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
              "guards": dict(st.guards), "consecutive_skips": dict(st.consecutive_skips),
-             "data": run.prompts.state_dict(), **opt_states, "config": config_to_dict(run.cfg),
+             "data": run.prompts.state_dict(), **opt_states, "opt_names": opt_names, "config": config_to_dict(run.cfg),
              "pool": b.state_meta() if b.keeps_state else None,
              "reference": reference_identity(run.cfg.actor_rollout.model_path)}
     return tensors, state
+
+
+def _subs(opt: Any) -> list:
+    return getattr(opt, "chained_optimizers", None) or [opt]
+
+
+def plain_param_names(opt: Any, names: dict[torch.nn.Parameter, str]) -> list[list[str]]:
+    """Per sub-optimizer, the global name of each parameter index of its state_dict (torch numbers
+    the parameters of its param groups in order; a mixed-precision wrapper's are the fp32 main
+    copies, `param.main_param`)."""
+    model_of = {id(getattr(q, "main_param", q)): q for q in names}
+    return [[names[model_of[id(q)]] for g in o.optimizer.param_groups for q in g["params"]] for o in _subs(opt)]
 
 
 def pool_writer(name: str, local_world: int, nodes: int) -> int:
@@ -630,6 +644,32 @@ class _Reshard:
             out[k] = self._recut(opt, name, shards, shape).reshape(-1)[start:end].clone()
         return out
 
+    def plain_state(self, opt: str, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """A plain optimizer's {"step", "exp_avg", "exp_avg_sq"} of parameter `name` (local shape
+        `shape`), rebuilt from the dp_rank 0 parts of every saved TP rank (another TP/PP layout)."""
+        idx = self._weight_index(OPT_MODEL[opt])
+        where = idx.get(self._alias(name, idx)) or {}
+        tps = [self.run.parallel.tp_rank] if self.same_tp else list(range(self.old["tp"]))
+        if any(t not in where for t in tps):
+            raise ckpt.CheckpointError(f"{self.saved.path}: {opt} {name}: not saved by every tensor-parallel rank")
+        per_rank = []
+        for t in tps:
+            st = self.saved.state(where[t])
+            found = None
+            for sub, names in zip(_as_list(st[opt]), st["opt_names"].get(opt) or []):
+                key = self._alias(name, dict.fromkeys(names))
+                if key in names and isinstance(sub, dict) and isinstance(sub.get("state"), dict):
+                    found = sub["state"].get(names.index(key))
+            if not isinstance(found, dict) or not all(isinstance(found.get(k), torch.Tensor)
+                                                      for k in ("step", "exp_avg", "exp_avg_sq")):
+                raise ckpt.CheckpointError(f"{self.saved.path / where[t]}: state {opt}: no Adam state for {name}")
+            per_rank.append(found)
+        out = {"step": per_rank[0]["step"].clone()}
+        for k in ("exp_avg", "exp_avg_sq"):
+            shards = [f[k] for f in per_rank]
+            out[k] = shards[0].clone() if self.same_tp else self._recut(opt, name, shards, shape).contiguous()
+        return out
+
     def _cover(self, opt: str, name: str, k: str, entries: list, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of `name`'s flat state `k`, from the saved slices that overlap it."""
         out = torch.empty(end - start, dtype=torch.float32)
@@ -647,17 +687,22 @@ class _Reshard:
         return out
 
 
+def _as_list(state: Any) -> list:
+    return state if isinstance(state, list) else [state]
+
+
 def _check_layout(run: Run, saved: Saved, need) -> None:
     """What cannot be resharded is refused by name."""
     old, p = saved.layout, run.parallel
-    mine = layout_of(run)
     if (old["tp"], old["pp"]) != (p.tp, p.pp):
-        plain = [n for n, o in run.optimizers().items() if not ckpt.is_distributed(o)]
+        plain = [n for n, o in run.optimizers().items() if not ckpt.is_distributed(o)
+                 and any(q.dtype != torch.float32 for q in run.models()[OPT_MODEL[n]].parameters())]
         need(not plain, f"written at tp={old['tp']} pp={old['pp']}, this run has tp={p.tp} pp={p.pp}: a plain "
-                        f"optimizer's state ({', '.join(plain)}) is kept by parameter index and is not resharded to "
-                        f"another tensor/pipeline layout; resume at the layout it was written at, or with "
-                        f"parallel.use_distributed_optimizer=true on both sides, or use another logging.output_dir, "
-                        f"or checkpoint.resume=false (the HF export of a run loads at any layout)")
+                        f"optimizer's state ({', '.join(plain)}) over {run.cfg.model.params_dtype} parameters keeps "
+                        f"fp32 main copies by index and is not resharded to another tensor/pipeline layout; resume "
+                        f"at the layout it was written at, or with parallel.use_distributed_optimizer=true on both "
+                        f"sides, or use another logging.output_dir, or checkpoint.resume=false (the HF export of a "
+                        f"run loads at any layout)")
 
 
 def _pool_share(run: Run, saved: Saved, ranks: list[str], meta: Any, need) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -696,6 +741,28 @@ def _pool_share(run: Run, saved: Saved, ranks: list[str], meta: Any, need) -> tu
         pool.update({f"{slot}/{n}": t for n, t in named})
         snapshots.append({**entry, "names": [n for n, _ in named], "checksum": compute_checksum(named, "fingerprint")})
     return {**meta, "snapshots": snapshots}, pool
+
+
+def _plain_resharded(run: Run, re: "_Reshard", name: str, opt: Any, subs: list, need) -> list:
+    """[(param groups, {main param: Adam state})] per sub-optimizer of a plain optimizer whose
+    checkpoint was written at another TP/PP layout: each parameter's moments rebuilt by name."""
+    names = param_names(run, run.models()[OPT_MODEL[name]])
+    model_of = {id(getattr(q, "main_param", q)): q for q in names}
+    out = []
+    for o, saved_sub in zip(_subs(opt), subs):
+        need(len(saved_sub["param_groups"]) == len(o.optimizer.param_groups),
+             f"state {name}: {len(saved_sub['param_groups'])} param groups, the run's optimizer has "
+             f"{len(o.optimizer.param_groups)}")
+        state = {}
+        for g in o.optimizer.param_groups:
+            for q in g["params"]:
+                model = model_of[id(q)]
+                state[q] = re.plain_state(name, names[model], tuple(model.shape))
+                need(tuple(state[q]["exp_avg"].shape) == tuple(q.shape),
+                     f"state {name}: {names[model]} rebuilt with shape {tuple(state[q]['exp_avg'].shape)}, the "
+                     f"parameter has {tuple(q.shape)}")
+        out.append((saved_sub["param_groups"], state))
+    return out
 
 
 def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
@@ -751,11 +818,18 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
         need(not bad, f"{group}.safetensors: tensors {bad[:3]} hold NaN/inf")
         loaded[group] = sd
     opt_meta: dict[str, Any] = {}
+    plain_moved: dict[str, list] = {}
     for name, opt in opts.items():
         if ckpt.is_distributed(opt):
             opt_meta[name] = ckpt.check_shard_meta(opt, s[name], f"{where}: state {name}")
-        else:
+        elif (old["tp"], old["pp"]) == (p.tp, p.pp):
             ckpt.check_optimizer_state(opt, plain_source[name], f"{saved.path / weights_part}: state {name}")
+        else:  # rebuilt by parameter name (fp32 parameters: checked by _check_layout)
+            subs = _as_list(plain_source[name])
+            need(len(subs) == len(_subs(opt)) and all(isinstance(x, dict) and isinstance(x.get("param_groups"), list)
+                                                      for x in subs),
+                 f"state {name}: {len(subs)} optimizer states with param_groups, the run has {len(_subs(opt))}")
+            plain_moved[name] = _plain_resharded(run, re, name, opt, subs, need)
     edits = check_edits(s["config"], config_to_dict(run.cfg), need)  # before anything is installed
     ref = s["reference"]
     now = reference_identity(run.cfg.actor_rollout.model_path)
@@ -781,6 +855,11 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
             ckpt.install_optimizer_shard(opt, opt_meta[name], param_names(run, models[OPT_MODEL[name]]),
                                          lambda n, shape, a, b, _o=name: re.opt_range(_o, n, shape, a, b),
                                          f"{where}: state {name}")
+        elif name in plain_moved:
+            for o, (groups, state) in zip(_subs(opt), plain_moved[name]):
+                for g, saved_g in zip(o.optimizer.param_groups, groups):
+                    g.update({k: v for k, v in saved_g.items() if k != "params"})
+                o.optimizer.state.update(state)
         else:
             opt.load_state_dict(plain_source[name])
     for key, old_v, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
