@@ -1,7 +1,8 @@
 """Memory and layout planning for large runs: `pfppo plan` (see docs/scaling.md).
 
 shapes  megatron's layout rules as arithmetic (rank coordinates, groups, parameter shapes)
-memory  per-GPU / per-node memory of a colocated PPO / PF-PPO run; the activation formulas
+memory  per-GPU / per-node memory of a colocated PPO / PF-PPO run, read off the device-memory
+        ledger (pfppo_mega/trainer/ledger.py: the arithmetic the trainer checks too)
 dryrun  megatron's real groups and meta-device models for one rank of the full world (fake PG)
 cli     `pfppo plan` (also `python -m pfppo_mega.planning`)
 """

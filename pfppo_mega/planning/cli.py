@@ -1,7 +1,9 @@
 """`pfppo plan CONFIG [key.path=value ...] [--gpu h100|h200] [...]`: the memory plan of a config.
 
 Prints per-GPU memory of the training and rollout phases, the rollout engine's KV cache and
-the host memory per node (model and formulas: ``pfppo_mega.planning.memory``). Exit status:
+the host memory per node, and with ``--ledger`` the device-memory ledger phase by phase for every
+pipeline stage (model and formulas: ``pfppo_mega.trainer.ledger``, which the trainer checks at
+every phase too). Exit status:
 0 the layout fits; 2 it does not (every budget over its capacity is named with the amount and
 its components), or the config / flags are invalid; 1 a ``--dry-run-rank`` check found megatron
 disagreeing with the planner's layout arithmetic.
