@@ -341,6 +341,132 @@ def test_loader_never_unpickles():
         assert banned not in src, banned
 
 
+# ---------------------------------------------------------------------------- sharded (format 3)
+# The same attacker, stale tool and damaged disk against a sharded step (two ranks' parts and the
+# global manifest rank 0 writes last), loaded the way resume.py does: the global manifest, then
+# each part verified against its entry, then its state read. Step 1 before it is intact.
+
+PARTS = ("tp0-pp0-dp0", "tp0-pp0-dp1")
+LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "local_world": 2}
+
+
+def _write_sharded(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for step in (1, STEP):
+        tmp = root / f"step_{step:06d}.tmp-adv"
+        for d, part in enumerate(PARTS):  # each rank its own content
+            ckpt.write_dir(tmp / part, step, {"optim": {"actor_opt/w/exp_avg": torch.full((4,), float(10 * step + d))}},
+                           {"step": step, "rank": d})
+        ckpt.commit_sharded(root, step, tmp, LAYOUT, {pt: ckpt.part_digest(tmp / pt) for pt in PARTS}, keep_last=5)
+
+
+def _load_sharded(root: Path, log) -> int | None:
+    for path in reversed(ckpt._candidates(root, log)):
+        try:
+            m = ckpt.read_sharded_manifest(path)
+            for part in PARTS:
+                pm = ckpt.verify_part(path, part, m["parts"][part], m["step"])
+                ckpt.load_dir(path / part, pm, m["step"])
+            return m["step"]
+        except ckpt.CheckpointError as e:
+            log(f"skipping {path.name}: {e}")
+    return None
+
+
+def _resign_global(step: Path) -> None:
+    m = _manifest(step)
+    m["parts"] = {pt: ckpt.part_digest(step / pt) for pt in PARTS}
+    _write_manifest(step, m)
+
+
+def _edit_global(fn):
+    def edit(step: Path) -> None:
+        m = _manifest(step)
+        fn(m)
+        _write_manifest(step, m)
+    return edit
+
+
+def _part_step(step: Path) -> None:
+    part = step / PARTS[1]
+    m = _manifest(part)
+    m["step"] = 7
+    _write_manifest(part, m)
+    _resign_global(step)
+
+
+def _replace_part(step: Path) -> None:
+    shutil.rmtree(step / PARTS[1])
+    shutil.copytree(step / PARTS[0], step / PARTS[1])
+
+
+def _link_part(step: Path) -> None:
+    shutil.rmtree(step / PARTS[1])
+    os.symlink(step / PARTS[0], step / PARTS[1])
+
+
+def _file_part(step: Path) -> None:
+    shutil.rmtree(step / PARTS[1])
+    (step / PARTS[1]).write_bytes(b"x")
+
+
+def _link_file(step: Path) -> None:
+    f = step / PARTS[1] / "optim.safetensors"
+    f.unlink()
+    os.symlink(step / PARTS[0] / "optim.safetensors", f)
+
+
+SHARDED_CASES = {
+    "part_missing": lambda s: shutil.rmtree(s / PARTS[1]),           # a rank killed before its write
+    "part_manifest_missing": lambda s: os.remove(s / PARTS[1] / ckpt.MANIFEST),  # killed mid-write
+    "part_manifest_fifo": lambda s: (os.remove(s / PARTS[1] / ckpt.MANIFEST), os.mkfifo(s / PARTS[1] / ckpt.MANIFEST)),
+    "part_replaced": _replace_part,                                   # a valid part, of another rank
+    "part_symlink": _link_part,
+    "part_is_file": _file_part,
+    "part_file_symlink": _link_file,
+    "part_file_corrupt": lambda s: (s / PARTS[1] / "optim.safetensors").write_bytes(
+        (s / PARTS[1] / "optim.safetensors").read_bytes()[:-1] + b"\xff"),
+    "part_step_resigned": _part_step,                                 # re-signed, but another step's part
+    "pickle_in_part": lambda s: (s / PARTS[0] / "state.pt").write_bytes(b"\x80\x04N."),
+    "stray_entry": lambda s: (s / "notes.txt").write_text("x"),
+    "global_missing": lambda s: os.remove(s / ckpt.MANIFEST),         # the commit never happened
+    "global_not_json": lambda s: (s / ckpt.MANIFEST).write_text("{"),
+    "global_traversal": _edit_global(lambda m: m["parts"].update({"../../etc": m["parts"].pop(PARTS[1])})),
+    "global_layout_zero": _edit_global(lambda m: m["layout"].update(tp=0)),
+    "global_layout_more_ranks": _edit_global(lambda m: m["layout"].update(dp=3)),
+    "global_format_2": _edit_global(lambda m: m.update(format=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED_CASES))
+def test_a_damaged_sharded_step_falls_back_to_the_previous_one_with_the_reason(tmp_path, name):
+    root = tmp_path / "ckpt"
+    _write_sharded(root)
+    assert _load_sharded(root, lambda *_: None) == STEP  # the control
+    SHARDED_CASES[name](root / f"step_{STEP:06d}")
+    pid = os.fork()
+    if pid == 0:  # a child, so that a hang (a FIFO opened by a reader) is caught, not waited for
+        code = 4
+        try:
+            msgs: list[str] = []
+            code = 0 if _load_sharded(root, msgs.append) == 1 and any("step_000002" in m for m in msgs) else 3
+        finally:
+            os._exit(code)
+    deadline, status = time.monotonic() + TIME_LIMIT_S, None
+    while status is None and time.monotonic() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        status = st if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert status is not None, f"{name}: no answer in {TIME_LIMIT_S}s (hang)"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (name, status)
+    msgs = []
+    assert _load_sharded(root, msgs.append) == 1, (name, msgs)  # step 1, with the reason logged
+    print(f"{name}: {msgs[0][:200]}")
+
+
 if __name__ == "__main__":
     import tempfile
 
