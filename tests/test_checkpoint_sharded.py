@@ -250,3 +250,21 @@ def test_each_pool_bucket_is_written_once_per_job_and_read_back_by_every_keeper(
         kept = {n for n in names if int(n.rsplit(".", 1)[1]) % local == rank % local}
         found = {n for n, (w,) in written.items() if w in resume.pool_parts(rank, ranks, local)}
         assert kept <= found, rank
+
+
+def test_a_save_another_rank_never_finishes_is_not_committed(tmp_path):
+    """Rank 0's writer waits for every part's manifest at most checkpoint.commit_timeout_s; a rank
+    that died mid-save leaves the step uncommitted with an error naming its part, `latest` unmoved."""
+    import torch
+
+    root = tmp_path / "checkpoints"
+    tmp = root / "step_000002.tmp-x"
+    job = resume._Write(root=root, step=2, tmp=tmp, part=PART, tensors={"optim": {"a/w/param": torch.ones(3)}},
+                        state={"step": 2}, commit=True, parts=[PART, "tp0-pp0-dp1"],
+                        layout={"tp": 1, "pp": 1, "dp": 2, "local_world": 2}, keep_last=2, threads=1, timeout_s=0.3,
+                        log=quiet, inflight=frozenset())
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step 2: parts \['tp0-pp0-dp1'\] were not written "
+                                                   r"within checkpoint.commit_timeout_s = 0.3 s"):
+        job()
+    assert not (root / "step_000002").exists() and not (root / ckpt.LATEST).exists()
+    assert (tmp / PART / ckpt.MANIFEST).is_file()  # this rank's own part is complete, but not named
