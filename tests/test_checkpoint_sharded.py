@@ -17,7 +17,7 @@ from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer import TINY, _cfg
-from test_trainer_resume import PART, _LOG, quiet, resign, sft_small  # noqa: F401
+from test_trainer_resume import PART, _LOG, quiet, sft_small  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,6 @@ TP/PP, a pool of another bucket plan) is refused by name, never restarted.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import time
