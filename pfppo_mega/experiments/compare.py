@@ -456,6 +456,9 @@ def main(argv: list[str]) -> int:
                     print(f"[compare] {name} {arm} seed {seed} -> {run_dir}", flush=True)
                     with PPOTrainer(cfg, log=lambda *_: None) as trainer:  # its reward workers end with it
                         trainer.fit()
+                    # Free this run (its in-process engine tears down process groups) before the next
+                    # one builds; `trainer` would otherwise live until the next run's construction.
+                    del trainer
                     wall = time.monotonic() - t0
                 recs = read_jsonl(metrics)
                 stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,
