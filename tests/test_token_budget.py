@@ -206,3 +206,24 @@ def test_bench_passes_reports_every_figure(world, tmp_path):
     for r in (padded, budget):
         assert 0 < r["prepare_matmul_frac"] < 1.5 and 0 < r["update_matmul_frac"] < 1.5
     assert 0 < out["rollout"]["floor_frac"] < 1.5 and out["rollout"]["new_tokens"] == 6 * 4
+
+
+def test_perf_formulas_count_what_the_model_does():
+    """Model FLOPs per token and the rollout floor by hand, on SmolLM2-135M's shape."""
+    from pfppo_mega.bench.passes import SHAPES
+    from pfppo_mega.families import DecoderShape
+    from pfppo_mega.trainer import perf
+
+    s = DecoderShape.from_model_config(ModelConfig(**SHAPES["smollm2-135m"]))
+    layer = perf.layer_matmul_params(s)
+    norms = (2 * s.num_layers + 1) * s.hidden_size
+    assert s.num_layers * layer + s.vocab_size * s.hidden_size + norms == 134_515_008  # SmolLM2-135M, tied
+    fwd = perf.forward_flops(s, tokens=10, attn_pairs=55, head_tokens=4, head_width=s.vocab_size)
+    assert fwd == 2 * 30 * layer * 10 + 4 * 9 * 64 * 30 * 55 + 2 * 576 * 49152 * 4
+    mm, bw, p = 1e11, 1e10, 7
+    prefill = (2 * 30 * layer * p + 4 * 9 * 64 * 30 * p * (p + 1) / 2 + 2 * 576 * 49152) / mm
+    assert perf.rollout_floor_s(s, [p], [1], matmul=mm, memcpy=bw, dtype_bytes=4) == pytest.approx(prefill)
+    weights = (30 * layer + 576 * 49152) * 4
+    step = max((weights + 2 * 30 * 3 * 64 * 4 * (p + 1)) / bw,
+               (2 * (30 * layer + 576 * 49152) + 4 * 9 * 64 * 30 * (p + 1)) / mm)
+    assert perf.rollout_floor_s(s, [p], [2], matmul=mm, memcpy=bw, dtype_bytes=4) == pytest.approx(prefill + step)

@@ -179,10 +179,8 @@ def seq_multiple(model: torch.nn.Module) -> int:
 def _chunks(input_ids: Tensor, micro_batch_size: int, *, pad: bool, device: torch.device,
             multiple: int = 1) -> list[_Chunk]:
     """The by-rows plan of [B, S] ids alone (no head selection): see _plan."""
-    b, s = input_ids.shape
-    ones = torch.ones(b, 1)
-    inputs = PackedInputs(input_ids, torch.ones_like(input_ids, dtype=torch.bool), ones.long() * 0,
-                          ones.long() * 0, ones)
+    zeros = torch.zeros(input_ids.shape[0], 1, dtype=torch.long)                  # [B, 1]: no response
+    inputs = PackedInputs(input_ids, torch.ones_like(input_ids, dtype=torch.bool), zeros, zeros, zeros.float())
     return _plan(inputs, Batching(micro_batch_size), pad=pad, device=device, multiple=multiple)
 
 

@@ -69,16 +69,15 @@ def rollout_floor_s(shape: DecoderShape, prompt_lengths: list[int], response_len
                + 2.0 * head * len(prompt_lengths)) / matmul               # logits at the last prompt token only
     weight_bytes = (L * layer + head) * dtype_bytes
     kv_per_pos = 2 * L * shape.num_query_groups * d * dtype_bytes        # K and V of one position, every layer
-    p = torch.tensor(prompt_lengths, dtype=torch.float64)
-    r = torch.tensor(response_lengths, dtype=torch.float64)
-    decode = 0.0
-    for k in range(1, int(r.max()) if len(r) else 0):                    # the first token comes from the prefill
-        alive = r > k
-        n = float(alive.sum())
-        ctx = float((p[alive] + k).sum())                                # positions each alive row attends to
-        bytes_ = weight_bytes + kv_per_pos * ctx
-        flops = n * per_token + 4.0 * heads * d * L * ctx
-        decode += max(bytes_ / memcpy, flops / matmul)
+    p = torch.tensor(prompt_lengths, dtype=torch.float64)                # [B]
+    r = torch.tensor(response_lengths, dtype=torch.float64)              # [B]
+    k = torch.arange(1, max(int(r.max()), 1), dtype=torch.float64)[:, None]  # [K, 1] decode steps (the first
+    alive = (r[None, :] > k).double()                                    # token comes from the prefill) [K, B]
+    n = alive.sum(1)                                                     # [K] rows still generating
+    ctx = (alive * (p[None, :] + k)).sum(1)                              # [K] positions they attend to
+    bytes_ = weight_bytes + kv_per_pos * ctx
+    flops = n * per_token + 4.0 * heads * d * L * ctx
+    decode = torch.maximum(bytes_ / memcpy, flops / matmul).sum().item()
     return prefill + decode
 
 
