@@ -268,3 +268,25 @@ def test_a_save_another_rank_never_finishes_is_not_committed(tmp_path):
         job()
     assert not (root / "step_000002").exists() and not (root / ckpt.LATEST).exists()
     assert (tmp / PART / ckpt.MANIFEST).is_file()  # this rank's own part is complete, but not named
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_saves_in_flight_are_bounded(sft_small, tmp_path, monkeypatch, in_flight):
+    """checkpoint.max_saves_in_flight: with a writer that takes 1.5 s, a second save right after the
+    first waits for it at a bound of 1 (the wait counts as blocked time) and does not at 2."""
+    import time
+
+    real = ckpt.write_dir
+    monkeypatch.setattr(ckpt, "write_dir", lambda *a, **k: (time.sleep(1.5), real(*a, **k))[1])
+    tr = PPOTrainer(_cfg(tmp_path, sft_small, logging=_LOG, training={"total_training_steps": 4},
+                         checkpoint={"save_interval": 0, "max_saves_in_flight": in_flight}), log=quiet)
+    root = tmp_path / "checkpoints"
+    tr.train_step()
+    first = resume.save(tr.run, root)
+    tr.run.state.step += 1  # a later step (no training needed to exercise the bound)
+    second = resume.save(tr.run, root)
+    waited = second.blocked_s
+    resume.wait(root)
+    assert first.done.done() and second.done.done()
+    assert (waited > 1.0) if in_flight == 1 else (waited < 1.0), waited
+    assert (root / ckpt.LATEST).read_text().strip() == f"step_{second.step:06d}"

@@ -134,7 +134,8 @@ def reference_identity(model_path: str) -> dict[str, Any]:
 @dataclass
 class SaveInfo:
     """What resume.save started: this rank's bytes to write (its part) and how long the training
-    thread was blocked (the host copy). `done` is the background write (None when synchronous)."""
+    thread was blocked (waiting for checkpoint.max_saves_in_flight, then the host copy; a
+    synchronous save's write not included). `done` is the background write (None when synchronous)."""
 
     step: int
     path: Path
@@ -253,8 +254,8 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
         return None
     st.saved_step = st.step
     saver = _SAVERS.setdefault(str(root), _Saver())
+    t0 = time.perf_counter()  # the loop is blocked from here: waiting for the bound, then the host copy
     saver.reap(keep=c.max_saves_in_flight - 1)  # the bound on saves in flight (and earlier errors)
-    t0 = time.perf_counter()
     tensors, state = _collect(run)  # collectives: each distributed optimizer's "stepped?" all-reduce
     # the step's temp dir name, from rank 0 (and every rank's part name, for rank 0's commit)
     agreed = parallel.dp_gather_objects((my_part(run), f"{os.getpid()}-{time.time_ns()}"), parallel.world_group())
