@@ -290,3 +290,30 @@ def test_saves_in_flight_are_bounded(sft_small, tmp_path, monkeypatch, in_flight
     assert first.done.done() and second.done.done()
     assert (waited > 1.0) if in_flight == 1 else (waited < 1.0), waited
     assert (root / ckpt.LATEST).read_text().strip() == f"step_{second.step:06d}"
+
+
+def test_a_reference_rewritten_in_place_is_refused_by_name(sft_small, run_dir, tmp_path):
+    """The checkpoint records the frozen reference's identity, not its weights: the same
+    model_path with other weights of the same shapes (rewritten in place) is refused by name,
+    not trained against a reference the run never had."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "sft"
+    shutil.copytree(sft_small, model)
+    out = _copy(run_dir, tmp_path)
+    for step in (1, 2):  # the run was written against sft_small's path: point its config at the copy
+        part = out / "checkpoints" / f"step_{step:06d}" / PART
+        state = json.loads((part / ckpt.STATE_JSON).read_text())
+        state["config"]["actor_rollout"]["model_path"] = str(model)
+        state["reference"]["path"] = str(model)
+        (part / ckpt.STATE_JSON).write_text(json.dumps(state))
+        from test_trainer_resume import resign
+        resign(part, ckpt.STATE_JSON)
+    tr, _ = _resume(model, out)  # the same files: resumes
+    assert tr.step == 2
+    sd = load_file(str(model / "model.safetensors"))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in sd.items()}, str(model / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match=r"the frozen reference \(.*\) is not the one this checkpoint was "
+                                                   r"trained against"):
+        _resume(model, out)

@@ -108,8 +108,9 @@ _IDENTITY: dict[tuple, dict] = {}
 
 
 def reference_identity(model_path: str) -> dict[str, Any]:
-    """{"path", "sha256"}: a hash over config.json and each weight file's name, size and safetensors
-    header (tensor names, dtypes, shapes, offsets) -- cheap at any size; cached per file state."""
+    """{"path", "sha256"}: a hash over config.json and each weight file's name, size, safetensors
+    header (tensor names, dtypes, shapes, offsets) and a sample of its bytes (the first, middle and
+    last MiB) -- cheap at any size, yet weights rewritten in place change it; cached per file state."""
     root = Path(model_path)
     files = sorted(p for p in root.iterdir() if p.name == "config.json" or p.suffix == ".safetensors") \
         if root.is_dir() else []
@@ -122,6 +123,10 @@ def reference_identity(model_path: str) -> dict[str, Any]:
                 if p.suffix == ".safetensors":
                     n = int.from_bytes(f.read(8), "little")
                     h.update(f.read(min(n, 100 << 20)))
+                    size = p.stat().st_size
+                    for at in (8 + n, (8 + n + size) // 2, max(8 + n, size - (1 << 20))):
+                        f.seek(at)
+                        h.update(f.read(1 << 20))
                 else:
                     h.update(f.read(1 << 20))
         _IDENTITY[key] = {"path": str(root), "sha256": h.hexdigest()}
