@@ -5,6 +5,7 @@ transformers with the project's BPE tokenizer (no downloads)."""
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -71,7 +72,8 @@ def test_ppo_on_parquet_with_chat_template_and_math_reward(setup, tmp_path):
     evals = [r for r in recs if "eval/accuracy" in r]
     assert len(evals) >= 2 and all("eval/openai/gsm8k/accuracy_greedy" in r for r in evals)
     state = json.loads(json.dumps(tr.run.prompts.state_dict()))
-    assert state == {"epoch": 0, "offset": 4 + 3 * 4, "rows": 24}  # 4 drawn above + 3 steps of 4
+    assert {k: state[k] for k in ("epoch", "offset", "rows")} == {"epoch": 0, "offset": 4 + 3 * 4, "rows": 24}
+    assert len(state["digest"]) == 64  # 4 drawn above + 3 steps of 4; the rows' content digest
 
 
 def test_data_position_survives_a_resume(setup, tmp_path):
@@ -82,6 +84,31 @@ def test_data_position_survives_a_resume(setup, tmp_path):
     resumed = PPOTrainer(_cfg(setup, tmp_path, training={"total_training_steps": 3}), log=lambda *_: None)
     assert resumed.step == 2 and resumed.run.prompts.state_dict()["offset"] == 8
     assert [s.row for s in resumed.run.prompts.next_batch(4)] == expected
+
+
+def test_a_resume_on_edited_prompt_files_of_the_same_length_is_refused(setup, tmp_path):
+    """Issue 24.2: the same paths and row count, other content -- the saved position would index other
+    prompts; refused by name instead of training on silently."""
+    import pyarrow.parquet as pq
+    from pfppo_mega.trainer.checkpoint import CheckpointError
+    paths, ckpt = setup
+    work = tmp_path / "data"
+    work.mkdir()
+    train = work / "train.parquet"
+    shutil.copy(paths["train.parquet"], train)
+    files = {"train_files": [str(train)], "val_files": [str(paths["test.parquet"])],
+             "source": "files", "max_prompt_length": 96, "eval_size": 6}
+    out = tmp_path / "run"
+    PPOTrainer(_cfg(setup, out, data=files, training={"total_training_steps": 2}), log=lambda *_: None).fit()
+    table = pq.read_table(train)
+    rows = table.to_pylist()
+    rows[0], rows[1] = rows[1], rows[0]  # same rows, same count, another order: other prompts at the position
+    pq.write_table(type(table).from_pylist(rows, schema=table.schema), train)
+    with pytest.raises(CheckpointError, match=r"the training rows changed since this checkpoint was written"):
+        PPOTrainer(_cfg(setup, out, data=files, training={"total_training_steps": 3}), log=lambda *_: None)
+    shutil.copy(paths["train.parquet"], train)  # the files it was written with: resumes
+    assert PPOTrainer(_cfg(setup, out, data=files, training={"total_training_steps": 3}),
+                      log=lambda *_: None).step == 2
 
 
 USER_REWARD = '''

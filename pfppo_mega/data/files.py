@@ -9,6 +9,7 @@ row: a missing or unreadable file, a row without the prompt, a prompt of the wro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ class FilePrompts:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.epoch, self.offset = 0, 0
         self._order = self._epoch_order(0)
+        self._digest: str | None = None
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.samples)))
@@ -205,13 +207,31 @@ class FilePrompts:
         idx = self._take(n * self.dp_size)
         return [self.samples[i] for i in idx[self.dp_rank * n: (self.dp_rank + 1) * n]]
 
+    def digest(self) -> str:
+        """sha256 over what training reads from the rows (prompt token ids, data source, ground truth):
+        the same files edited in place, re-tokenised or re-templated give another digest."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for smp in self.samples:
+                h.update(len(smp.prompt_ids).to_bytes(4, "little"))
+                h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in smp.prompt_ids))
+                h.update(json.dumps([smp.data_source, smp.ground_truth], sort_keys=True, default=repr).encode())
+            self._digest = h.hexdigest()
+        return self._digest
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "offset": self.offset, "rows": len(self.samples)}
+        return {"epoch": self.epoch, "offset": self.offset, "rows": len(self.samples), "digest": self.digest()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("rows") != len(self.samples):
             raise DataError(f"data position {state!r} was saved for {state.get('rows') if isinstance(state, dict) else '?'} "
                             f"training rows, but data.train_files now give {len(self.samples)}: resume with the same files")
+        if state.get("digest") != self.digest():
+            raise DataError(f"data.train_files: the training rows changed since this checkpoint was written (same "
+                            f"{len(self.samples)} rows, content digest {str(state.get('digest'))[:12]} -> "
+                            f"{self.digest()[:12]}: edited files, another tokenizer or chat template); the saved "
+                            f"position would index other prompts. Resume with the files it was written with, or "
+                            f"start a new logging.output_dir (or checkpoint.resume=false)")
         epoch, offset = state["epoch"], state["offset"]
         if not (type(epoch) is int and type(offset) is int and epoch >= 0 and 0 <= offset <= len(self.samples)):
             raise DataError(f"data position epoch={epoch!r} offset={offset!r}: must be ints, offset in [0, "
