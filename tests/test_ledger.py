@@ -77,6 +77,27 @@ def test_plan_agrees_with_the_ledger_to_the_byte(path, tmp_path, capsys):
     assert "ledger, pipeline stage 0" in out and "wake kv cache" in out
 
 
+@pytest.mark.parametrize("path", CONFIGS_70B, ids=lambda p: p.stem)
+def test_the_refit_slots_leave_the_device_when_the_engine_sleeps(path):
+    """The refit stream's ring (2 x the bf16 embedding at 70B) is on the device from the frame's
+    refit to its sleep, never beside the trainer's states in prepare and update: those rows hold
+    the trainer's states, the phase's activations and the reserve, nothing else."""
+    cfg = load_config(path)
+    gpu = "h100" if path.stem.endswith("h100") else "h200"
+    run = RunShape.from_config(cfg)
+    plan = make_plan(run, Hardware.preset(gpu, nodes=8, gpus_per_node=8), Knobs.from_config(cfg))
+    for h, recs in zip(plan.holdings, plan.ledger):
+        assert h.refit_slots.bytes >= 2 * 2 * run.model.vocab_size * run.model.hidden_size  # 2 x the bf16 embedding
+        steps = recs[len(BUILD_ORDER):]
+        held = [r.phase for r in steps if h.refit_slots.name in {x.name for x in r.device}]
+        assert held == ["refit", "offload actor weights", "wake kv cache", "generate"], held
+        trainer = sum(x.bytes for x in h.trainer)
+        for r in steps[-2:]:
+            assert r.phase in ("prepare", "update")
+            extra = h.prepare.bytes if r.phase == "prepare" else h.update.bytes
+            assert r.device_bytes == trainer + extra + h.reserve.bytes, (r.phase, r.device_bytes)
+
+
 # ----------------------------------------------------------------------------- the trainer enters it
 
 

@@ -181,12 +181,15 @@ def test_h100_training_phase_matches_a_float64_recount():
     # no SP: the norm / QKV / fc1 inputs (8 sbh) are whole on each tp rank; the rest is split over tp 8
     layer_local = 8 * sbh + (2 * sbh + 2 * sbh + 4 * sbh + 10 * s * f) / 8 + 6 * a * s * s / 8
     acts = 4 * 20 * 2 * sbh + layer_local  # 4 micro-batches in flight x 20 layers x input, + one layer
-    # the refit stream's ring, kept on the GPU after the first refit: 2 slots of the largest bucket, the
-    # bf16 embedding (V x h, larger than refit_bucket_mb and never split), + a 32-byte trailer each
+    # the refit stream's ring (2 slots of the largest bucket, the bf16 embedding V x h, larger than
+    # refit_bucket_mb and never split, + a 32-byte trailer each) is on the GPU while the engine is
+    # awake and freed when it sleeps: in the rollout budget, not in the update's
     slots = 2 * (2 * V * h + 32)
-    want = states + acts + slots + 4 * GiB
+    want = states + acts + 4 * GiB
     assert plan.train.total == pytest.approx(want, rel=1e-9)
+    assert {c.name: c.bytes for c in plan.rollout.components}["refit stream slots (to sleep)"] == slots
     names = [c.name for c in plan.train.components]
+    assert not any(n.startswith("refit stream slots") for n in names)
     assert names[:7] == ["actor weights (bf16)", "actor grads (fp32)", "actor optimizer (fp32 x3)",
                          "critic weights (bf16)", "critic grads (fp32)", "critic optimizer (fp32 x3)",
                          "reference weights (bf16)"]

@@ -117,6 +117,66 @@ def test_the_engine_runs_in_the_configured_dtype(setup):
     assert bf16.weight_version == 3 and {spec.dtype for spec in sync.plan} == {torch.bfloat16}
 
 
+def test_the_refit_streams_buffers_are_freed_when_the_engine_sleeps(setup, monkeypatch):
+    """The stream's ring (refit._SLOTS) outlives one stream -- a frame's later switches reuse it --
+    and goes when the engine sleeps (Generation.colocated -> EngineSync.release_buffers) and after a
+    pool capture; the next refit makes a new one. The real bucket stream over the one-process gloo
+    world; the ledger's records (a 70B rank's holdings) hold the slots at 'refit' and not from
+    'sleep' on, and the recorder's measured refit_slot_bytes says what the stream really held."""
+    import contextlib
+    import random
+
+    import torch.distributed as dist
+
+    from pfppo_mega.config import load_config
+    from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
+    from pfppo_mega.rollout import refit
+    from pfppo_mega.rollout.weights import wire_nbytes
+    from pfppo_mega.trainer.generation import Generation, MemoryRecorder
+    from pfppo_mega.trainer.ledger import Ledger
+
+    path, actor, cfg, _, hf_cfg = setup
+    engine = build_engine(_cfg(), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)
+    sync = EngineSync(engine, actor, cfg, refit_timeout_s=60.0, local_world_size=1, log=lambda *_: None)
+    refit.release_slots()
+    size = max(wire_nbytes(s.nbytes) for s in sync.plan)
+    ring = (max(1, min(refit.MAX_AHEAD, refit.AHEAD_BYTES // size)) + 1) * size  # the stream's own rule
+
+    def streamed(version: int) -> float:  # refit_live, but through the broadcast stream (world of 1)
+        engine.update_weights(refit.broadcast_stream(sync._live(version), sync.plan, dist.group.WORLD), version)
+        return 0.0
+
+    streamed(1)
+    first = refit._SLOTS[torch.device("cpu")]
+    assert refit.held_slot_bytes() == ring > 0
+    streamed(2)
+    assert refit._SLOTS[torch.device("cpu")] is first  # kept between streams: the same ring
+    pool = sync.new_pool(2)
+    sync.capture(pool, 2)
+    assert refit.held_slot_bytes() == 0  # a capture frees them when it ends
+    streamed(3)
+    assert refit.held_slot_bytes() == ring and refit.release_slots() == ring and refit.held_slot_bytes() == 0
+
+    # the colocated frame, with a recorder over a 70B rank's ledger (phases and names; no card check)
+    monkeypatch.setattr(sync, "refit_live", streamed)
+    c70 = load_config(Path(__file__).resolve().parents[1] / "configs" / "70b_pfppo.yaml")
+    plan = make_plan(RunShape.from_config(c70), Hardware.preset("h200", nodes=8, gpus_per_node=8), Knobs.from_config(c70))
+    offload = SimpleNamespace(enabled=False, device_bytes=lambda: 0, on_device=contextlib.nullcontext)
+    memory = MemoryRecorder(Ledger(plan.holdings[0], None), offload, torch.device("cpu"))
+    gen = Generation(SimpleNamespace(), engine=engine, sync=sync, offload=offload, tokenizer=None,
+                     rng=random.Random(0), device=torch.device("cpu"), guards={}, split=None, log=print,
+                     memory=memory)
+    with gen.colocated(7, refit=True):
+        gen.record("generate")
+        assert engine.weight_version == 7 and refit.held_slot_bytes() == ring  # held while the engine is awake
+    assert refit.held_slot_bytes() == 0
+    slots = plan.holdings[0].refit_slots.name
+    seen = {r.phase: (slots in {x.name for x in r.device}, r.measured["refit_slot_bytes"]) for r in memory.records}
+    assert seen == {"offload trainer": (False, 0), "wake weights": (False, 0), "refit": (True, ring),
+                    "offload actor weights": (True, ring), "wake kv cache": (True, ring), "generate": (True, ring),
+                    "sleep": (False, 0), "reload trainer": (False, 0)}, seen
+
+
 @pytest.mark.parametrize("kw,world,needle", [
     (dict(engine="vllm", rtp=3), 4, r"tensor_model_parallel_size = 3 does not divide the world size \(4\)"),
     (dict(rtp=2), 2, r"builtin engine runs one full copy per rank \(allowed: 1\)"),

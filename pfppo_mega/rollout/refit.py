@@ -8,8 +8,9 @@ bytes that were corrupt at the source (a pool shard) as well as in transit.
 
 ``broadcast_stream`` pipelines a plan: bucket k+1 is produced and in flight (async broadcast)
 while the consumer applies bucket k (up to MAX_AHEAD buckets ahead within AHEAD_BYTES); a ring of
-stream buffers, kept between streams, takes them, and a receiver that gave a destination for a
-bucket (a pool keeping it) receives straight into it -- no unpack copy.
+stream buffers, kept between the streams of one colocated frame (release_slots frees them: the
+trainer calls it when the engine sleeps and after a pool capture), takes them, and a receiver that
+gave a destination for a bucket (a pool keeping it) receives straight into it -- no unpack copy.
 Who sends what to whom is written out in docs/refit.md.
 """
 
@@ -115,8 +116,24 @@ def broadcast_stream(source, plan: list[BucketSpec], group: dist.ProcessGroup,
 
 
 # the stream buffers, kept between streams per device (fresh pages cost as much as the bytes): a
-# stream takes them and puts them back when it ends; a stream started inside another gets new ones
+# stream takes them and puts them back when it ends; a stream started inside another gets new ones;
+# release_slots drops them (the next stream makes new ones)
 _SLOTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def held_slot_bytes() -> int:
+    """Bytes of the stream buffers kept now (every device)."""
+    return sum(t.numel() for slots in _SLOTS.values() for t in slots)  # uint8
+
+
+def release_slots() -> int:
+    """Drop the kept stream buffers of every device (their memory goes back to the allocator; on
+    CUDA to torch's cache, which the trainer's reload reuses and TrainerOffload's empty_cache
+    returns before the engine wakes). Returns the bytes dropped. A stream running now keeps its own
+    ring and puts it back when it ends."""
+    n = held_slot_bytes()
+    _SLOTS.clear()
+    return n
 
 
 def _take_slots(device: torch.device, size: int, count: int) -> list[torch.Tensor]:

@@ -291,9 +291,21 @@ class EngineSync:
                                    log=self.log)
 
     def capture(self, pool, version: int) -> None:
-        """Snapshot the actor's current weights into ``pool`` (each rank keeps its share)."""
-        pool.capture_from(WatchedSource(self._live(version), f"pool capture of version {version}", self.groups.timeout_s),
-                          self.plan, self.groups.world)
+        """Snapshot the actor's current weights into ``pool`` (each rank keeps its share). It runs
+        with the trainer on the device (after an update): the stream's buffers go when it ends."""
+        try:
+            pool.capture_from(WatchedSource(self._live(version), f"pool capture of version {version}",
+                                            self.groups.timeout_s), self.plan, self.groups.world)
+        finally:
+            self.release_buffers()
+
+    def release_buffers(self) -> int:
+        """Free the refit stream's kept buffers (pfppo_mega.rollout.refit.release_slots): when the
+        engine sleeps and after a capture, so they never sit beside the trainer's states (the ledger's
+        "sleep"); the next refit or switch makes new ones. Returns the bytes freed."""
+        from pfppo_mega.rollout.refit import release_slots
+
+        return release_slots()
 
     def switch(self, pool, version: int) -> float:
         """Pool snapshot ``version`` into the engine (raises WeightUpdateError on a corrupt shard,

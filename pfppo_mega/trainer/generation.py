@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import RolloutOutput
+from pfppo_mega.rollout.refit import held_slot_bytes
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import RolloutBatch
@@ -166,8 +167,9 @@ class MemoryRecorder:
     """The trainer's side of the device-memory ledger (trainer/ledger.py): every phase transition
     enters the ledger as the code runs it (which checks the predicted device bytes against the card:
     LedgerOverflow), with what the trainer saw there: its states' bytes on the device
-    (TrainerOffload.device_bytes) and, on CUDA, torch.cuda.memory_allocated at the transition and
-    the peak since the previous one (filled into that phase's record)."""
+    (TrainerOffload.device_bytes), the refit stream's buffers held (refit.held_slot_bytes) and, on
+    CUDA, torch.cuda.memory_allocated at the transition and the peak since the previous one (filled
+    into that phase's record)."""
 
     KEPT = 256  # records kept after the build's
 
@@ -199,7 +201,8 @@ class MemoryRecorder:
         return self.ledger.records
 
     def enter(self, phase: str) -> PhaseRecord:
-        measured: dict[str, int] = {"trainer_bytes": self.offload.device_bytes()}
+        measured: dict[str, int] = {"trainer_bytes": self.offload.device_bytes(),
+                                    "refit_slot_bytes": held_slot_bytes()}  # the stream's ring held now
         if self.cuda:
             if self.ledger.records:
                 self.ledger.records[-1].measured["cuda_peak"] = int(torch.cuda.max_memory_allocated(self.device))
@@ -296,8 +299,9 @@ class Generation:
         """The frame of every generation (rollout, evaluation, the KL probe), in this order:
         offload the trainer's states but the actor's weights -> wake the engine's weights -> refit
         to ``step`` (``refit``: when the engine holds another version) -> offload the actor's weights
-        -> wake the KV cache -> the body generates -> engine sleeps -> the trainer's states reload.
-        (training.offload_during_rollout off: the offloads are no-ops.) ``events`` records it."""
+        -> wake the KV cache -> the body generates -> engine sleeps (and the refit stream's buffers
+        are freed) -> the trainer's states reload. (training.offload_during_rollout off: the offloads
+        are no-ops.) ``events`` records it."""
         off = self.offload.enabled
         if off:
             self.offload.offload("early")
@@ -317,6 +321,7 @@ class Generation:
                 yield
             finally:
                 self.engine.sleep()
+                self.sync.release_buffers()  # the refit stream's ring goes with the engine's memory
                 self.record("sleep")
         finally:
             if off:

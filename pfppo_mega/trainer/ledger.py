@@ -19,8 +19,11 @@ optimizer, as pfppo_mega.models.gpt builds them):
              kv_cache_bytes (max_num_seqs x max_model_len, "bytes"); the built-in engine allocates a
              KV cache per generate call for its rows ("per call": transient) and lives on the CPU.
   refit      the bucket stream's buffers (pfppo_mega.rollout.refit): ring slots of the largest
-             bucket on the communicator's device, kept between streams once the first refit made
-             them; plus one bucket gathered by its producer (transient).
+             bucket on the communicator's device, made by a frame's first refit or switch, kept
+             for its later ones and freed when the engine sleeps (EngineSync.release_buffers): none
+             beside the trainer's states in prepare and update; plus one bucket gathered by its
+             producer (transient). A pool capture after the update makes them and frees them when
+             it ends (not a phase here: the update's activations are gone by then).
   reserve    CUDA context, NCCL communicators, allocator slack (a runtime choice; 0 on a CPU).
   transient  activations of the update (Korthikanti et al., below) and of a forward in prepare
              (one layer's working set + the last stage's logits); the engine's workspace while it
@@ -35,7 +38,8 @@ Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/generation
   sleep, reload trainer   (every generation: rollout, evaluation, the KL probe)
   prepare, update         (the trainer's forwards and its update)
 Offload phases move nothing when offload is off (training.offload_during_rollout false); sleep and
-wake move nothing on an engine that cannot sleep (CPU).
+wake move nothing of the engine's on an engine that cannot sleep (CPU); sleep frees the refit
+stream's slots on every device.
 
 Activations per decoder layer and micro-batch follow Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2022): s b h (34 + 5 a s / h) bytes for their GPT
@@ -410,7 +414,7 @@ class RankHoldings:
     engine_on_device: bool              # False: the built-in engine on a GPU machine runs on the CPU
     engine_sleeps: bool                 # vLLM on a GPU; a CPU engine keeps everything
     sleep_level: int
-    refit_slots: Holding                # kept on the communicator's device after the first refit
+    refit_slots: Holding                # on the communicator's device from a frame's first refit to sleep
     refit_gather: Holding               # one bucket made by its producer (transient)
     reserve: Holding
     prepare: Holding                    # forward working set (transient)
@@ -480,13 +484,14 @@ def _forward(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, b: int) 
 
 
 def refit_buffers(run: RunShape, *, world: int) -> tuple[Holding, Holding]:
-    """(the stream's ring slots, kept; one produced bucket, transient) of a refit / switch / capture."""
+    """(the stream's ring slots, held until the engine sleeps; one produced bucket, transient) of a
+    refit / switch / capture."""
     e = DTYPE_BYTES[run.engine_dtype]
     whole = e * total_param_count(run.model, "lm")  # no bucket holds more than the model
     biggest = max(min(run.refit_bucket_bytes, whole), largest_refit_group(run.model) * e)  # a group never splits
     size = -(-biggest // 8) * 8 + REFIT_TRAILER_BYTES
     slots = 0 if world == 1 else max(1, min(REFIT_MAX_AHEAD, REFIT_AHEAD_BYTES // size)) + 1
-    return (Holding("refit stream slots (kept)", slots * size,
+    return (Holding("refit stream slots (to sleep)", slots * size,
                     f"{slots} slots x {size / MiB:.1f} MiB (largest bucket: refit_bucket_mb or the largest "
                     f"fused group)" if slots else "one process: no broadcast"),
             Holding("refit bucket (transient)", biggest, "one bucket gathered by its producer"))
@@ -659,7 +664,7 @@ class Ledger:
             engine[h.engine_weights.name] = h.engine_weights
         elif phase in ("refit", "switch"):
             if h.refit_slots.bytes:
-                self.device[h.refit_slots.name] = h.refit_slots  # the ring is kept for the next stream
+                self.device[h.refit_slots.name] = h.refit_slots  # kept for the frame's next stream
             transient.append(h.refit_gather)
         elif phase == "wake kv cache":
             if h.kv_mode != "per call":
@@ -668,9 +673,12 @@ class Ledger:
             transient.append(h.engine_workspace)
             if h.kv_mode == "per call":
                 transient.append(self.kv)
-        elif phase == "sleep" and h.engine_sleeps:
-            engine.pop(self.kv.name, None)
-            weights = engine.pop(h.engine_weights.name, None)
+        elif phase == "sleep":
+            self.device.pop(h.refit_slots.name, None)  # freed on every device (EngineSync.release_buffers)
+            weights = None
+            if h.engine_sleeps:
+                engine.pop(self.kv.name, None)
+                weights = engine.pop(h.engine_weights.name, None)
             if weights is not None and h.sleep_level == 1:
                 self.host["sleeping " + weights.name] = Holding("sleeping " + weights.name, weights.bytes, weights.formula)
         elif phase == "reload trainer":
