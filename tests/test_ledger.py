@@ -231,6 +231,9 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     assert all(r["work/tokens_generated"] == r["work/tokens_needed"] > 0 for r in steps)
     written = sum(r["work/checkpoint_bytes_written"] for r in steps) + rest.checkpoint_bytes
     assert len(reported) == 2 and written == sum(reported) > 0, (written, reported)
+    # the loop logs a step's record before it saves: step 1's save is in step 2's record, step 2's after
+    assert [r["work/checkpoint_bytes_written"] for r in steps] == [0, reported[0]]
+    assert rest.checkpoint_bytes == reported[1]
     pool = tr.run.behaviour.pool
     held_pool = sum(t.numel() * t.element_size() for s in pool.snapshots for _, t in s.tensors)
     held_offload = sum(t.numel() for t in tr.run.offload._host)

@@ -73,7 +73,8 @@ class Work:
     """Work of this rank since the last take(): tokens its engine generated, tokens its rows needed,
     rows it asked for (rollout, evaluation and the KL probe alike); weight bytes its engine received
     (live refits, pool switches); checkpoint bytes it wrote; and, at take(), the host bytes it holds
-    (offload buffers + its pool shards)."""
+    (offload buffers + its pool shards). The loop logs a step's record before it saves: a save's
+    bytes land in the next step's record (work/checkpoint_bytes_written), the last save's in none."""
 
     generated: int = 0
     needed: int = 0
