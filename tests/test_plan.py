@@ -120,11 +120,19 @@ from pfppo_mega.parallel import init_parallel
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.models import gpt
 s, b, h, a, g, f = map(int, sys.argv[1:7])
+recompute = sys.argv[7]
 init_parallel(tp=1, pp=1, backend="gloo", seed=1)
+if recompute != "none":
+    # Only the forward runs here (saved tensors are counted, no backward): megatron's checkpoint
+    # reads the CUDA RNG state in its forward, and check_features refuses recompute off CUDA.
+    import megatron.core.tensor_parallel.random as mp_random
+    mp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, None)
+    check = gpt.check_features
+    gpt.check_features = lambda m, fe, device_type=None, tp=None: check(m, fe, device_type="cuda", tp=tp)
 model = gpt.build_actor(load_config_dict({"model": dict(
     num_layers=1, hidden_size=h, ffn_hidden_size=f, num_attention_heads=a, num_query_groups=g,
     vocab_size=64, max_position_embeddings=s, rope_theta=10000.0, norm_epsilon=1e-5,
-    tie_word_embeddings=False, params_dtype="bfloat16")}).model)
+    tie_word_embeddings=False, params_dtype="bfloat16")}).model, features=gpt.Features(recompute=recompute))
 params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
 saved, norm = {}, {}
@@ -140,21 +148,27 @@ print(sum(saved.values()), sum(norm.values()))
 """
 
 
-def test_megatron_layer_saves_what_the_local_formula_counts():
+@pytest.mark.parametrize("recompute,g", [("none", 2), ("selective", 1)])
+def test_megatron_layer_saves_what_the_local_formula_counts(recompute, g):
     """Measure megatron's own TransformerLayer (built by pfppo_mega.models, bf16, CPU): the bytes
     autograd saves, parameters and the layer input excluded. The formula for layer "local" must
     match, except the RMSNorm terms: the CPU build keeps fp32 intermediates inside rms_norm (counted
-    apart) where the formula assumes a fused norm keeping its 2sbh input."""
-    s, b, h, a, g, f = 128, 2, 512, 8, 2, 1408
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *map(str, (s, b, h, a, g, f))], env=_env(),
+    apart) where the formula assumes a fused norm keeping its 2sbh input. Selective recompute at
+    a / g = 8 (Llama-70B's ratio): the core's checkpoint keeps the fused QKV output and the rotated
+    q, k, not the K and V repeated to a heads -- counting those would be 2sbd(a - 3g) too many."""
+    s, b, h, a, f = 128, 2, 512, 8, 1408
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *map(str, (s, b, h, a, g, f)), recompute], env=_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     measured, in_norm = map(int, out.stdout.split()[-2:])
     terms = layer_terms_for("local", s=s, b=b, h=h, a=a, g=g, f=f)
-    formula = terms.replicated + terms.split + terms.core
-    expected = formula - 2 * 2 * s * b * h  # the two norm inputs: kept as fp32 inside rms_norm on CPU
+    stored = layer_bytes(terms, tp=1, sp=False, recompute=recompute, s=s, b=b, h=h)[0]
+    expected = stored - 2 * 2 * s * b * h  # the two norm inputs: kept as fp32 inside rms_norm on CPU
     small = s * s + 4 * s * (h // a) * 2   # causal mask (bool) + rotary cos/sin, not in the formula
     assert abs(measured - expected) <= small, (measured, expected, small)
+    if recompute == "selective":  # the check tells the two accountings apart
+        repeated_kv = terms.replicated + terms.split - 2 * 2 * s * b * h
+        assert abs(measured - repeated_kv) > small, (measured, repeated_kv, small)
     print(f"megatron layer saves {measured / (s * b * h):.2f} sbh (+ {in_norm / (s * b * h):.1f} sbh in "
           f"CPU rms_norm); formula without norms {expected / (s * b * h):.2f} sbh")
 

@@ -44,7 +44,8 @@ stream's slots on every device.
 Activations per decoder layer and micro-batch follow Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2022): s b h (34 + 5 a s / h) bytes for their GPT
 layer; with tensor parallelism t: s b h (10 + 24/t + 5 a s / (h t)); with sequence parallelism:
-s b h (34 + 5 a s / h) / t; selective recompute: 34 s b h / t; full recompute: 2 s b h (/ t with SP).
+s b h (34 + 5 a s / h) / t; selective recompute: s b h (10 + 24/t), 34 s b h / t with SP; full
+recompute: 2 s b h (/ t with SP).
 The same accounting for this project's Llama layer (RMSNorm, GQA with g KV heads of size d,
 SwiGLU MLP of width f, no dropout), bytes of bf16 values unless marked fp32:
 
@@ -52,6 +53,9 @@ SwiGLU MLP of width f, no dropout), bytes of bf16 values unless marked fp32:
     Q 2sbh, out-proj input 2sbh                                 split over TP
     K, V  layer "local": 2 x 2sbh (megatron's unfused attention repeats the g KV heads to a)
           layer "fused": 2 x 2sbgd
+          selective, "local": the core's checkpoint keeps its inputs instead: the fused QKV
+          output 2sb(a+2g)d (v is a view of it) and the rotated k 2sbgd (q as above), so
+          -2sbh + 6sbgd against K, V above (70B, g = 8, d = 128: 1.25 sbh fewer per layer before TP)
     core  layer "local": softmax output in fp32 4as^2b + its bf16 copy 2as^2b   split over TP,
           layer "fused": flash attention, fp32 log-sum-exp 4asb                 dropped by selective
     MLP   layer "local": [gate; up] 4sbf, silu(gate) 2sbf, up + glu_linear_offset 2sbf,
@@ -59,7 +63,8 @@ SwiGLU MLP of width f, no dropout), bytes of bf16 values unless marked fp32:
           layer "fused": [gate; up] 4sbf, fc2 input 2sbf = 6sbf (fused SwiGLU keeps its input)
 
 Layer "local" is what pfppo_mega.models builds; tests/test_plan.py measures megatron's own
-TransformerLayer on the CPU with autograd's saved-tensor hooks and finds these terms (the CPU
+TransformerLayer on the CPU with autograd's saved-tensor hooks, without recompute and with
+selective recompute (forward only: its backward needs CUDA), and finds these terms (the CPU
 build of torch keeps fp32 RMSNorm intermediates, 8sbh per norm, not 2sbh; on GPUs the norms are
 assumed fused -- not measured here). On a pipeline stage with 1F1B scheduling and m micro-batches
 per step, stage k keeps min(pp - k, m) micro-batches in flight, each with the stage's L/pp layers.
@@ -185,17 +190,20 @@ class LayerActivations:
     """Bytes one decoder layer keeps for backward, per micro-batch, before any parallel split.
 
     replicated: split over TP only with sequence parallelism; split: always split over TP;
-    core: the attention core's s^2 terms (split over TP; dropped by selective recompute)."""
+    core: the attention core's s^2 terms (split over TP; dropped by selective recompute);
+    selective_split: the split terms when the core attention is recomputed (None: ``split``):
+    megatron's checkpoint of the core keeps its inputs q, k, v instead of what the core saves."""
 
     replicated: float
     split: float
     core: float
+    selective_split: Optional[float] = None
 
 
 def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
                            attention: str = "unfused", softmax_fp32: bool = True,
                            mlp: str = "swiglu_unfused", dropout: bool = False,
-                           d: Optional[int] = None, qk_norm: bool = False) -> LayerActivations:
+                           d: Optional[int] = None, qk_norm: bool = False, rope: bool = False) -> LayerActivations:
     """Korthikanti et al.'s per-layer accounting (see the module docstring), in bytes.
 
     s sequence, b micro-batch, h hidden, a heads, g KV groups, f MLP width, d head_dim (None:
@@ -205,7 +213,12 @@ def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
     softmax_fp32, plus its bf16 copy); "flash": K and V for g heads, a log-sum-exp, no s^2 term.
     mlp "gelu" (paper), "swiglu" (fused activation) or "swiglu_unfused" (megatron 0.16.1's glu).
     mlp="gelu", dropout=True, softmax_fp32=False with g = a, f = 4h is the paper's GPT layer:
-    s b h (34 + 5 a s / h)."""
+    s b h (34 + 5 a s / h).
+    Selective recompute (attention "unfused"): megatron checkpoints the core with inputs q, k, v
+    (tensor_parallel.checkpoint saves them); v is a view of the fused QKV output, so that whole
+    output 2 s b (a + 2g) d stays, and q, k besides it when ``rope`` rotated them into new
+    tensors (Llama: 2 s b a d + 2 s b g d); the K and V repeated to a heads are made inside the
+    recomputed core. Without rope, q and k are views of it too (the paper's GPT layer: 6sbh)."""
     d = h // a if d is None else d
     sbh = s * b * h
     sbq = s * b * a * d                                # the width of Q and of the out-proj input
@@ -219,7 +232,11 @@ def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
     if mlp not in mlp_terms:
         raise ValueError(f"mlp({mlp!r}) must be one of {tuple(mlp_terms)}")
     split += mlp_terms[mlp] * s * b * f
+    selective = None
     if attention == "unfused":
+        # the core's checkpoint keeps the fused QKV output (v's base) + the rotated q and k, not Q and K, V
+        qkv = 2 * s * b * (a + 2 * g) * d + (2 * sbq + 2 * s * b * g * d if rope else 0)
+        selective = split - 2 * sbq + qkv
         split += 2 * 2 * sbq                           # K and V, repeated to a heads
         core = (4 + 2 if softmax_fp32 else 2) * a * s * s * b  # softmax output (+ bf16 copy)
         if dropout:
@@ -229,7 +246,8 @@ def layer_activation_terms(*, s: int, b: int, h: int, a: int, g: int, f: int,
         core = 0
     else:
         raise ValueError(f"attention({attention!r}) must be 'unfused' or 'flash'")
-    return LayerActivations(float(replicated), float(split), float(core))
+    return LayerActivations(float(replicated), float(split), float(core),
+                            None if selective is None else float(selective))
 
 
 def layer_terms_for(layer: str, *, s: int, b: int, h: int, a: int, g: int, f: int,
@@ -237,7 +255,7 @@ def layer_terms_for(layer: str, *, s: int, b: int, h: int, a: int, g: int, f: in
     """The Llama layer as built by pfppo_mega.models ("local") or with fused kernels ("fused")."""
     if layer == "local":
         return layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="unfused",
-                                      softmax_fp32=True, mlp="swiglu_unfused", d=d, qk_norm=qk_norm)
+                                      softmax_fp32=True, mlp="swiglu_unfused", d=d, qk_norm=qk_norm, rope=True)
     if layer == "fused":
         return layer_activation_terms(s=s, b=b, h=h, a=a, g=g, f=f, attention="flash", mlp="swiglu",
                                       d=d, qk_norm=qk_norm)
@@ -247,14 +265,16 @@ def layer_terms_for(layer: str, *, s: int, b: int, h: int, a: int, g: int, f: in
 def layer_bytes(t: LayerActivations, *, tp: int, sp: bool, recompute: str, s: int, b: int, h: int) -> tuple[float, float]:
     """(bytes stored per layer per micro-batch, transient bytes while one layer is recomputed).
 
-    none: everything; selective: all but the core (recomputed in backward, one layer at a time);
+    none: everything; selective: all but the core (recomputed in backward, one layer at a time),
+    with the core's checkpointed inputs in place of what it saves (``selective_split``);
     full: the layer input 2sbh only (the whole layer is recomputed, one at a time)."""
     rep_div = tp if sp else 1
     everything = t.replicated / rep_div + t.split / tp + t.core / tp
     if recompute == "none":
         return everything, 0.0
     if recompute == "selective":
-        return t.replicated / rep_div + t.split / tp, t.core / tp
+        kept = t.split if t.selective_split is None else t.selective_split
+        return t.replicated / rep_div + kept / tp, t.core / tp
     if recompute == "full":
         return 2 * s * b * h / rep_div, everything
     raise ValueError(f"recompute({recompute!r}) must be one of {RECOMPUTE}")
