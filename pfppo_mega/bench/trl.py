@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             per_arm[arm]["phases"].append(got["phases"])
             print(f"[bench trl] round {r} {arm}: steps {', '.join(f'{s:.1f}' for s in got['step_s'])} s "
                   f"(process {time.monotonic() - t:.0f} s, load average {load:.1f} at start)", flush=True)
+            if args.json:  # what is measured so far survives an interrupted benchmark
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json + ".partial").write_text(json.dumps({"settings": vars(args), "per_arm": per_arm}))
     for arm, d in per_arm.items():
         phases = [p for p in d.pop("phases") if p]
         d["phases_median_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {}
