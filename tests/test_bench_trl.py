@@ -22,3 +22,19 @@ def test_unknown_arm_and_missing_model_are_refused(tmp_path, capsys):
     assert "allowed trl_grpo, ours_grpo, ours_ppo" in capsys.readouterr().err
     assert trl.main(["--model", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl")]) == 2
     assert "make demo-llm" in capsys.readouterr().err
+
+
+def test_demo_llm_breakdown_reads_the_medians(tmp_path):
+    import json
+
+    from pfppo_mega.experiments.llm_demo import breakdown
+
+    recs = [{"step": 0, "eval/accuracy": 0.1}] + [
+        {"step": i, "perf/step_s": 10.0 * i, "time/rollout_s": 1.0 * i, "time/update_s": 5.0 * i,
+         "perf/padding_frac": 0.05} for i in (1, 2, 3)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    lines = breakdown(tmp_path / "m.jsonl")
+    assert lines[0] == "3 steps, median step 20.0 s:"
+    assert any("rollout" in line and "2.00 s (10%)" in line for line in lines)
+    assert any("update" in line and "10.00 s (50%)" in line for line in lines)
+    assert any(line.strip().startswith("perf/padding_frac") and "0.05" in line for line in lines)
