@@ -1,6 +1,6 @@
 """The trainer's model passes and the built-in rollout against this machine (issue 23.3).
 
-    python -m pfppo_mega.bench.passes [--shape smollm2-135m] [--rows 16] [--threads 2] [--out FILE.json]
+    python -m pfppo_mega.bench.passes [--shape smollm2-135m] [--rows 16] [--threads 2] [--repeats N] [--out FILE.json]
 
 Builds a randomly initialised Llama of the given shape (default: SmolLM2-135M's: 30 layers, hidden
 576, GQA 9/3, vocabulary 49,152, tied) at tp = pp = 1, and a ragged batch like a chat rollout's
@@ -14,8 +14,9 @@ the batch's longest row, LM head at every position) and for the token-budget pat
 and reports each as model FLOPs / (time x this machine's matmul rate, measured beside it), the
 padding fraction and the LM head's wasted positions (trainer/perf.py defines them). Last, the
 built-in engine generates ``--new-tokens`` tokens for every prompt (no EOS: the weights are
-random) and its time is set against its floor (perf.rollout_floor_s). Prints and writes JSON
-(git sha, threads, load average, every figure) so runs can be compared.
+random) and its time is set against its floor (perf.rollout_floor_s). With ``--repeats N`` the two
+paths alternate N times (load on a shared machine hits both) and the medians are reported.
+Prints and writes JSON (git sha, threads, load average, every figure) so runs can be compared.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -114,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=0, help="token budget (0: micro-batch-size x mean row length)")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens the rollout generates per prompt")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved repeats of both paths (a shared machine's load hits both); medians reported")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -145,19 +149,24 @@ def main(argv=None) -> dict:
            "threads": args.threads, "loadavg_before": os.getloadavg(), "rows": args.rows,
            "tokens": int(lengths.sum()), "response_tokens": int(inp.response_mask.sum()),
            "matmul_gflops": matmul / 1e9, "memcpy_gbps": memcpy / 1e9, "budget_tokens": budget, "paths": {}}
-    for name, batching in (("padded", dict(micro_batch_size=args.micro_batch_size)),
-                           ("token_budget", dict(micro_batch_size=args.rows, max_tokens=budget, response_only=True))):
-        r = run_passes(fresh(), inp, batching, seed=args.seed)
-        t = r.pop("tallies")
-        prep = (perf.tally_flops(shape, t["prepare_lm"], head_width=shape.vocab_size)
-                + perf.tally_flops(shape, t["prepare_value"], head_width=1))
-        upd = 3 * (perf.tally_flops(shape, t["update_lm"], head_width=shape.vocab_size)
-                   + perf.tally_flops(shape, t["update_value"], head_width=1))
-        r.update(prepare_matmul_frac=prep / (r["prepare_s"] * matmul), update_matmul_frac=upd / (r["update_s"] * matmul))
-        out["paths"][name] = r
-        print(f"[{name}] prepare {r['prepare_s']:.2f} s ({r['prepare_matmul_frac']:.1%} of the matmul rate), "
-              f"update {r['update_s']:.2f} s ({r['update_matmul_frac']:.1%}), padding {r['padding_frac']:.1%}, "
-              f"head waste {r['head_waste_frac']:.1%}, {r['micro_batches']} micro-batches", flush=True)
+    paths = (("padded", dict(micro_batch_size=args.micro_batch_size)),
+             ("token_budget", dict(micro_batch_size=args.rows, max_tokens=budget, response_only=True)))
+    for repeat in range(args.repeats):
+        for name, batching in paths:
+            r = run_passes(fresh(), inp, batching, seed=args.seed)
+            t = r.pop("tallies")
+            prep = (perf.tally_flops(shape, t["prepare_lm"], head_width=shape.vocab_size)
+                    + perf.tally_flops(shape, t["prepare_value"], head_width=1))
+            upd = 3 * (perf.tally_flops(shape, t["update_lm"], head_width=shape.vocab_size)
+                       + perf.tally_flops(shape, t["update_value"], head_width=1))
+            r.update(prepare_matmul_frac=prep / (r["prepare_s"] * matmul),
+                     update_matmul_frac=upd / (r["update_s"] * matmul), loadavg=os.getloadavg()[0])
+            out["paths"].setdefault(name, []).append(r)
+            print(f"[{name} {repeat + 1}/{args.repeats}] prepare {r['prepare_s']:.2f} s ({r['prepare_matmul_frac']:.1%} "
+                  f"of the matmul rate), update {r['update_s']:.2f} s ({r['update_matmul_frac']:.1%}), padding "
+                  f"{r['padding_frac']:.1%}, head waste {r['head_waste_frac']:.1%}, {r['micro_batches']} "
+                  f"micro-batches, load {r['loadavg']:.1f}", flush=True)
+    out["paths"] = {name: _median(runs) for name, runs in out["paths"].items()}
     out["rollout"] = rollout(actor, mc, shape, inp, args, matmul=matmul, memcpy=memcpy)
     out["loadavg_after"] = os.getloadavg()
     print(f"[rollout] built-in engine {out['rollout']['seconds']:.2f} s, floor {out['rollout']['floor_s']:.2f} s "
@@ -166,6 +175,13 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return out
+
+
+def _median(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats (the first repeat's for non-numbers), and the repeats."""
+    out = {k: (statistics.median(r[k] for r in runs) if isinstance(v, (int, float)) else v)
+           for k, v in runs[0].items()}
+    return {**out, "repeats": runs}
 
 
 def rollout(actor, mc, shape, inp, args, *, matmul: float, memcpy: float) -> dict:
