@@ -200,17 +200,27 @@ def test_the_pool_is_written_in_place_and_not_reused_while_a_save_writes_it(sft_
     capture (which evicts a snapshot) runs while step 2's save is writing; step 2 then resumes with
     its pool checksums intact. Without the hold (the control) the same run writes torn bytes and
     the resume refuses step 2 -- so this test can tell."""
-    import time
+    import threading
 
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
 
-    real = ckpt.write_dir
+    real, real_capture = ckpt.write_dir, ShardedSnapshotPool.capture_from
+    captured, changed = set(), threading.Condition()
+
+    def counted(self, source, *a, **k):
+        snap = real_capture(self, source, *a, **k)
+        with changed:
+            captured.add(source.version)
+            changed.notify_all()
+        return snap
 
     def slow(path, step, *a, **k):
-        if step == 2:
-            time.sleep(1.0)  # the training thread meanwhile runs step 3 (a capture)
+        if step == 2:  # write only once the training thread's step-3 capture is done (however loaded the machine)
+            with changed:
+                changed.wait_for(lambda: 3 in captured, timeout=300)
         return real(path, step, *a, **k)
 
+    monkeypatch.setattr(ShardedSnapshotPool, "capture_from", counted)
     monkeypatch.setattr(ckpt, "write_dir", slow)
     if not hold:
         monkeypatch.setattr(ShardedSnapshotPool, "hold_buffers", lambda self, until: None)

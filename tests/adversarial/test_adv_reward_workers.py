@@ -133,15 +133,16 @@ def test_a_forked_child_that_returns_into_the_worker_loop_cannot_answer(tmp_path
 
 
 FORK_WRITES = """
-import gc, json, os, time
+import gc, json, os
 from multiprocessing.connection import Connection
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "2":
-        if os.fork() == 0:   # the child finds the worker's pipe and answers first, as row 999
+        pid = os.fork()
+        if pid == 0:   # the child finds the worker's pipe and answers first, as row 999
             conn = next(o for o in gc.get_objects() if isinstance(o, Connection))
             conn.send_bytes(json.dumps([999, os.getpid(), "value", 99.0]).encode())
             os._exit(0)
-        time.sleep(0.5)
+        os.waitpid(pid, 0)   # its answer is in the pipe before ours, however loaded the machine
     return float(solution_str)
 """
 
