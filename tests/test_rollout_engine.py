@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from pfppo_mega.registry import ROLLOUT_ENGINES
 from pfppo_mega.rollout import BuiltinEngine, DecoderShape, RolloutEngine, SamplingParams
-from pfppo_mega.rollout.builtin import sample_tokens, top_p_filter
+from pfppo_mega.rollout.builtin import draw_tokens, sample_tokens, top_p_filter
 from pfppo_mega.rollout.source import NamedTensorSource
 from pfppo_mega.rollout.weights import Bucket, WeightUpdateError, fused_group, plan_buckets
 
@@ -306,6 +306,30 @@ def test_sampling_distribution_matches_nucleus():
     sigma = (nucleus * (1 - nucleus) / n).sqrt()
     assert ((freq - nucleus).abs() <= 5 * sigma + 1e-12).all(), (freq - nucleus).abs().max()
     assert torch.allclose(logprobs.double(), p.log()[tokens], atol=1e-6)
+
+
+def test_inverse_cdf_draw_edges_and_row_streams():
+    """draw_tokens: mass on the first or last token only, zeros between positive masses (never
+    drawn), an unnormalised row; with per-row generators a row's draw depends on its seed alone."""
+    probs = torch.zeros(4, 9)
+    probs[0, 0] = 1.0                        # all mass first
+    probs[1, 8] = 0.25                       # all mass last, unnormalised
+    probs[2, [1, 4, 7]] = torch.tensor([2.0, 3.0, 5.0])  # zeros between and at both ends
+    probs[3] = torch.arange(9.0)             # token 0 has mass 0
+    g = torch.Generator().manual_seed(3)
+    n = 20000
+    draws = torch.stack([draw_tokens(probs, g) for _ in range(n)])  # [n, 4]
+    assert (draws[:, 0] == 0).all() and (draws[:, 1] == 8).all()
+    for row in (2, 3):
+        want = probs[row].double() / probs[row].sum()
+        freq = torch.bincount(draws[:, row], minlength=9).double() / n
+        assert (freq[want == 0] == 0).all(), f"row {row} drew a token of mass 0: {freq}"
+        sigma = (want * (1 - want) / n).sqrt()
+        assert ((freq - want).abs() <= 5 * sigma + 1e-12).all(), f"row {row}: {freq} vs {want}"
+    gens = [torch.Generator().manual_seed(s) for s in (11, 12)]
+    both = draw_tokens(probs[2:4], gens)
+    alone = draw_tokens(probs[3:4], [torch.Generator().manual_seed(12)])
+    assert both[1] == alone[0]
 
 
 def test_sampling_params_validation():

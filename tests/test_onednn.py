@@ -1,0 +1,102 @@
+"""oneDNN-prepacked linears (pfppo_mega/compat/onednn.py) and the built-in engine on them.
+
+The packed product against F.linear at the same dtype and against fp64 (its error at most 2x
+F.linear's, plus an ulp-scale floor), over the shapes a rollout runs (a decode step's rows, a packed
+prefill, a 3-D batch, a strided input, with and without bias); the decoder packed vs unpacked; the
+engine repacks after every weight update, so it never generates with a stale pack.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pfppo_mega.compat import onednn
+from pfppo_mega.rollout import BuiltinEngine, DecoderShape, SamplingParams
+from pfppo_mega.rollout.source import NamedTensorSource
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def test_pinned_torch_provides_the_operators():
+    """On the CPUs this project runs on, the operators exist and pass the probe; if a torch release
+    drops or changes them the engine silently falls back to F.linear (half the speed): fail here."""
+    if not (X86 and torch.backends.mkldnn.is_available()):
+        pytest.skip(f"no oneDNN in this torch build on {platform.machine()}: the engine uses F.linear")
+    assert onednn.available(torch.float32)
+    assert not onednn.available(torch.float64)  # only fp32 is packed; other dtypes take F.linear
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 64, False), (7, 40, 72, True), (16, 3 * 64, 48, False),
+                                           (700, 128, 96, True)])
+def test_packed_linear_matches_reference(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    want64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch_err = (F.linear(x, w, b).double() - want64).abs().max().item()
+    for hint in (1, rows, 64):
+        got = onednn.linear(x, w, b, onednn.pack(w, batch_hint=hint))
+        err = (got.double() - want64).abs().max().item()
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert err <= 2 * torch_err + 1e-6, f"hint {hint}: packed error {err:.2e} vs F.linear's {torch_err:.2e}"
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+def test_packed_linear_takes_batched_and_strided_inputs():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 32, generator=g)
+    packed = onednn.pack(w, batch_hint=4)
+    x3 = torch.randn(3, 5, 32, generator=g)                  # [B, S, K]
+    assert torch.allclose(onednn.linear(x3, w, None, packed), F.linear(x3, w), atol=1e-4)
+    strided = torch.randn(32, 6, generator=g).t()             # [6, 32], not contiguous
+    assert torch.allclose(onednn.linear(strided, w, None, packed), F.linear(strided, w), atol=1e-4)
+    assert torch.equal(onednn.linear(x3, w, None, None), F.linear(x3, w))  # no pack: F.linear itself
+
+
+def _tiny(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 12, 30, 2, 8], [11], [3, 3, 20, 21, 6]]
+GREEDY = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_token_id=None, greedy=True)
+
+
+def _engine(model, **kw) -> BuiltinEngine:
+    engine = BuiltinEngine(DecoderShape.from_hf_config(model.config.to_dict()), pad_token_id=0, **kw)
+    engine.load_weights(model.state_dict().items(), version=1)
+    return engine
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+def test_engine_packed_equals_unpacked_and_repacks_after_updates():
+    a, b = _tiny(0), _tiny(1)
+    packed, plain = _engine(a), _engine(a, pack_weights=False)
+    out_packed, out_plain = packed.generate(PROMPTS, GREEDY), plain.generate(PROMPTS, GREEDY)
+    assert packed.model.packed and not plain.model.packed  # the packed engine really ran packed
+    assert torch.equal(out_packed.responses, out_plain.responses)
+    assert (out_packed.logprobs - out_plain.logprobs).abs().max() < 1e-5
+    # new weights through both update paths: the old pack must never serve a generate
+    packed.load_weights(b.state_dict().items(), version=2)
+    assert not packed.model.packed
+    fresh_b = _engine(b, pack_weights=False).generate(PROMPTS, GREEDY)
+    assert torch.equal(packed.generate(PROMPTS, GREEDY).responses, fresh_b.responses)
+    packed.update_weights(_buckets(packed, a, version=3), 3)  # bucket by bucket, back to a
+    again = packed.generate(PROMPTS, GREEDY)
+    assert packed.model.packed and torch.equal(again.responses, out_plain.responses)
+    assert (again.logprobs - out_plain.logprobs).abs().max() < 1e-5
+
+
+def _buckets(engine, model, *, version):
+    source = NamedTensorSource(model.state_dict().items(), version, layout=engine.weight_layout())
+    return source.buckets(engine.bucket_plan())
