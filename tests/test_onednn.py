@@ -100,3 +100,66 @@ def test_engine_packed_equals_unpacked_and_repacks_after_updates():
 def _buckets(engine, model, *, version):
     source = NamedTensorSource(model.state_dict().items(), version, layout=engine.weight_layout())
     return source.buckets(engine.bucket_plan())
+
+
+# ------------------------------------------------------------------ megatron's linears (routed_matmul)
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+def test_routed_matmul_only_inside_the_context_and_only_for_parameters():
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(24, 16, generator=g))
+    x, grad = torch.randn(5, 16, generator=g), torch.randn(5, 24, generator=g)
+    assert onednn.routed_matmul((x, w.t()), None) is None  # no context: torch.matmul runs
+    with onednn.packed_weights(), torch.no_grad():
+        fwd = onednn.routed_matmul((x, w.t()), None)       # a linear's output: x @ W.t()
+        dgrad = onednn.routed_matmul((grad, w), None)      # its input gradient: grad @ W
+        assert torch.allclose(fwd, x @ w.detach().t(), atol=1e-5) and torch.allclose(dgrad, grad @ w.detach(), atol=1e-5)
+        assert onednn.routed_matmul((x, torch.randn(16, 24)), None) is None   # an activation: not routed
+        assert onednn.routed_matmul((x, w.t()), {"out": torch.empty(5, 24)}) is None
+        assert onednn.routed_matmul((x.double(), w.double().t()), None) is None
+        w.mul_(2.0)  # a weight written inside the context anyway: its version moved, so it is repacked
+        assert torch.allclose(onednn.routed_matmul((x, w.t()), None), x @ w.detach().t(), atol=1e-5)
+    with onednn.packed_weights():  # autograd recording: oneDNN's op has no derivative, so torch.matmul runs
+        assert onednn.routed_matmul((x.requires_grad_(), w.t()), None) is None
+    assert onednn._state.packs is None  # the packs are dropped at the exit
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
+    """A megatron actor's forward-only log-probs and one update with the schedule's matmuls routed
+    through oneDNN vs with the routing off (torch.mm): equal within float round-off, and the route was
+    really taken."""
+    from pfppo_mega import parallel
+    from pfppo_mega.bench.passes import SHAPES, ragged_batch
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.models import engine, gpt
+
+    torch.set_num_threads(1)
+    parallel.init_parallel(tp=1, pp=1, seed=3)
+    mc = ModelConfig(**SHAPES["tiny"])
+    inp = ragged_batch(6, mc.vocab_size, seed=2, prompt=(4, 9), response=(1, 7))
+    calls = []
+    real = onednn.routed_matmul
+
+    def counting(args, kwargs):
+        out = real(args, kwargs)
+        calls.append(out is not None)
+        return out
+
+    results = {}
+    actor = gpt.wrap_ddp(gpt.build_actor(mc))
+    start = {k: v.detach().clone() for k, v in gpt.unwrap(actor).state_dict().items() if isinstance(v, torch.Tensor)}
+    for routed in (True, False):
+        gpt.unwrap(actor).load_state_dict(start, strict=False)  # both runs from the same weights
+        opt = gpt.build_optimizer(actor, lr=1e-3, weight_decay=0.0, grad_clip=1.0)
+        monkeypatch.setattr(onednn, "routed_matmul", counting if routed else (lambda args, kwargs: None))
+        calls.clear()
+        logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
+        step = engine.train_step(actor, opt, inp, lambda lp, ent, mb: ((lp * mb.inputs.response_mask).sum() * 0.01, {}),
+                                 temperature=1.0, micro_batch_size=3)
+        results[routed] = (logp, step.loss, [p.detach().clone() for p in actor.parameters()])
+        if routed:
+            assert sum(calls) > 0, "no matmul went through oneDNN"
+    (lp_a, loss_a, w_a), (lp_b, loss_b, w_b) = results[True], results[False]
+    assert (lp_a - lp_b).abs().max() < 1e-5
+    assert abs(loss_a - loss_b) <= 1e-5 * max(1.0, abs(loss_b))
+    assert max((a - b).abs().max().item() for a, b in zip(w_a, w_b)) < 1e-5

@@ -190,6 +190,22 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path):
     for k in ("perf/prepare_matmul_frac", "perf/update_matmul_frac", "perf/rollout_floor_frac"):
         assert 0 < a[k] < 1.5 and 0 < b[k] < 1.5, k  # a fraction of what the machine did beside it
     assert a["perf/matmul_gflops"] > 0 and a["perf/memcpy_gbps"] > 0
+    libs = {k: v for k, v in a.items() if k.startswith("perf/matmul_gflops_")}
+    assert "perf/matmul_gflops_torch_mm" in libs  # the fractions use the best library's rate
+    assert a["perf/matmul_gflops"] == max(libs.values())
+
+
+def test_machine_rate_is_the_best_library():
+    """machine.matmul_rate = the best of matmul_rates (torch.mm, and oneDNN prepacked on a CPU in
+    fp32 where torch has it): a floor against the slower library would flatter the phases."""
+    from pfppo_mega.compat import onednn
+    from pfppo_mega.trainer import machine
+
+    rates = machine.matmul_rates(torch.device("cpu"), torch.float32)
+    assert set(rates) == ({"torch_mm", "onednn"} if onednn.available() else {"torch_mm"})
+    assert all(r > 1e8 for r in rates.values()), rates  # > 0.1 GFLOP/s: a real measurement
+    assert machine.matmul_rate(torch.device("cpu")) == max(rates.values())
+    assert set(machine.matmul_rates(torch.device("cpu"), torch.float64)) == {"torch_mm"}
 
 
 def test_bench_passes_reports_every_figure(world, tmp_path):

@@ -144,11 +144,13 @@ def main(argv=None) -> dict:
     lengths = inp.attention_mask.sum(1)
     budget = args.max_tokens or int(args.micro_batch_size * float(lengths.float().mean()))
     budget = max(budget, int(lengths.max()))
-    matmul, memcpy = machine.matmul_rate(torch.device("cpu")), machine.memcpy_rate(torch.device("cpu"))
+    rates = machine.matmul_rates(torch.device("cpu"))
+    matmul, memcpy = max(rates.values()), machine.memcpy_rate(torch.device("cpu"))
     out = {"git": _git_sha(), "shape": args.shape, "params": sum(p.numel() for p in gpt.unwrap(actor).parameters()),
            "threads": args.threads, "loadavg_before": os.getloadavg(), "rows": args.rows,
            "tokens": int(lengths.sum()), "response_tokens": int(inp.response_mask.sum()),
-           "matmul_gflops": matmul / 1e9, "memcpy_gbps": memcpy / 1e9, "budget_tokens": budget, "paths": {}}
+           "matmul_gflops": matmul / 1e9, "matmul_gflops_by_library": {k: v / 1e9 for k, v in rates.items()},
+           "memcpy_gbps": memcpy / 1e9, "budget_tokens": budget, "paths": {}}
     paths = (("padded", dict(micro_batch_size=args.micro_batch_size)),
              ("token_budget", dict(micro_batch_size=args.rows, max_tokens=budget, response_only=True)))
     for repeat in range(args.repeats):
@@ -170,7 +172,8 @@ def main(argv=None) -> dict:
     out["rollout"] = rollout(actor, mc, shape, inp, args, matmul=matmul, memcpy=memcpy)
     out["loadavg_after"] = os.getloadavg()
     print(f"[rollout] built-in engine {out['rollout']['seconds']:.2f} s, floor {out['rollout']['floor_s']:.2f} s "
-          f"({out['rollout']['floor_frac']:.1%} of the floor's speed); matmul {matmul / 1e9:.0f} GFLOP/s, memcpy "
+          f"({out['rollout']['floor_frac']:.1%} of the floor's speed); matmul {matmul / 1e9:.0f} GFLOP/s ("
+          f"{', '.join(f'{k} {v / 1e9:.0f}' for k, v in rates.items())}), memcpy "
           f"{memcpy / 1e9:.1f} GB/s, load {out['loadavg_before'][0]:.1f} -> {out['loadavg_after'][0]:.1f}")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))

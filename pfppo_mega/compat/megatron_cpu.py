@@ -46,6 +46,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pfppo_mega.compat import onednn
+
 PINNED_MEGATRON_CORE = "0.16.1"
 
 _RANDOM_MODULE = "megatron.core.tensor_parallel.random"
@@ -104,6 +106,10 @@ class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA devices to cpu in every torch call made while the mode is on the stack."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.matmul or func is torch.Tensor.matmul:  # megatron's linears, inside onednn.packed_weights()
+            out = onednn.routed_matmul(args, kwargs)
+            if out is not None:
+                return out
         kwargs = dict(kwargs) if kwargs else {}
         if func is torch.Tensor.cuda:
             return args[0]

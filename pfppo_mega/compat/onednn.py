@@ -8,6 +8,14 @@ against ~11 GB/s through F.linear (`pfppo bench kernels` does not cover this; do
 commands). The reorder is a copy of the weight, so it pays only where one weight serves many
 matmuls: a rollout engine between two refits.
 
+The trainer's megatron layers get the same products inside `packed_weights()`: while a pipeline
+schedule runs (forward-only passes, or one optimizer step's forward and backward: the weights cannot
+change inside), each `torch.matmul(x, W.t())` of a linear's forward, W an nn.Parameter on the CPU in
+fp32, runs through a pack of W made at its first use in the context and dropped at its exit. The
+compat layer's function mode (compat/megatron_cpu.py) routes them here. The backward's products stay
+on torch.mm: torch does not consult function modes inside autograd's backward (routed_matmul would
+take `grad.matmul(W)` through a pack of W^T, but is never called there).
+
 The two torch operators used are internal (`torch.ops.mkldnn._reorder_linear_weight`,
 `torch.ops.mkldnn._linear_pointwise`: what inductor's CPU freezing emits). They are reached only
 here, checked once by `available()` (present, and exact against F.linear on a probe), and every
@@ -17,7 +25,10 @@ torch stops providing them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -55,3 +66,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# ----------------------------------------------------------------------------- megatron's linears
+
+_state = threading.local()  # .packs: the open packed_weights() context's packs, or None
+
+
+@contextlib.contextmanager
+def packed_weights() -> Iterator[None]:
+    """Route the calling thread's CPU fp32 matmuls against nn.Parameters through oneDNN packs made
+    once in the context (see the module docstring). The caller guarantees that no weight changes
+    inside; a weight whose version counter moved is repacked all the same."""
+    if not available(torch.float32) or getattr(_state, "packs", None) is not None:  # nested: the outer one
+        yield
+        return
+    _state.packs = {}
+    try:
+        yield
+    finally:
+        _state.packs = None
+
+
+def routed_matmul(args: tuple, kwargs: dict | None) -> torch.Tensor | None:
+    """torch.matmul(a, b) through a pack when inside packed_weights() and b is W.t() or W of an
+    nn.Parameter W [N, K] (CPU, fp32, no autograd recording); None: not routed (the caller runs it)."""
+    packs = getattr(_state, "packs", None)
+    if packs is None or kwargs or len(args) != 2:
+        return None
+    x, b = args
+    if not (isinstance(x, torch.Tensor) and isinstance(b, torch.Tensor)) or b.dim() != 2 or x.dim() < 2:
+        return None
+    if b.dtype != torch.float32 or x.dtype != torch.float32 or b.device.type != "cpu" or x.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or b.requires_grad):
+        return None  # recorded by autograd: oneDNN's op has no derivative (inside an autograd.Function it is off)
+    if isinstance(b, torch.nn.Parameter) and b.is_contiguous():
+        weight, transposed = b, False        # grad_input = grad_output @ W   [.., N] @ [N, K]
+    elif isinstance(b._base, torch.nn.Parameter) and b._base.is_contiguous() and b.shape == b._base.shape[::-1] \
+            and b.stride() == (1, b._base.shape[1]):
+        weight, transposed = b._base, True   # output = input @ W.t()        [.., K] @ [K, N]
+    else:
+        return None
+    key = (id(weight), transposed)
+    entry = packs.get(key)
+    if entry is None or entry[1] != weight._version:
+        dense = weight.detach() if transposed else weight.detach().t().contiguous()  # [out, in] for linear()
+        entry = packs[key] = (weight, weight._version, dense, pack(dense, batch_hint=x.numel() // x.shape[-1]))
+    return linear(x, entry[2], None, entry[3])

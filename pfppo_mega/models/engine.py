@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pfppo_mega import parallel, ppo
+from pfppo_mega.compat import onednn
 from pfppo_mega.models import microbatch
 from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, head_at, unwrap, zero_grads
 from pfppo_mega.models.microbatch import Tally
@@ -303,7 +304,9 @@ def _run_schedule(model: torch.nn.Module, chunks: list[_Chunk], micro_batch_size
             output = module(chunk.input_ids, _positions(chunk.input_ids), None)
         return output, functools.partial(head, chunk)
 
-    with _variable_shapes(model, chunks):
+    # oneDNN packs of the weights for the schedule's matmuls (CPU fp32; compat/onednn.py): no weight
+    # changes inside a schedule, the optimizer steps after it
+    with _variable_shapes(model, chunks), onednn.packed_weights():
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(chunks), model=model,
             num_microbatches=len(chunks), seq_length=chunks[0].input_ids.shape[1],

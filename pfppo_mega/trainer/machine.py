@@ -1,10 +1,15 @@
 """This machine's rates, measured in the run itself (once per process, cached): what the perf/
 metrics compare the phases against (trainer/perf.py).
 
-    matmul_rate(device, dtype)  FLOP/s of n x n @ n x n matmuls (n = 1024), the best of a few
-                                timed repeats after a warm-up, at the process's torch threads
-    memcpy_rate(device)         bytes copied per second (tensor.copy_ of 64 MiB; size / time, as
-                                memcpy figures are quoted), the best of a few repeats
+    matmul_rates(device, dtype) FLOP/s of n x n @ n x n matmuls (n = 1024), the best of a few timed
+                                repeats after a warm-up, at the process's torch threads, through each
+                                library torch offers here: "torch_mm" (torch.mm: MKL on a CPU, cuBLAS
+                                on a GPU; what the trainer's megatron layers get) and, on a CPU in
+                                fp32, "onednn" (a oneDNN-prepacked weight: what the built-in engine
+                                uses; 385-395 GFLOP/s here against torch.mm's 155-200)
+    matmul_rate(device, dtype)  the best of those: the machine's rate, that the perf/ fractions use
+    memcpy_rate(device)         bytes copied per second (tensor.copy_ of 256 MiB, 8x this CPU's L3;
+                                size / time, as memcpy figures are quoted), the best of a few repeats
 
 Best of repeats: on a shared machine the fastest repeat is the closest to what the hardware can
 do; the phases it is compared with run under the same load.
@@ -17,8 +22,10 @@ import time
 
 import torch
 
+from pfppo_mega.compat import onednn
+
 MATMUL_N = 1024
-MEMCPY_BYTES = 64 << 20
+MEMCPY_BYTES = 256 << 20
 REPEATS = 5
 
 
@@ -51,6 +58,16 @@ def _matmul_rate(device: str, dtype: torch.dtype, n: int, threads: int) -> float
 
 
 @functools.lru_cache(maxsize=None)
+def _onednn_rate(n: int, threads: int) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    packed = onednn.pack(b, batch_hint=n)
+    calls = 4
+    secs = _best_seconds(lambda: [onednn.linear(a, b, None, packed) for _ in range(calls)], torch.device("cpu"),
+                         REPEATS)
+    return calls * 2.0 * n ** 3 / secs
+
+
+@functools.lru_cache(maxsize=None)
 def _memcpy_rate(device: str, nbytes: int, threads: int) -> float:
     dev = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
@@ -58,9 +75,19 @@ def _memcpy_rate(device: str, nbytes: int, threads: int) -> float:
     return nbytes / _best_seconds(lambda: dst.copy_(src), dev, REPEATS)
 
 
+def matmul_rates(device: torch.device, dtype: torch.dtype = torch.float32, n: int = MATMUL_N) -> dict[str, float]:
+    """FLOP/s of square matmuls in ``dtype`` on ``device`` per library (measured once per process and
+    thread count): {"torch_mm": ..., "onednn": ... (CPU fp32 where torch has it)}."""
+    threads = torch.get_num_threads()
+    rates = {"torch_mm": _matmul_rate(str(device), dtype, n, threads)}
+    if torch.device(device).type == "cpu" and onednn.available(dtype):
+        rates["onednn"] = _onednn_rate(n, threads)
+    return rates
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int = MATMUL_N) -> float:
-    """FLOP/s of square matmuls in ``dtype`` on ``device`` (measured once per process and thread count)."""
-    return _matmul_rate(str(device), dtype, n, torch.get_num_threads())
+    """The machine's matmul rate: the best of matmul_rates()."""
+    return max(matmul_rates(device, dtype, n).values())
 
 
 def memcpy_rate(device: torch.device, nbytes: int = MEMCPY_BYTES) -> float:

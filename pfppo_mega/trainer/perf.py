@@ -15,7 +15,9 @@ response token. A training pass is 3 x its forward (backward: twice the forward)
                               step the larger of (weight + KV-cache bytes at the memcpy rate) and
                               (its FLOPs at the matmul rate), steps = the longest response
     perf/rollout_floor_frac   floor / the rollout phase's time (1.0: at the floor)
-    perf/matmul_gflops, perf/memcpy_gbps  the measured rates
+    perf/matmul_gflops, perf/memcpy_gbps  the measured rates; the matmul rate is the best library's
+    perf/matmul_gflops_<lib>  each library's rate (torch_mm: MKL on a CPU, what the trainer's layers
+                              use; onednn: prepacked, what the built-in engine uses)
 
 The floor is computed from this rank's rows as one batch in one engine call (PF-PPO's snapshot
 groups, DAPO's extra rounds and a split rollout run more calls): a lower bound, exact in kind
@@ -86,7 +88,8 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
     work = run.passes.take()
     shape = DecoderShape.from_model_config(run.model_cfg, run.arch)
     dtype = getattr(torch, run.model_cfg.params_dtype)
-    matmul, memcpy = machine.matmul_rate(run.device, dtype), machine.memcpy_rate(run.device)
+    rates = machine.matmul_rates(run.device, dtype)
+    matmul, memcpy = max(rates.values()), machine.memcpy_rate(run.device)
     vocab = shape.vocab_size
     prepare = tally_flops(shape, work.prepare_lm, head_width=vocab) + tally_flops(shape, work.prepare_value,
                                                                                    head_width=1)
@@ -98,7 +101,7 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
                             matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[run.model_cfg.params_dtype])
     out = {"perf/matmul_gflops": matmul / 1e9, "perf/memcpy_gbps": memcpy / 1e9,
            "perf/padding_frac": total.padding_frac, "perf/head_waste_frac": total.head_waste_frac,
-           "perf/rollout_floor_s": floor}
+           "perf/rollout_floor_s": floor, **{f"perf/matmul_gflops_{lib}": r / 1e9 for lib, r in rates.items()}}
     for name, flops in (("prepare", prepare), ("update", update)):
         if times.get(name, 0.0) > 0 and flops > 0:
             out[f"perf/{name}_matmul_frac"] = flops / (times[name] * matmul)
