@@ -222,6 +222,10 @@ def test_bench_passes_reports_every_figure(world, tmp_path):
     for r in (padded, budget):
         assert 0 < r["prepare_matmul_frac"] < 1.5 and 0 < r["update_matmul_frac"] < 1.5
     assert 0 < out["rollout"]["floor_frac"] < 1.5 and out["rollout"]["new_tokens"] == 6 * 4
+    assert len(out["rollout"]["seconds_each"]) == 3 and out["rollout"]["seconds"] == sorted(out["rollout"]["seconds_each"])[1]
+    only = passes.main(["--shape", "tiny", "--rows", "4", "--new-tokens", "3", "--threads", "1", "--rollout-only",
+                        "--rollout-repeats", "2"])
+    assert only["paths"] == {} and len(only["rollout"]["seconds_each"]) == 2 and only["rollout"]["new_tokens"] == 12
 
 
 def test_perf_formulas_count_what_the_model_does():

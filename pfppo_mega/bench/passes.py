@@ -1,6 +1,7 @@
 """The trainer's model passes and the built-in rollout against this machine (issue 23.3).
 
-    python -m pfppo_mega.bench.passes [--shape smollm2-135m] [--rows 16] [--threads 2] [--repeats N] [--out FILE.json]
+    python -m pfppo_mega.bench.passes [--shape smollm2-135m] [--rows 16] [--threads 2] [--repeats N]
+                                      [--rollout-repeats N] [--rollout-only] [--out FILE.json]
 
 Builds a randomly initialised Llama of the given shape (default: SmolLM2-135M's: 30 layers, hidden
 576, GQA 9/3, vocabulary 49,152, tied) at tp = pp = 1, and a ragged batch like a chat rollout's
@@ -115,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch of the padded path")
     ap.add_argument("--max-tokens", type=int, default=0, help="token budget (0: micro-batch-size x mean row length)")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens the rollout generates per prompt")
+    ap.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (the median is reported)")
+    ap.add_argument("--rollout-only", action="store_true", help="skip the prepare and update passes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1,
                     help="interleaved repeats of both paths (a shared machine's load hits both); medians reported")
@@ -153,7 +156,7 @@ def main(argv=None) -> dict:
            "memcpy_gbps": memcpy / 1e9, "budget_tokens": budget, "paths": {}}
     paths = (("padded", dict(micro_batch_size=args.micro_batch_size)),
              ("token_budget", dict(micro_batch_size=args.rows, max_tokens=budget, response_only=True)))
-    for repeat in range(args.repeats):
+    for repeat in range(0 if args.rollout_only else args.repeats):
         for name, batching in paths:
             r = run_passes(fresh(), inp, batching, seed=args.seed)
             t = r.pop("tallies")
@@ -171,7 +174,8 @@ def main(argv=None) -> dict:
     out["paths"] = {name: _median(runs) for name, runs in out["paths"].items()}
     out["rollout"] = rollout(actor, mc, shape, inp, args, matmul=matmul, memcpy=memcpy)
     out["loadavg_after"] = os.getloadavg()
-    print(f"[rollout] built-in engine {out['rollout']['seconds']:.2f} s, floor {out['rollout']['floor_s']:.2f} s "
+    print(f"[rollout] built-in engine {out['rollout']['seconds']:.2f} s (median of "
+          f"{', '.join(f'{t:.2f}' for t in out['rollout']['seconds_each'])}), floor {out['rollout']['floor_s']:.2f} s "
           f"({out['rollout']['floor_frac']:.1%} of the floor's speed); matmul {matmul / 1e9:.0f} GFLOP/s ("
           f"{', '.join(f'{k} {v / 1e9:.0f}' for k, v in rates.items())}), memcpy "
           f"{memcpy / 1e9:.1f} GB/s, load {out['loadavg_before'][0]:.1f} -> {out['loadavg_after'][0]:.1f}")
@@ -195,12 +199,16 @@ def rollout(actor, mc, shape, inp, args, *, matmul: float, memcpy: float) -> dic
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, eos_token_id=None,
                             seed=args.seed)
     eng.generate(prompts[:2], SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_token_id=None))
-    t0 = time.perf_counter()
-    res = eng.generate(prompts, params)
-    secs = time.perf_counter() - t0
+    times = []
+    for _ in range(args.rollout_repeats):
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+    secs = statistics.median(times)
     floor = perf.rollout_floor_s(shape, [len(p) for p in prompts], [int(n) for n in res.lengths.tolist()],
                                  matmul=matmul, memcpy=memcpy, dtype_bytes=4)
-    return {"seconds": secs, "floor_s": floor, "floor_frac": floor / secs, "new_tokens": int(res.lengths.sum())}
+    return {"seconds": secs, "seconds_each": times, "floor_s": floor, "floor_frac": floor / secs,
+            "floor_frac_best": floor / min(times), "new_tokens": int(res.lengths.sum())}
 
 
 def _git_sha() -> str:
