@@ -125,9 +125,10 @@ def test_routed_matmul_only_inside_the_context_and_only_for_parameters():
 
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
 def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
-    """A megatron actor's forward-only log-probs and one update with the schedule's matmuls routed
-    through oneDNN vs with the routing off (torch.mm): equal within float round-off, and the route was
-    really taken."""
+    """A megatron actor's forward-only log-probs with the schedule's matmuls routed through oneDNN vs
+    with the routing off (torch.mm): equal within float round-off, the route really taken; a training
+    schedule routes nothing (packs do not repay their reorder there), and the update that follows the
+    routed forward matches too."""
     from pfppo_mega import parallel
     from pfppo_mega.bench.passes import SHAPES, ragged_batch
     from pfppo_mega.config.tree import ModelConfig
@@ -154,11 +155,14 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
         monkeypatch.setattr(onednn, "routed_matmul", counting if routed else (lambda args, kwargs: None))
         calls.clear()
         logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
+        routed_forward = sum(calls)
+        calls.clear()
         step = engine.train_step(actor, opt, inp, lambda lp, ent, mb: ((lp * mb.inputs.response_mask).sum() * 0.01, {}),
                                  temperature=1.0, micro_batch_size=3)
         results[routed] = (logp, step.loss, [p.detach().clone() for p in actor.parameters()])
         if routed:
-            assert sum(calls) > 0, "no matmul went through oneDNN"
+            assert routed_forward > 0, "no forward-only matmul went through oneDNN"
+            assert sum(calls) == 0, "a training schedule's matmul went through oneDNN"
     (lp_a, loss_a, w_a), (lp_b, loss_b, w_b) = results[True], results[False]
     assert (lp_a - lp_b).abs().max() < 1e-5
     assert abs(loss_a - loss_b) <= 1e-5 * max(1.0, abs(loss_b))

@@ -8,13 +8,15 @@ against ~11 GB/s through F.linear (`pfppo bench kernels` does not cover this; do
 commands). The reorder is a copy of the weight, so it pays only where one weight serves many
 matmuls: a rollout engine between two refits.
 
-The trainer's megatron layers get the same products inside `packed_weights()`: while a pipeline
-schedule runs (forward-only passes, or one optimizer step's forward and backward: the weights cannot
-change inside), each `torch.matmul(x, W.t())` of a linear's forward, W an nn.Parameter on the CPU in
-fp32, runs through a pack of W made at its first use in the context and dropped at its exit. The
-compat layer's function mode (compat/megatron_cpu.py) routes them here. The backward's products stay
-on torch.mm: torch does not consult function modes inside autograd's backward (routed_matmul would
-take `grad.matmul(W)` through a pack of W^T, but is never called there).
+The trainer's forward-only passes (old / reference log-probs, values) get the same products inside
+`packed_weights()`: while such a pipeline schedule runs (the weights cannot change inside it), each
+`torch.matmul(x, W.t())` of a linear's forward, W an nn.Parameter on the CPU in fp32, runs through a
+pack of W made at its first use in the context and dropped at its exit. The compat layer's function
+mode (compat/megatron_cpu.py) routes them here. Training schedules do not open the context: torch does
+not consult function modes inside autograd's backward, so the backward's products stay on torch.mm
+(which runs those shapes at 300-440 GFLOP/s here, as fast as oneDNN), and a micro-batch's forward has
+too few rows per pack to repay the reorder (an actor step on the SmolLM2-135M shape took 11.1-11.4 s
+with packs, 9.3-9.6 s without).
 
 The two torch operators used are internal (`torch.ops.mkldnn._reorder_linear_weight`,
 `torch.ops.mkldnn._linear_pointwise`: what inductor's CPU freezing emits). They are reached only

@@ -304,9 +304,12 @@ def _run_schedule(model: torch.nn.Module, chunks: list[_Chunk], micro_batch_size
             output = module(chunk.input_ids, _positions(chunk.input_ids), None)
         return output, functools.partial(head, chunk)
 
-    # oneDNN packs of the weights for the schedule's matmuls (CPU fp32; compat/onednn.py): no weight
-    # changes inside a schedule, the optimizer steps after it
-    with _variable_shapes(model, chunks), onednn.packed_weights():
+    # oneDNN packs of the weights for a forward-only schedule's matmuls (CPU fp32; compat/onednn.py):
+    # no weight changes inside it. Not for a training schedule: its micro-batches' forwards are too
+    # few rows per pack to repay the reorder, and the backward's products stay on torch.mm anyway
+    # (measured on the SmolLM2-135M shape: an actor step 9.3-9.6 s without packs, 11.1-11.4 s with)
+    packs = onednn.packed_weights() if forward_only else contextlib.nullcontext()
+    with _variable_shapes(model, chunks), packs:
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(chunks), model=model,
             num_microbatches=len(chunks), seq_length=chunks[0].input_ids.shape[1],
