@@ -22,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
 
 import common  # noqa: E402
 
-from pfppo_mega import parallel  # noqa: E402
-from pfppo_mega.compat import megatron_cpu  # noqa: E402
 from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
 from pfppo_mega.models import engine, gpt, microbatch  # noqa: E402
@@ -73,13 +71,7 @@ def test_token_budget_cuts_padding_on_a_ragged_distribution():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[str, Path]:
     """A TP1 world for the module, and tests/multirank/common.py's checkpoints by kind."""
-    parallel.init_parallel(tp=1, pp=1, seed=1234)
-    root = tmp_path_factory.mktemp("budget")
-    for kind in common.CHECKPOINTS:
-        common.hf_model(kind).save_pretrained(root / kind)
-    yield {kind: root / kind for kind in common.CHECKPOINTS}
-    parallel.destroy_parallel()
-    megatron_cpu.disable()
+    yield from common.tp1_world(tmp_path_factory.mktemp("budget"))
 
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,

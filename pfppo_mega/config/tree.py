@@ -653,6 +653,13 @@ class TrainingConfig(Section):
                "hidden states are cut to those positions before the head, so no logits are computed for "
                "prompt or padding positions (perf/head_waste_frac). Log-probs change only by the order of "
                "floating-point sums.")
+    sparse_vocab_grads: bool = opt(
+        True, "The LM head's and the word embedding's weight gradients go straight into megatron DDP's "
+              "gradient buffer: the head's as one product over many micro-batches' rows (megatron's "
+              "defer_embedding_wgrad_compute idea, on any layout and device), the embedding's at the looked-up "
+              "rows only, instead of a dense [vocab, hidden] gradient per micro-batch "
+              "(pfppo_mega/models/vocab_grads.py). Gradients change only by the order of floating-point sums; "
+              "false: megatron's own backward.")
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")

@@ -69,6 +69,7 @@ from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import (
     Architecture, DecoderShape, indivisible_dimensions, legacy_architecture, require_dimensions, rope_inv_freq,
 )
+from pfppo_mega.models import vocab_grads
 from pfppo_mega.models.reshard import padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -112,19 +113,22 @@ class Features:
     """The training features of the config that change how megatron builds and trains the models
     (besides ``model.params_dtype`` and ``model.layer_spec``, which travel in ModelConfig):
     ``parallel.sequence_parallel``, ``parallel.use_distributed_optimizer``,
-    ``parallel.virtual_pipeline_size`` and ``training.recompute``. Defaults: everything off."""
+    ``parallel.virtual_pipeline_size``, ``training.recompute`` and ``training.sparse_vocab_grads``.
+    Defaults: everything off but sparse_vocab_grads (an implementation of the same gradients)."""
 
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute: str = "none"
     virtual_pipeline_size: Optional[int] = None
+    sparse_vocab_grads: bool = True
 
 
 def features_from_config(cfg) -> Features:
     """Features of a loaded ``pfppo_mega.config.Config`` (the keys above)."""
     p = cfg.parallel
     return Features(sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
-                    recompute=cfg.training.recompute, virtual_pipeline_size=p.virtual_pipeline_size)
+                    recompute=cfg.training.recompute, virtual_pipeline_size=p.virtual_pipeline_size,
+                    sparse_vocab_grads=cfg.training.sparse_vocab_grads)
 
 
 class FeatureError(ValueError):
@@ -445,21 +449,34 @@ def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False,
              features: Optional[Features] = None) -> DistributedDataParallel:
     """Wrap in megatron DDP (and Float16Module first when bf16); set finalize_model_grads_func.
     ``features.use_distributed_optimizer`` (or the flag) shards the optimizer over DP, which
-    build_optimizer then follows.
+    build_optimizer then follows. ``features.sparse_vocab_grads`` (default on): the LM head's and
+    the word embedding's weight gradients go straight into DDP's buffer, the head's over many
+    micro-batches at once (pfppo_mega.models.vocab_grads).
 
-    ``config.finalize_model_grads_func = finalize_model_grads`` makes megatron's schedules
-    all-reduce gradients across data-parallel ranks (without it DP replicas silently drift).
-    Gradients are reduced in fp32. Use the returned module for forward and backward.
+    ``config.finalize_model_grads_func`` (megatron's finalize_model_grads, after the held head
+    gradients are added) makes megatron's schedules all-reduce gradients across data-parallel
+    ranks (without it DP replicas silently drift). Gradients are reduced in fp32. Use the
+    returned module for forward and backward.
     """
+    features = features or Features()
     config = model.config
     module: torch.nn.Module = Float16Module(config, model) if config.bf16 else model
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer or bool(features and features.use_distributed_optimizer),
+        use_distributed_optimizer=use_distributed_optimizer or features.use_distributed_optimizer,
     )
-    return DistributedDataParallel(config, ddp_config, module)
+    ddp = DistributedDataParallel(config, ddp_config, module)
+    if features.sparse_vocab_grads:
+        vocab_grads.install(model)
+    return ddp
+
+
+def _finalize(model_chunks, *args, **kwargs) -> None:
+    """megatron's finalize_model_grads, once the held LM-head gradients are in the buffers."""
+    vocab_grads.flush(model_chunks)
+    finalize_model_grads(model_chunks, *args, **kwargs)
 
 
 def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float, grad_clip: float,
@@ -512,6 +529,7 @@ class StepStats:
 
 def zero_grads(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> None:
     """Clear DDP's gradient buffers and the optimizer's grads before a new accumulation."""
+    vocab_grads.discard([model])
     model.zero_grad_buffer()
     optimizer.zero_grad()
 
@@ -522,7 +540,7 @@ def optimizer_step(model: DistributedDataParallel, optimizer: MegatronOptimizer)
     Call after the backward passes of all micro-batches, unless a megatron schedule already
     ran config.finalize_model_grads_func.
     """
-    finalize_model_grads([model])
+    model.config.finalize_model_grads_func([model])
     ok, grad_norm, _ = optimizer.step()
     norm = float(grad_norm) if grad_norm is not None else float("nan")
     return StepStats(update_successful=bool(ok), grad_norm=norm)

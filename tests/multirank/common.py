@@ -108,6 +108,20 @@ def make_checkpoints(root: Path) -> dict[str, Path]:
     return out
 
 
+def tp1_world(root: Path):
+    """Generator for a pytest module fixture: a TP1 megatron world for the module, and the
+    CHECKPOINTS saved under root by kind (no references)."""
+    from pfppo_mega import parallel
+    from pfppo_mega.compat import megatron_cpu
+
+    parallel.init_parallel(tp=1, pp=1, seed=1234)
+    for kind in CHECKPOINTS:
+        hf_model(kind).save_pretrained(root / kind)
+    yield {kind: root / kind for kind in CHECKPOINTS}
+    parallel.destroy_parallel()
+    megatron_cpu.disable()
+
+
 def family_ids() -> torch.Tensor:
     """[2, FAMILY_SEQ] token ids: positions past ROPE_ORIG (llama3's original context)."""
     return torch.randint(0, VOCAB, (2, FAMILY_SEQ), generator=torch.Generator().manual_seed(31))
@@ -189,9 +203,11 @@ class UpdateResult:
         Path(str(stem) + ".json").write_text(json.dumps(self.scalars(), indent=1, sort_keys=True))
 
 
-def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: int, dp: int) -> UpdateResult:
+def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: int, dp: int,
+               features=None) -> UpdateResult:
     """Build actor and critic from ``path`` at the current layout, run one PPO update on this DP
-    rank's rows (B / dp contiguous rows), and gather the updated weights under HF names."""
+    rank's rows (B / dp contiguous rows), and gather the updated weights under HF names.
+    ``features``: gpt.Features for wrap_ddp (None: the defaults)."""
     from pfppo_mega.kernels import get_backend
     from pfppo_mega.models import engine, gpt, hf_io
 
@@ -202,7 +218,7 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     critic = gpt.build_critic(cfg, arch=arch)
     hf_io.load_critic_trunk_from_hf(critic, path)
     set_value_head(critic)
-    actor, critic = gpt.wrap_ddp(actor), gpt.wrap_ddp(critic)
+    actor, critic = gpt.wrap_ddp(actor, features=features), gpt.wrap_ddp(critic, features=features)
     actor_opt = gpt.build_optimizer(actor, lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP, eps=ADAM_EPS)
     critic_opt = gpt.build_optimizer(critic, lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP, eps=ADAM_EPS)
 
