@@ -35,6 +35,7 @@ import torch
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import DecoderShape
+from pfppo_mega.kernels import get_backend
 from pfppo_mega.models import engine, gpt, hf_io
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.rollout import SamplingParams
@@ -78,22 +79,24 @@ def _losses(inp, old_logp, old_values, adv, returns):
     return actor_loss, critic_loss
 
 
-def run_passes(models, inp, batching: dict, *, seed: int) -> dict:
-    """One prepare and one update over ``inp`` under ``batching`` (engine.Batching kwargs)."""
+def run_passes(models, inp, batching: dict, *, seed: int, kernels=None) -> dict:
+    """One prepare and one update over ``inp`` under ``batching`` (engine.Batching kwargs), with the
+    trainer's log-prob kernels ``kernels`` (pfppo_mega.kernels.get_backend)."""
     actor, ref, critic, actor_opt, critic_opt = models
     lm, value, lm_train, value_train = Tally(), Tally(), Tally(), Tally()
     b = inp.labels.shape[0]
     t0 = time.perf_counter()
-    old_logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0,
+    old_logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0, kernels=kernels,
                                               micro_batch_size=engine.Batching(tally=lm, **batching))
-    engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=engine.Batching(tally=lm, **batching))
+    engine.forward_logp_entropy(ref, inp, temperature=1.0, kernels=kernels,
+                                micro_batch_size=engine.Batching(tally=lm, **batching))
     old_values = engine.forward_values(critic, inp, micro_batch_size=engine.Batching(tally=value, **batching))
     prepare_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(seed)
     adv, returns = torch.randn(old_logp.shape, generator=g), torch.randn(old_logp.shape, generator=g)
     actor_loss, critic_loss = _losses(inp, old_logp * inp.response_mask, old_values * inp.response_mask, adv, returns)
     t0 = time.perf_counter()
-    a = engine.train_step(actor, actor_opt, inp, actor_loss, temperature=1.0,
+    a = engine.train_step(actor, actor_opt, inp, actor_loss, temperature=1.0, kernels=kernels,
                           micro_batch_size=engine.Batching(tally=lm_train, **batching))
     c = engine.critic_train_step(critic, critic_opt, inp, critic_loss,
                                  micro_batch_size=engine.Batching(tally=value_train, **batching))
@@ -119,6 +122,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (the median is reported)")
     ap.add_argument("--rollout-only", action="store_true", help="skip the prepare and update passes")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", choices=("auto", "torch", "fused"), default="auto",
+                    help="log-prob kernels, as the trainer's kernels key (auto: fused when built)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="interleaved repeats of both paths (a shared machine's load hits both); medians reported")
     ap.add_argument("--seed", type=int, default=1)
@@ -137,11 +142,15 @@ def main(argv=None) -> dict:
     start = [{k: v.detach().clone() for k, v in gpt.unwrap(m).state_dict().items() if isinstance(v, torch.Tensor)}
              for m in (actor, critic)]
 
-    def fresh():  # both paths start from the same weights and a new optimizer: same losses expected
+    opts = [gpt.build_optimizer(m, lr=1e-6, weight_decay=0.0, grad_clip=1.0) for m in (actor, critic)]
+
+    def fresh():  # both paths start from the same weights and optimizer state: same losses expected
         for m, sd in zip((actor, critic), start):
             gpt.unwrap(m).load_state_dict(sd, strict=False)
-        opts = [gpt.build_optimizer(m, lr=1e-6, weight_decay=0.0, grad_clip=1.0) for m in (actor, critic)]
+        for opt in opts:  # as new, without re-allocating the moments (a run allocates them once)
+            _reset_state(opt)
         return (actor, ref.eval(), critic, *opts)
+    kernels = get_backend(args.kernels)
     inp = ragged_batch(args.rows, shape.vocab_size, seed=args.seed, prompt=(20, args.max_prompt),
                        response=(1, args.max_response))
     lengths = inp.attention_mask.sum(1)
@@ -150,7 +159,7 @@ def main(argv=None) -> dict:
     rates = machine.matmul_rates(torch.device("cpu"))
     matmul, memcpy = max(rates.values()), machine.memcpy_rate(torch.device("cpu"))
     out = {"git": _git_sha(), "shape": args.shape, "params": sum(p.numel() for p in gpt.unwrap(actor).parameters()),
-           "threads": args.threads, "loadavg_before": os.getloadavg(), "rows": args.rows,
+           "threads": args.threads, "kernels": type(kernels).__name__, "loadavg_before": os.getloadavg(), "rows": args.rows,
            "tokens": int(lengths.sum()), "response_tokens": int(inp.response_mask.sum()),
            "matmul_gflops": matmul / 1e9, "matmul_gflops_by_library": {k: v / 1e9 for k, v in rates.items()},
            "memcpy_gbps": memcpy / 1e9, "budget_tokens": budget, "paths": {}}
@@ -158,7 +167,7 @@ def main(argv=None) -> dict:
              ("token_budget", dict(micro_batch_size=args.rows, max_tokens=budget, response_only=True)))
     for repeat in range(0 if args.rollout_only else args.repeats):
         for name, batching in paths:
-            r = run_passes(fresh(), inp, batching, seed=args.seed)
+            r = run_passes(fresh(), inp, batching, seed=args.seed, kernels=kernels)
             t = r.pop("tallies")
             prep = (perf.tally_flops(shape, t["prepare_lm"], head_width=shape.vocab_size)
                     + perf.tally_flops(shape, t["prepare_value"], head_width=1))
@@ -182,6 +191,18 @@ def main(argv=None) -> dict:
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return out
+
+
+def _reset_state(optimizer) -> None:
+    """megatron optimizer ``optimizer``'s torch optimizers back to their first step (moments and
+    step counts zeroed in place)."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in o.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif isinstance(value, (int, float)):
+                    raise TypeError(f"cannot reset a non-tensor optimizer state value {value!r}")
 
 
 def _median(runs: list[dict]) -> dict:
