@@ -12,9 +12,9 @@ Here, once the model is wrapped in megatron DDP (so ``main_grad`` exists):
   output gradient g [N, V/tp] and adds ``g^T @ x`` into ``main_grad`` in one product over many
   micro-batches: when the rows held reach ``hidden_size`` (then the held g is no larger than one
   dense gradient), and at the end of the step, before megatron's ``finalize_model_grads`` reduces
-  the buffers (``flush`` below runs first in the model's ``finalize_model_grads_func``, see gpt.wrap_ddp). This is megatron's
-  ``defer_embedding_wgrad_compute`` idea, which megatron itself offers only with pipeline
-  parallelism and the CUDA fusion;
+  the buffers (``flush`` below runs first in the model's ``finalize_model_grads_func``, set by
+  gpt.wrap_ddp). This is megatron's ``defer_embedding_wgrad_compute`` idea, which megatron
+  itself offers only with pipeline parallelism and the CUDA fusion;
 - the **word embedding** adds its output gradient into ``main_grad`` at the looked-up rows only
   (``index_add_``: B x S rows, not V).
 
