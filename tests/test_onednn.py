@@ -167,3 +167,35 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
     assert (lp_a - lp_b).abs().max() < 1e-5
     assert abs(loss_a - loss_b) <= 1e-5 * max(1.0, abs(loss_b))
     assert max((a - b).abs().max().item() for a, b in zip(w_a, w_b)) < 1e-5
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
+def test_a_frozen_model_keeps_its_packs_between_passes(monkeypatch):
+    """The reference policy (every parameter frozen) reorders its weights once, not per pass; an
+    in-place change still repacks; a trained model keeps nothing between passes."""
+    from pfppo_mega import parallel
+    from pfppo_mega.bench.passes import SHAPES, ragged_batch
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.models import engine, gpt
+
+    torch.set_num_threads(1)
+    parallel.init_parallel(tp=1, pp=1, seed=3)
+    mc = ModelConfig(**SHAPES["tiny"])
+    inp = ragged_batch(6, mc.vocab_size, seed=2, prompt=(4, 9), response=(1, 7))
+    reorders = []
+    real = onednn.pack
+    monkeypatch.setattr(onednn, "pack", lambda w, batch_hint: reorders.append(w.shape) or real(w, batch_hint=batch_hint))
+    ref = gpt.build_actor(mc)
+    ref.eval().requires_grad_(False)
+    first, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    made = len(reorders)
+    assert made > 0 and onednn.frozen_packs(ref)
+    again, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    assert len(reorders) == made and torch.equal(first, again)  # no reorder the second time, same result
+    with torch.no_grad():
+        ref.decoder.layers[0].mlp.linear_fc1.weight.mul_(1.5)  # in place: its version moves, only it is repacked
+    changed, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    assert len(reorders) == made + 1 and not torch.equal(changed, first)
+    actor = gpt.build_actor(mc)  # trainable: packs made per pass, none kept
+    engine.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
+    assert onednn.frozen_packs(actor) is None and "_onednn_packs" not in actor.__dict__

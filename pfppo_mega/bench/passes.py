@@ -136,6 +136,7 @@ def main(argv=None) -> dict:
     actor, critic = gpt.build_actor(mc), gpt.build_critic(mc)
     ref = gpt.build_actor(mc)
     ref.load_state_dict(actor.state_dict())
+    ref.requires_grad_(False)  # as the trainer's reference (trainer/build.py)
     with torch.no_grad():
         critic.output_layer.weight.normal_(std=0.02)
     actor, critic = gpt.wrap_ddp(actor), gpt.wrap_ddp(critic)

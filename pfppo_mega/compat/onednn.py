@@ -76,18 +76,36 @@ _state = threading.local()  # .packs: the open packed_weights() context's packs,
 
 
 @contextlib.contextmanager
-def packed_weights() -> Iterator[None]:
+def packed_weights(keep: dict | None = None) -> Iterator[None]:
     """Route the calling thread's CPU fp32 matmuls against nn.Parameters through oneDNN packs made
     once in the context (see the module docstring). The caller guarantees that no weight changes
-    inside; a weight whose version counter moved is repacked all the same."""
+    inside; a weight whose version counter moved is repacked all the same. ``keep``: a dict that
+    holds the packs past the context, for the next one to reuse (a frozen model's: see
+    frozen_packs); None: made in the context and dropped at its exit."""
     if not available(torch.float32) or getattr(_state, "packs", None) is not None:  # nested: the outer one
         yield
         return
-    _state.packs = {}
+    _state.packs = {} if keep is None else keep
     try:
         yield
     finally:
         _state.packs = None
+
+
+def frozen_packs(model: torch.nn.Module) -> dict | None:
+    """The packs ``model`` keeps between its forward-only passes when none of its parameters can
+    change through training (the reference policy: one reorder per process instead of one per
+    step; a copy of its fp32 weights stays in memory). None for a trained model (its packs would
+    be stale after each step) or where oneDNN is not used. Packs of weights the model no longer
+    holds (replaced, not updated in place) are dropped; updated in place, they are remade."""
+    params = list(model.parameters())
+    if not available(torch.float32) or not params or any(p.requires_grad for p in params):
+        return None
+    keep = model.__dict__.setdefault("_onednn_packs", {})
+    live = {id(p): p for p in params}
+    for key in [k for k, entry in keep.items() if live.get(k[0]) is not entry[0]]:
+        del keep[key]
+    return keep
 
 
 def routed_matmul(args: tuple, kwargs: dict | None) -> torch.Tensor | None:

@@ -308,7 +308,7 @@ def _run_schedule(model: torch.nn.Module, chunks: list[_Chunk], micro_batch_size
     # no weight changes inside it. Not for a training schedule: its micro-batches' forwards are too
     # few rows per pack to repay the reorder, and the backward's products stay on torch.mm anyway
     # (measured on the SmolLM2-135M shape: an actor step 9.3-9.6 s without packs, 11.1-11.4 s with)
-    packs = onednn.packed_weights() if forward_only else contextlib.nullcontext()
+    packs = onednn.packed_weights(onednn.frozen_packs(unwrap(model))) if forward_only else contextlib.nullcontext()
     with _variable_shapes(model, chunks), packs:
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(chunks), model=model,
