@@ -123,21 +123,27 @@ def test_routed_matmul_only_inside_the_context_and_only_for_parameters():
     assert onednn._state.packs is None  # the packs are dropped at the exit
 
 
+def _tiny_megatron():
+    """A TP1 megatron world (one thread) and the bench's tiny shape with a small ragged batch."""
+    from pfppo_mega import parallel
+    from pfppo_mega.bench.passes import SHAPES, ragged_batch
+    from pfppo_mega.config.tree import ModelConfig
+
+    torch.set_num_threads(1)
+    parallel.init_parallel(tp=1, pp=1, seed=3)
+    mc = ModelConfig(**SHAPES["tiny"])
+    return mc, ragged_batch(6, mc.vocab_size, seed=2, prompt=(4, 9), response=(1, 7))
+
+
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear operators")
 def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
     """A megatron actor's forward-only log-probs with the schedule's matmuls routed through oneDNN vs
     with the routing off (torch.mm): equal within float round-off, the route really taken; a training
     schedule routes nothing (packs do not repay their reorder there), and the update that follows the
     routed forward matches too."""
-    from pfppo_mega import parallel
-    from pfppo_mega.bench.passes import SHAPES, ragged_batch
-    from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.models import engine, gpt
 
-    torch.set_num_threads(1)
-    parallel.init_parallel(tp=1, pp=1, seed=3)
-    mc = ModelConfig(**SHAPES["tiny"])
-    inp = ragged_batch(6, mc.vocab_size, seed=2, prompt=(4, 9), response=(1, 7))
+    mc, inp = _tiny_megatron()
     calls = []
     real = onednn.routed_matmul
 
@@ -173,15 +179,9 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
 def test_a_frozen_model_keeps_its_packs_between_passes(monkeypatch):
     """The reference policy (every parameter frozen) reorders its weights once, not per pass; an
     in-place change still repacks; a trained model keeps nothing between passes."""
-    from pfppo_mega import parallel
-    from pfppo_mega.bench.passes import SHAPES, ragged_batch
-    from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.models import engine, gpt
 
-    torch.set_num_threads(1)
-    parallel.init_parallel(tp=1, pp=1, seed=3)
-    mc = ModelConfig(**SHAPES["tiny"])
-    inp = ragged_batch(6, mc.vocab_size, seed=2, prompt=(4, 9), response=(1, 7))
+    mc, inp = _tiny_megatron()
     reorders = []
     real = onednn.pack
     monkeypatch.setattr(onednn, "pack", lambda w, batch_hint: reorders.append(w.shape) or real(w, batch_hint=batch_hint))
