@@ -110,10 +110,20 @@ def run_passes(models, inp, batching: dict, *, seed: int, kernels=None) -> dict:
                 micro_batches=total.micro_batches)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every bench of the trainer's passes takes: --shape, --rows, --threads, --seed,
+    --out (the description: ``doc``'s first paragraph)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = parser(__doc__)
     ap.add_argument("--max-prompt", type=int, default=60)
     ap.add_argument("--max-response", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch of the padded path")
@@ -121,13 +131,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens the rollout generates per prompt")
     ap.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (the median is reported)")
     ap.add_argument("--rollout-only", action="store_true", help="skip the prepare and update passes")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", choices=("auto", "torch", "fused"), default="auto",
                     help="log-prob kernels, as the trainer's kernels key (auto: fused when built)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="interleaved repeats of both paths (a shared machine's load hits both); medians reported")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parallel.init_parallel(tp=1, pp=1, seed=args.seed)

@@ -1,0 +1,84 @@
+"""One actor optimizer step with and without the update's CPU savings, interleaved in one process.
+
+    python -m pfppo_mega.bench.update_ab [--shape smollm2-135m] [--rows 16] [--threads 2] [--steps 5]
+                                         [--out FILE.json]
+
+Four copies of the same randomly initialised actor (bench.passes' shapes and ragged batch, the
+token-budget path with the head at the response tokens), one per arm: training.sparse_vocab_grads
+off / on x megatron's torch.optim.AdamW as it builds it (for-loop) / fused (gpt.build_optimizer's
+default). The arms take turns, ``--steps`` steps each; the first step of each (moment allocation,
+allocator warm-up) is left out of the median. Prints and writes JSON (git sha, load average, each
+arm's times).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from pfppo_mega import parallel
+from pfppo_mega.bench.passes import SHAPES, _git_sha, _losses, parser, ragged_batch
+from pfppo_mega.config.tree import ModelConfig
+from pfppo_mega.kernels import get_backend
+from pfppo_mega.models import engine, gpt
+
+
+def _unfuse(optimizer) -> None:
+    for o in optimizer.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            group["fused"], group["foreach"] = False, None
+
+
+def main(argv=None) -> dict:
+    ap = parser(__doc__)
+    ap.add_argument("--steps", type=int, default=5, help="steps per arm (the first is left out of the median)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parallel.init_parallel(tp=1, pp=1, seed=args.seed)
+    mc = ModelConfig(**SHAPES[args.shape])
+    inp = ragged_batch(args.rows, mc.vocab_size, seed=args.seed)
+    lengths = inp.attention_mask.sum(1)
+    budget = max(int(4 * float(lengths.float().mean())), int(lengths.max()))  # as bench.passes' default
+    batching = engine.Batching(args.rows, max_tokens=budget, response_only=True)
+    kernels = get_backend("auto")
+    start = gpt.build_actor(mc).state_dict()
+    arms = {}
+    for sparse in (False, True):
+        for fused in (False, True):
+            actor = gpt.build_actor(mc)
+            actor.load_state_dict(start, strict=False)
+            ddp = gpt.wrap_ddp(actor, features=gpt.Features(sparse_vocab_grads=sparse))
+            opt = gpt.build_optimizer(ddp, lr=1e-6, weight_decay=0.0, grad_clip=1.0)
+            if not fused:
+                _unfuse(opt)
+            arms[f"sparse_vocab_grads={sparse} fused_adamw={fused}"] = (ddp, opt)
+    first = next(iter(arms.values()))[0]
+    old, _ = engine.forward_logp_entropy(first, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(args.seed))
+    actor_loss, _ = _losses(inp, old * inp.response_mask, old, adv, adv)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    losses: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.steps):
+        for name, (ddp, opt) in arms.items():
+            t0 = time.perf_counter()
+            res = engine.train_step(ddp, opt, inp, actor_loss, temperature=1.0, micro_batch_size=batching,
+                                    kernels=kernels)
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(res.loss)
+    out = {"git": _git_sha(), "shape": args.shape, "rows": args.rows, "threads": args.threads,
+           "budget_tokens": budget, "loadavg": os.getloadavg(), "arms": {}}
+    for name, each in times.items():
+        med = statistics.median(each[1:] if len(each) > 1 else each)
+        out["arms"][name] = {"median_s": med, "each_s": each, "losses": losses[name]}
+        print(f"{name}: median {med:.2f} s ({', '.join(f'{t:.2f}' for t in each)})")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
