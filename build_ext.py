@@ -23,6 +23,7 @@ CPU_SOURCES = [
     f"{CSRC}/cpu/logprob_entropy.cpp",
     f"{CSRC}/cpu/policy_loss.cpp",
     f"{CSRC}/cpu/gae.cpp",
+    f"{CSRC}/cpu/layers.cpp",  # fused RMSNorm / SwiGLU / RoPE (pfppo_mega.models.fused_layers)
     f"{CSRC}/cpu/fingerprint.cpp",  # refit byte fingerprint (pfppo_mega.rollout.weights)
 ]
 CUDA_SOURCES = [

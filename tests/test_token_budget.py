@@ -104,7 +104,8 @@ def test_forward_passes_match_the_padded_path(world):
         got = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
                engine.forward_values(critic, inp, micro_batch_size=batching))
         for name, a, b in zip(("logp", "entropy", "values"), ref, got):
-            torch.testing.assert_close(b[m], a[m], rtol=0, atol=2e-6, msg=lambda s: f"{name} {batching}: {s}")
+            # values reach ~10: fp32 sums in another order (attention over rows cut to other lengths) move ~1 ulp
+            torch.testing.assert_close(b[m], a[m], rtol=1e-6, atol=2e-6, msg=lambda s: f"{name} {batching}: {s}")
             if batching.response_only:
                 assert not b[~m].any(), f"{name}: masked slots must be 0 with response_only"
     tally = batching.tally

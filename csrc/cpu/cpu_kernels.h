@@ -21,4 +21,18 @@ void policy_loss_fwd(const PolicyLossArgs& a, void* grad_logp, double* stats);
 // GAE advantages and returns [B, T] (advantages optionally whitened over real tokens).
 void gae(const GaeArgs& a, void* advantages, void* returns);
 
+// Fused decoder-layer kernels (csrc/cpu/layers.cpp), fp32, contiguous rows.
+// RMSNorm of N rows of E: y [N, E], rstd [N]; backward: gx [N, E], gw [E].
+void rms_norm_fwd(const float* x, const float* w, float* y, float* rstd, int64_t N, int64_t E,
+                  float eps);
+void rms_norm_bwd(const float* gy, const float* x, const float* w, const float* rstd, float* gx,
+                  float* gw, int64_t N, int64_t E);
+// SwiGLU of N rows h = [gate F | up F] -> y [N, F]; backward gh [N, 2F].
+void swiglu_fwd(const float* h, float* y, int64_t N, int64_t F);
+void swiglu_bwd(const float* gy, const float* h, float* gh, int64_t N, int64_t F);
+// Rotate-half RoPE of x [S, rows, D] by the angles' cos, sin [S, D] (inverse: the transpose, for
+// the backward).
+void rope(const float* x, const float* cos, const float* sin, float* y, int64_t S, int64_t rows,
+          int64_t D, bool inverse);
+
 }  // namespace pfppo::cpu

@@ -660,6 +660,13 @@ class TrainingConfig(Section):
               "rows only, instead of a dense [vocab, hidden] gradient per micro-batch "
               "(pfppo_mega/models/vocab_grads.py). Gradients change only by the order of floating-point sums; "
               "false: megatron's own backward.")
+    fused_layers: bool = opt(
+        True, "On CPU fp32 models (the local spec): each decoder layer's RMSNorms, SwiGLU and RoPE run as one "
+              "fused kernel each (csrc/cpu/layers.cpp, forward and backward) and its attention through torch's "
+              "scaled_dot_product_attention, instead of megatron's chains of element-wise ops "
+              "(pfppo_mega/models/fused_layers.py). Results change only by floating-point rounding; the "
+              "parameters and their names do not change. Not read on GPUs or for bf16 (megatron's layers); "
+              "false: megatron's layers everywhere.")
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")

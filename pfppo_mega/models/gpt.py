@@ -69,7 +69,7 @@ from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import (
     Architecture, DecoderShape, indivisible_dimensions, legacy_architecture, require_dimensions, rope_inv_freq,
 )
-from pfppo_mega.models import vocab_grads
+from pfppo_mega.models import fused_layers, vocab_grads
 from pfppo_mega.models.reshard import padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -113,14 +113,24 @@ class Features:
     """The training features of the config that change how megatron builds and trains the models
     (besides ``model.params_dtype`` and ``model.layer_spec``, which travel in ModelConfig):
     ``parallel.sequence_parallel``, ``parallel.use_distributed_optimizer``,
-    ``parallel.virtual_pipeline_size``, ``training.recompute`` and ``training.sparse_vocab_grads``.
-    Defaults: everything off but sparse_vocab_grads (an implementation of the same gradients)."""
+    ``parallel.virtual_pipeline_size``, ``training.recompute``, ``training.sparse_vocab_grads`` and
+    ``training.fused_layers``. Defaults: everything off but sparse_vocab_grads and fused_layers
+    (implementations of the same math; fused_layers takes effect on CPU fp32 models only, see
+    fused_layers_active)."""
 
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute: str = "none"
     virtual_pipeline_size: Optional[int] = None
     sparse_vocab_grads: bool = True
+    fused_layers: bool = True
+
+
+def fused_layers_active(model: ModelConfig, features: Features, device_type: str) -> bool:
+    """Whether the models get pfppo_mega.models.fused_layers' spec: asked for, on the CPU, fp32, the
+    local spec. Elsewhere megatron's own layers (on GPUs its fused layers come with transformer-engine)."""
+    return (features.fused_layers and device_type == "cpu" and model.params_dtype == "float32"
+            and model.layer_spec == "local")
 
 
 def features_from_config(cfg) -> Features:
@@ -128,7 +138,7 @@ def features_from_config(cfg) -> Features:
     p = cfg.parallel
     return Features(sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
                     recompute=cfg.training.recompute, virtual_pipeline_size=p.virtual_pipeline_size,
-                    sparse_vocab_grads=cfg.training.sparse_vocab_grads)
+                    sparse_vocab_grads=cfg.training.sparse_vocab_grads, fused_layers=cfg.training.fused_layers)
 
 
 class FeatureError(ValueError):
@@ -218,7 +228,8 @@ def transformer_config(
     features = features or Features()
     check_features(model, features, device_type=device_type, tp=tp)
     dtype = _DTYPES[model.params_dtype]
-    return TransformerConfig(
+    fused = fused_layers_active(model, features, device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
@@ -243,6 +254,7 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        use_te_activation_func=fused,  # the MLP hands fc1's output to the spec's FusedSwiGLU (fused_layers)
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -252,6 +264,8 @@ def transformer_config(
         **_recompute_kwargs(features.recompute),
         cuda_graph_scope=[],
     )
+    config.pfppo_fused_layers = fused  # read by _gpt (the spec) and fused_layers' RoPE hook
+    return config
 
 
 # ----------------------------------------------------------------------------- models
@@ -264,10 +278,16 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
     if config.qk_layernorm != arch.qk_norm or config.add_qkv_bias != arch.qkv_bias:
         raise ValueError(f"transformer config (qk_layernorm={config.qk_layernorm}, add_qkv_bias="
                          f"{config.add_qkv_bias}) was not made for {arch}")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    if getattr(config, "pfppo_fused_layers", False):
+        if not config.use_te_activation_func:  # the MLP would apply silu to [gate | up] whole
+            raise ValueError("a config with pfppo_fused_layers must set use_te_activation_func")
+        fused_layers.install_rope()
+        spec = fused_layers.layer_spec(spec)
     with _quiet_megatron():
         module = cls(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+            transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),

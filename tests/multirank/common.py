@@ -213,9 +213,9 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
 
     cfg, arch = model_config(path)
     local = batch.rows(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    actor = gpt.build_actor(cfg, arch=arch)
+    actor = gpt.build_actor(cfg, arch=arch, features=features)
     hf_io.load_actor_from_hf(actor, path)
-    critic = gpt.build_critic(cfg, arch=arch)
+    critic = gpt.build_critic(cfg, arch=arch, features=features)
     hf_io.load_critic_trunk_from_hf(critic, path)
     set_value_head(critic)
     actor, critic = gpt.wrap_ddp(actor, features=features), gpt.wrap_ddp(critic, features=features)
