@@ -147,7 +147,8 @@ def test_logits_match_hf(tied, qwen2):
     hf_err = (hf32.double() - hf64).abs().max().item()  # fp32 rounding of HF itself
     print(f"tied={tied} qwen2={qwen2}: |ours-hf32|={gap32:.2e} |ours-hf64|={gap64:.2e} "
           f"|hf32-hf64|={hf_err:.2e} (max |logit| {hf64.abs().max().item():.1f})")
-    assert gap32 < 1e-5
+    scale = hf64.abs().max().item()
+    assert gap32 < 4e-7 * scale  # fp32 rounding, relative to the largest logit (HF's own: ~4e-7 here)
     assert gap64 <= 2 * hf_err + 1e-6
 
 

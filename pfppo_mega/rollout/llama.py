@@ -26,7 +26,9 @@ those parameters (`.to()`, `load_state_dict(assign=True)`): build the decoder on
 
 `LlamaDecoder.pack()` adds oneDNN-prepacked copies of the matmul weights (CPU, fp32;
 pfppo_mega.compat.onednn): ~2x the matmul rate of F.linear on this project's CPU, at the price of a
-second copy of the weights. A pack is a snapshot: after any write to the weights call `unpack()`
+second copy of the weights. On fp32 CPU tensors the RMSNorms, RoPE and SwiGLU run as the fused kernels
+of pfppo_mega.kernels.layers (one pass each instead of 3-8 torch ops; the formulas above are their
+fallback). A pack is a snapshot: after any write to the weights call `unpack()`
 (the engine does, in its weight-update hooks) or the decoder keeps computing with the old ones.
 """
 
@@ -40,6 +42,7 @@ from torch import nn
 
 from pfppo_mega.compat import onednn
 from pfppo_mega.families import DecoderShape, RopeScaling, rope_inv_freq
+from pfppo_mega.kernels import layers as kl
 
 
 @dataclass
@@ -78,6 +81,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., E] -> [..., E]
+        if kl.usable(x, self.weight):  # fp32 on a CPU: one fused pass (pfppo_mega.kernels.layers)
+            return kl.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -125,6 +130,12 @@ class Attention(nn.Module):
         q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (G, D)), v.unflatten(-1, (G, D))  # [B, S, *, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if kl.usable(q, cos):  # fp32 on a CPU: RoPE as one fused pass over [B * S, heads, D]
+            B, S = q.shape[:2]
+            c, s = cos.reshape(B * S, D), sin.reshape(B * S, D)  # [B, 1, S, D] -> [B * S, D]
+            q = kl.rope(q.reshape(B * S, H, D), c, s).view(B, S, H, D)
+            k = kl.rope(k.reshape(B * S, G, D), c, s).view(B, S, G, D)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin  # [B, H, S, D]
         k = k * cos + rotate_half(k) * sin  # [B, G, S, D]
@@ -185,8 +196,8 @@ class MLP(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of gate_up_weight / down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, E] -> [B, S, E]
-        gate, up = onednn.linear(x, self.gate_up_weight, None, self.packed.get("gate_up")).chunk(2, dim=-1)
-        return onednn.linear(F.silu(gate) * up, self.down_proj.weight, None, self.packed.get("down"))
+        h = onednn.linear(x, self.gate_up_weight, None, self.packed.get("gate_up"))  # [B, S, 2F]: gate, up
+        return onednn.linear(kl.swiglu(h), self.down_proj.weight, None, self.packed.get("down"))
 
 
 class DecoderLayer(nn.Module):
