@@ -1,14 +1,19 @@
 """One actor optimizer step with and without the update's CPU savings, interleaved in one process.
 
     python -m pfppo_mega.bench.update_ab [--shape smollm2-135m] [--rows 16] [--threads 2] [--steps 5]
-                                         [--out FILE.json]
+                                         [--budget TOKENS] [--out FILE.json]
 
-Four copies of the same randomly initialised actor (bench.passes' shapes and ragged batch, the
-token-budget path with the head at the response tokens), one per arm: training.sparse_vocab_grads
-off / on x megatron's torch.optim.AdamW as it builds it (for-loop) / fused (gpt.build_optimizer's
-default). The arms take turns, ``--steps`` steps each; the first step of each (moment allocation,
-allocator warm-up) is left out of the median. Prints and writes JSON (git sha, load average, each
-arm's times).
+Copies of the same randomly initialised actor (bench.passes' shapes and ragged batch, the token-budget
+path with the head at the response tokens), one per arm:
+
+    megatron        megatron's layers, its dense vocabulary gradients, torch.optim.AdamW as megatron
+                    builds it (for-loop)
+    vocab+adamw     training.sparse_vocab_grads and gpt.build_optimizer's fused AdamW
+    default         those and training.fused_layers (fused RMSNorm / SwiGLU / RoPE, SDPA attention)
+
+The arms take turns, ``--steps`` steps each; the first step of each (moment allocation, allocator
+warm-up) is left out of the median. ``--budget``: the micro-batch token budget (default: bench.passes'
+4 x the mean row length). Prints and writes JSON (git sha, load average, each arm's times and losses).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from pfppo_mega.kernels import get_backend
 from pfppo_mega.models import engine, gpt
 
 
+ARMS = {"megatron": False, "vocab+adamw": True, "default": True}  # name -> sparse vocab grads and fused AdamW
+
+
 def _unfuse(optimizer) -> None:
     for o in optimizer.chained_optimizers:
         for group in o.optimizer.param_groups:
@@ -36,26 +44,27 @@ def _unfuse(optimizer) -> None:
 def main(argv=None) -> dict:
     ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=5, help="steps per arm (the first is left out of the median)")
+    ap.add_argument("--budget", type=int, default=None, help="micro-batch token budget (default: 4 x mean row)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parallel.init_parallel(tp=1, pp=1, seed=args.seed)
     mc = ModelConfig(**SHAPES[args.shape])
     inp = ragged_batch(args.rows, mc.vocab_size, seed=args.seed)
     lengths = inp.attention_mask.sum(1)
-    budget = max(int(4 * float(lengths.float().mean())), int(lengths.max()))  # as bench.passes' default
+    budget = args.budget or max(int(4 * float(lengths.float().mean())), int(lengths.max()))  # bench.passes' default
     batching = engine.Batching(args.rows, max_tokens=budget, response_only=True)
     kernels = get_backend("auto")
     start = gpt.build_actor(mc).state_dict()
     arms = {}
-    for sparse in (False, True):
-        for fused in (False, True):
-            actor = gpt.build_actor(mc)
-            actor.load_state_dict(start, strict=False)
-            ddp = gpt.wrap_ddp(actor, features=gpt.Features(sparse_vocab_grads=sparse))
-            opt = gpt.build_optimizer(ddp, lr=1e-6, weight_decay=0.0, grad_clip=1.0)
-            if not fused:
-                _unfuse(opt)
-            arms[f"sparse_vocab_grads={sparse} fused_adamw={fused}"] = (ddp, opt)
+    for name, savings in ARMS.items():
+        features = gpt.Features(sparse_vocab_grads=savings, fused_layers=name == "default")
+        actor = gpt.build_actor(mc, features=features)
+        actor.load_state_dict(start, strict=False)
+        ddp = gpt.wrap_ddp(actor, features=features)
+        opt = gpt.build_optimizer(ddp, lr=1e-6, weight_decay=0.0, grad_clip=1.0)
+        if not savings:
+            _unfuse(opt)
+        arms[name] = (ddp, opt)
     first = next(iter(arms.values()))[0]
     old, _ = engine.forward_logp_entropy(first, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(args.seed))
