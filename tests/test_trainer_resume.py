@@ -179,6 +179,31 @@ def test_contradicting_state_is_refused(sft_small, tmp_path, case, edit, match):
         PPOTrainer(cfg, log=quiet)
 
 
+def test_resume_keeps_this_builds_adamw_kernel(sft_small, tmp_path):
+    """A checkpoint whose param groups say fused = False (written before gpt.build_optimizer chose torch's
+    fused AdamW) resumes on the fused kernel: the implementation is the run's, the hyper-parameters the
+    checkpoint's."""
+    cfg = _cfg(tmp_path, sft_small, logging=_LOG, training={"total_training_steps": 2},
+               checkpoint={"save_interval": 0})
+    PPOTrainer(cfg, log=quiet).fit()
+
+    def old_style(state):
+        for name in ("actor_opt", "critic_opt"):
+            for g in state[name]["param_groups"]:
+                g.update(fused=False, foreach=None, lr=1.5e-3)
+
+    _tamper_state(tmp_path / "checkpoints", 2, old_style)
+    cfg = _cfg(tmp_path, sft_small, logging=_LOG, training={"total_training_steps": 3},
+               checkpoint={"save_interval": 0})
+    tr = PPOTrainer(cfg, log=quiet)
+    assert tr.step == 2
+    groups = [g for opt in tr.run.optimizers().values() for o in getattr(opt, "chained_optimizers", [opt])
+              for g in o.optimizer.param_groups]
+    assert groups and all(g["fused"] is True and g["foreach"] is False for g in groups)
+    assert all(g["lr"] == 1.5e-3 for g in groups)  # the checkpoint's hyper-parameters still load
+    tr.fit()
+
+
 def test_checkpoint_that_does_not_fit_the_run_is_refused(sft_small, tmp_path):
     """A step beyond total_training_steps (a 4-step run given a step-6 checkpoint), a PF-PPO
     checkpoint resumed without the pool and vice versa, and a pool of another size: each names

@@ -374,6 +374,24 @@ def check_edits(saved, current: dict, need) -> list[tuple[str, object, object]]:
     return [(key, _get(saved, key), _get(current, key)) for key in HYPER if _get(saved, key) != _get(current, key)]
 
 
+_KERNEL_KEYS = ("fused", "foreach")  # how torch's AdamW runs a step, not what it computes
+
+
+def _kernel_choice(opts: dict) -> dict:
+    """Each optimizer's param groups' implementation flags as this run built them (gpt.build_optimizer
+    picks torch's fused AdamW): a checkpoint written before that, or on another device, holds others."""
+    return {name: [[{k: g[k] for k in _KERNEL_KEYS if k in g} for g in o.optimizer.param_groups] for o in _subs(opt)]
+            for name, opt in opts.items()}
+
+
+def _restore_kernel_choice(opts: dict, choice: dict) -> None:
+    """Put back _kernel_choice's flags after the checkpoint's param groups were installed over them."""
+    for name, opt in opts.items():
+        for o, groups in zip(_subs(opt), choice[name]):
+            for g, flags in zip(o.optimizer.param_groups, groups):
+                g.update(flags)
+
+
 def _apply_hyper(opts: dict, key: str, value: float) -> None:
     names = {"training.lr": ("actor_opt",), "training.critic_lr": ("critic_opt",),
              "training.weight_decay": ("actor_opt", "critic_opt")}[key]
@@ -850,6 +868,7 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
          f"consecutive_skips = {str(s['consecutive_skips'])[:200]}: keys must be {sorted(st.consecutive_skips)}, "
          f"values ints >= 0")
     # ---- install (nothing above changed the run)
+    kernels = _kernel_choice(opts)  # this build's AdamW implementation, not the checkpoint's
     for group, model in models.items():
         try:
             load_tensor_state(model, loaded[group])
@@ -867,6 +886,7 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
                 o.optimizer.state.update(state)
         else:
             opt.load_state_dict(plain_source[name])
+    _restore_kernel_choice(opts, kernels)
     for key, old_v, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
         _apply_hyper(opts, key, new)
         run.log(f"[pfppo] resume: {key} changed since the checkpoint ({old_v!r} -> {new!r}); the new value is "
