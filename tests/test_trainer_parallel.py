@@ -14,6 +14,9 @@ from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
 from pfppo_mega.trainer.loop import PPOTrainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+import trainer_layouts  # noqa: E402  (the 2-process script's runs, here in one process)
+
 HERE = Path(__file__).resolve().parent
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
 CFG = {
@@ -56,6 +59,7 @@ def setup(tmp_path_factory):
     serial_cfg["logging"]["output_dir"] = str(root / "serial")
     tr = PPOTrainer(load_config_dict(serial_cfg), log=lambda *_: None)
     serial = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(3))]
+    RUNS["serial_engine_logp"] = trainer_layouts.engine_logp_run(serial_cfg, "serial_engine_logp")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     results = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in out.splitlines()
@@ -74,6 +78,16 @@ def test_model_parallel_trainer_equals_serial(setup, layout):
             worst = max(worst, gap / max(1.0, abs(s[k])))
             assert gap <= 1e-5 * max(1.0, abs(s[k])), (layout, k, s[k], p[k])
     print(f"{layout}: max relative metric gap over 3 PPO steps {worst:.2e}")
+
+
+def test_engine_logp_proximal_at_pp2_equals_serial(setup):
+    """recompute_old_logp false at pp2: the update's first-epoch entropy and log-probs are gathered
+    on the last stage and broadcast, so the logging rank (stage 0) reports the serial run's."""
+    _, results = setup
+    for s, p in zip(RUNS["serial_engine_logp"], results["pp2_engine_logp"]["steps"]):
+        assert s["policy/entropy_first10"] > 0 and 0 < s["rollout/logp_gap_max"] < 1e-3, s
+        for k, v in s.items():
+            assert p[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, v, p[k])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])

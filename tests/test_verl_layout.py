@@ -209,7 +209,6 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.over_sample_rate": "over-sampling",
     "algorithm.rollout_correction.rollout_is": "rollout importance weights",
     "algorithm.rollout_correction.rollout_rs": "rollout rejection sampling",
-    "algorithm.rollout_correction.bypass_mode": "rollout-correction bypass",
     "algorithm.rollout_correction.loss_type": "rollout-correction loss",
     "algorithm.rollout_correction.rollout_is_batch_normalize": "rollout importance weights",
     "data.apply_chat_template_kwargs.reasoning_effort": "chat-template arguments",

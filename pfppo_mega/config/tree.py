@@ -437,6 +437,12 @@ class AlgorithmConfig(Section):
     tau_neg: float = opt(1.05, "sapo: gate temperature where the advantage is <= 0 (> 0).")
     max_response_length: int = opt(32, "Longest response in tokens; generation stops there.")
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
+    recompute_old_logp: bool = opt(
+        True, "true: the trainer's actor recomputes the proximal (old) log-probs of the rows in the prepare pass. "
+              "false: the engine's own log-probs are the proximal policy (verl's rollout-correction bypass "
+              "mode): the prepare pass runs no actor forward, the PPO ratio is taken against the engine's "
+              "log-probs, and policy/entropy_first10 and rollout/logp_gap_* come from the update's first "
+              "epoch. Must be true with use_pf_ppo.")
     pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
     filtration: FiltrationConfig = opt(factory=FiltrationConfig, doc="Policy filtration.")
     filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig, doc="DAPO's dynamic sampling.")
@@ -498,6 +504,12 @@ class AlgorithmConfig(Section):
         _range(p, "tau_neg", self.tau_neg, gt=0)
         if not self.clip_cov_lb < self.clip_cov_ub:
             p.append(Problem("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})"))
+        if self.use_pf_ppo and not self.recompute_old_logp:
+            p.append(Problem("recompute_old_logp", self.recompute_old_logp, "must be true with use_pf_ppo: the "
+                             "pool's importance weights (pool.is_mode) correct the mixed behaviour policies "
+                             "towards the recomputed proximal policy; with the engine's log-probs as the proximal "
+                             "policy each row would be clipped against its own, possibly older, snapshot instead "
+                             "(untested here)"))
         if self.use_pf_ppo and self.pool.is_mode == "tis" and self.policy_loss != "ppo_clip":
             p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with use_pf_ppo and pool.is_mode "
                              "'tis': tis is a policy loss of its own (truncated IS, no proximal clip); use "

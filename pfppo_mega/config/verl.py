@@ -405,6 +405,20 @@ def _use_pf_ppo(value: Any, v: View) -> Out:
                "algorithm.pool) stays off" if on else "")
 
 
+def _bypass_mode(value: Any, v: View) -> Out:
+    """verl's bypass mode sets old_log_probs = rollout_log_probs and trains the vanilla PPO-clip
+    loss (its loss_type ppo_clip) whatever policy_loss.loss_mode says; loss_type reinforce and the
+    rollout IS / RS weights are refused at their own keys."""
+    if not _typed(value, bool):
+        return Out({"algorithm.recompute_old_logp": True})
+    mode = v.get(f"{A}.policy_loss.loss_mode")
+    if mode not in (None, "vanilla"):
+        raise Refuse(f"verl's bypass mode trains the vanilla PPO-clip loss whatever {A}.policy_loss.loss_mode "
+                     f"says ({mode!r} here); set loss_mode vanilla for what verl runs")
+    return Out({"algorithm.recompute_old_logp": False},
+               "the engine's log-probs are the proximal policy: the prepare pass runs no actor forward")
+
+
 def _choice(target: str) -> Callable[[Any, View], Any]:
     """A value of one of our CHOICES / registries; verl's other names are refused by name."""
     def convert(value: Any, v: View) -> Any:
@@ -932,7 +946,9 @@ RULES: tuple[Rule, ...] = (
       "'seq_reward' for rule-based rewards); a KL-shaped metric is another rule", ok=("acc", "score", "seq_reward")),
     R("algorithm.rollout_correction.rollout_is", "verl's rollout importance weights", ok=(None,)),
     R("algorithm.rollout_correction.rollout_rs", "verl's rollout rejection sampling", ok=(None,)),
-    R("algorithm.rollout_correction.bypass_mode", "verl's rollout-correction bypass mode", ok=(False,)),
+    M("algorithm.rollout_correction.bypass_mode", "algorithm.recompute_old_logp", _bypass_mode,
+      why="true: recompute_old_logp false (the engine's log-probs are the proximal policy); only with "
+          "loss_type ppo_clip, no rollout_is / rollout_rs, and loss_mode vanilla (what verl's bypass trains)"),
     R("algorithm.rollout_correction.loss_type", "verl's rollout-correction loss", ok=("ppo_clip",)),
     R("algorithm.rollout_correction.rollout_is_batch_normalize", "verl's rollout importance weights", ok=(False,)),
     I("algorithm.rollout_correction.**", "rollout correction only (refused when on)",

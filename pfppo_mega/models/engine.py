@@ -332,6 +332,12 @@ def _broadcast_from_last_stage(t: Optional[Tensor], shape: tuple[int, ...], devi
     return t
 
 
+def from_last_stage(t: Tensor, device: torch.device) -> Tensor:
+    """The last pipeline stage's float32 ``t`` on every stage (each stage passes one of the same
+    shape; only the last stage's values count)."""
+    return _broadcast_from_last_stage(t if _last_stage() else None, tuple(t.shape), device)
+
+
 # ----------------------------------------------------------------------------- model heads
 
 

@@ -38,6 +38,7 @@ from pfppo_mega.trainer.passes import PassWork
 from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.rollout_split import SplitLayout
 from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
+from pfppo_mega.trainer.proximal import choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
 from pfppo_mega.types import PromptSource, RewardFn, Sample
@@ -109,6 +110,7 @@ class Run:
     behaviour: BehaviourPolicy
     collector: object                   # OneRound | DynamicSampling (trainer/collect.py)
     estimator: AdvantageEstimator
+    proximal: object                    # Recompute | EngineLogp (trainer/proximal.py): the old log-probs
     policy_loss: Callable
     policy_loss_name: str               # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
     policy_loss_params: PolicyLossParams
@@ -311,6 +313,6 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
                behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log),
-               estimator=estimator,
+               estimator=estimator, proximal=choose_proximal(a),
                policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

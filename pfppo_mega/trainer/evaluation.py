@@ -5,21 +5,12 @@ from __future__ import annotations
 import torch
 
 from pfppo_mega import ppo
-from pfppo_mega.models import engine as mengine
 from pfppo_mega.rollout import SamplingParams
-from pfppo_mega.trainer import devicecheck, passes
+from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import PackedInputs, pack
 from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.seeds import stream_seed
-
-
-def policy_logp(run: Run, model, inp: PackedInputs, tally=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
-    Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1; micro-batched as
-    training.* says (trainer/passes.py), its work counted into ``tally`` when given."""
-    return mengine.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
-                                        micro_batch_size=passes.batching(run.cfg.training, inp.labels.shape[0], tally),
-                                        kernels=run.kernels)
 
 
 def evaluate(run: Run) -> dict[str, float]:

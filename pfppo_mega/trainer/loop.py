@@ -27,7 +27,8 @@ from pfppo_mega.trainer import devicecheck, passes, perf, resume, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
-from pfppo_mega.trainer.evaluation import evaluate, kl_probe, policy_logp
+from pfppo_mega.trainer.evaluation import evaluate, kl_probe
+from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import update
@@ -107,14 +108,14 @@ class PPOTrainer:
             eb = self.advantages(sb, prep)
         with timer("update"):
             run.gen.phase("update")
-            upd = update(run, eb)
+            upd, seen = update(run, eb, observe=run.proximal.observes_in_update)
         st.step += 1
         with timer("sync"):
             run.behaviour.after_update(st.step)
         step_s = time.perf_counter() - t0
         # log
         probe = {"kl/probe_k1": kl_probe(run)} if run.cfg.logging.kl_probe_size else {}
-        metrics = step_metrics(run, scored, eb, upd, timer.seconds, step_s)
+        metrics = step_metrics(run, scored, eb, upd, timer.seconds, step_s, seen=seen)
         metrics.update(rollout_stats)
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
@@ -173,11 +174,11 @@ class PPOTrainer:
 
     @torch.no_grad()
     def prepare(self, sb: ScoredBatch) -> PreparedBatch:
-        """The trainer's models on the rows: proximal and reference log-probs, and the critic's
-        values when the run has a critic."""
+        """The trainer's models on the rows: proximal log-probs (recomputed, or the engine's:
+        trainer/proximal.py), reference log-probs, and the critic's values when the run has one."""
         run, rb = self.run, sb.rollout
         inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
-        old_logp, entropy = policy_logp(run, run.actor, inp, run.passes.prepare_lm)
+        old_logp, entropy = run.proximal.old_logp(run, inp, rb)                     # entropy None: not recomputed
         ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
         m = inp.response_mask
         values = None if run.critic is None else mengine.forward_values(
@@ -186,7 +187,8 @@ class PPOTrainer:
         devicecheck.expect("prepare: model inputs and results", run.device, inputs=inp, old_logp=old_logp,
                            ref_logp=ref_logp, values=values, scores=sb.scores)
         return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m,
-                             values=None if values is None else values * m, entropy=entropy * m)
+                             values=None if values is None else values * m,
+                             entropy=None if entropy is None else entropy * m)
 
     def advantages(self, sb: ScoredBatch, prep: PreparedBatch) -> ExperienceBatch:
         run, a = self.run, self.run.cfg.algorithm

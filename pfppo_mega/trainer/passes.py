@@ -7,8 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import torch
+
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.models.microbatch import Tally
+from pfppo_mega.trainer.batch import PackedInputs
 
 
 @dataclass
@@ -37,3 +40,12 @@ def batching(training, rows: int, tally: Optional[Tally] = None) -> mengine.Batc
         micro_batch_size=training.micro_batch_size or rows,
         max_tokens=training.max_tokens_per_micro_batch if training.use_dynamic_bsz else None,
         response_only=training.response_only_head, tally=tally)
+
+
+def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
+    Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1; micro-batched as
+    training.* says, its work counted into ``tally`` when given. ``run``: the trainer's Run."""
+    return mengine.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
+                                        micro_batch_size=batching(run.cfg.training, inp.labels.shape[0], tally),
+                                        kernels=run.kernels)

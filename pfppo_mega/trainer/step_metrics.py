@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pfppo_mega import parallel, ppo
@@ -10,12 +12,15 @@ from pfppo_mega.trainer import worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, ScoredBatch
 from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.metrics import aggregate_rank_metrics, quantiles, repetition_rate
+from pfppo_mega.trainer.update import Observed
 
 
 def step_metrics(run: Run, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float],
-                 times: dict[str, float], step_s: float) -> dict[str, float]:
+                 times: dict[str, float], step_s: float, *, seen: Optional[Observed] = None) -> dict[str, float]:
     """reward/* and response/* describe every generated row (`sb`, before policy filtration);
-    the KL, entropy, critic and update metrics the rows trained on (`eb`)."""
+    the KL, entropy, critic and update metrics the rows trained on (`eb`). Without recomputed
+    proximal log-probs (trainer/proximal.py) the entropy and the engine/trainer gap are the
+    update's first epoch's (`seen`), and absent in a step whose actor did not train."""
     rb, m, guards = sb.rollout, eb.inputs.response_mask, run.state.guards
     lengths = rb.response_mask.sum(1)                                               # [B] generated
     # std and quantiles of the global batch (every DP rank's rewards), not a mean of the ranks'
@@ -40,8 +45,8 @@ def step_metrics(run: Run, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, 
         "response/finished_frac": rb.finished.float().mean().item(),
         "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
                                         for r, l in zip(rb.responses, lengths)) / len(lengths),
-        "policy/entropy_first10": ppo.masked_mean(eb.entropy, first10).item(),
-        **logp_gap(eb),
+        **entropy_first10(eb, seen, first10),
+        **(logp_gap(eb, seen) if seen is not None or not run.proximal.observes_in_update else {}),
         **critic,
         "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
         **{f"guard/{k}": float(guards[k]) for k in ("bad_rewards", "reward_errors", "reward_timeouts",
@@ -63,14 +68,25 @@ def honest_metrics(sb: ScoredBatch) -> dict[str, float]:
     return out
 
 
-def logp_gap(eb: ExperienceBatch) -> dict[str, float]:
+def entropy_first10(eb: ExperienceBatch, seen: Optional[Observed], first10: torch.Tensor) -> dict[str, float]:
+    """Mean policy entropy over the first 10 response tokens: the prepare pass's, else the
+    update's first epoch's (each row under the weights of its mini-batch, before its step)."""
+    entropy = eb.entropy if eb.entropy is not None else None if seen is None else seen.entropy
+    return {} if entropy is None else {"policy/entropy_first10": ppo.masked_mean(entropy, first10).item()}
+
+
+def logp_gap(eb: ExperienceBatch, seen: Optional[Observed] = None) -> dict[str, float]:
     """|engine log-prob - trainer log-prob| per token over the on-policy rows only (the same
     weights on both sides, so it measures engine/trainer numerics; under PF-PPO the other rows
-    come from older snapshots and differ by design). No on-policy rows: no record."""
-    m = eb.inputs.response_mask * eb.on_policy[:, None]                            # [B, T]
+    come from older snapshots and differ by design). The trainer's side is the recomputed
+    proximal log-prob, or without one (``seen``) the update's first mini-batch's, before its
+    optimizer step. No such rows: no record."""
+    rows = eb.on_policy if seen is None else eb.on_policy & seen.fresh
+    trainer = eb.old_logp if seen is None else seen.logp
+    m = eb.inputs.response_mask * rows[:, None]                                    # [B, T]
     if not bool(m.any()):
         return {}
-    gap = (eb.behav_logp - eb.old_logp).abs()
+    gap = (eb.behav_logp - trainer).abs()
     return {"rollout/logp_gap_max": float(torch.where(m.bool(), gap, 0.0).max()),
             "rollout/logp_gap_mean": ppo.masked_mean(gap, m).item()}
 

@@ -3,6 +3,9 @@ step (when the run has a critic) and one actor step, micro-batched by megatron's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from pfppo_mega import ppo
@@ -20,8 +23,21 @@ class TrainingHalted(RuntimeError):
     `pfppo train` exits non-zero with it."""
 
 
-def update(run: Run, eb: ExperienceBatch) -> dict[str, float]:
-    """batch_size / dp rows on this rank per mini-batch; means of every mini-batch's stats."""
+@dataclass
+class Observed:
+    """The actor's own log-probs and entropy of every row, as its first epoch's forward saw them
+    (observe=True: the proximal log-probs were not recomputed, trainer/proximal.py). ``fresh``
+    rows were in the first mini-batch, before any optimizer step of this update: their log-probs
+    are those of the weights that generated them when the rows are on-policy."""
+
+    logp: torch.Tensor      # [B, T]
+    entropy: torch.Tensor   # [B, T]
+    fresh: torch.Tensor     # [B] bool
+
+
+def update(run: Run, eb: ExperienceBatch, *, observe: bool = False) -> tuple[dict[str, float], Optional[Observed]]:
+    """batch_size / dp rows on this rank per mini-batch; means of every mini-batch's stats, and
+    with ``observe`` what the actor's first epoch saw (None when the actor did not train)."""
     a, t, st = run.cfg.algorithm, run.cfg.training, run.state
     B = eb.advantages.shape[0]
     stats: dict[str, list[float]] = {}
@@ -34,20 +50,49 @@ def update(run: Run, eb: ExperienceBatch) -> dict[str, float]:
             st.guards["value_loss_spikes"] += 1
         stats["critic/value_loss_pre"] = [vl_pre]
     g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=st.step))
-    for _ in range(a.ppo_epochs):
-        for idx in torch.randperm(B, generator=g).split(t.batch_size // run.parallel.dp):
+    seen = _Observer(eb) if observe and train_actor else None
+    for epoch in range(a.ppo_epochs):
+        for k_mb, idx in enumerate(torch.randperm(B, generator=g).split(t.batch_size // run.parallel.dp)):
             mb = eb.select(idx)
             for k, v in (critic_step(run, mb) if train_critic else {}).items():
                 stats.setdefault(k, []).append(v)
             if train_actor:
-                for k, v in actor_step(run, mb).items():
+                sink = None if seen is None or epoch > 0 else seen.sink(idx, fresh=k_mb == 0)
+                for k, v in actor_step(run, mb, sink=sink).items():
                     stats.setdefault(k, []).append(v)
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+    return {k: sum(v) / len(v) for k, v in stats.items()}, None if seen is None else seen.result(run.device)
 
 
-def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
+class _Observer:
+    """Collects the first epoch's log-probs and entropy into [B, T] (on the last pipeline stage,
+    where the loss runs; result() gives them to every stage)."""
+
+    def __init__(self, eb: ExperienceBatch) -> None:
+        m = eb.inputs.response_mask
+        self.logp, self.entropy = torch.zeros_like(m, dtype=torch.float32), torch.zeros_like(m, dtype=torch.float32)
+        self.fresh = torch.zeros(m.shape[0], dtype=torch.float32, device=m.device)
+
+    def sink(self, idx: torch.Tensor, *, fresh: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """For one mini-batch ``idx`` (rows of the batch): sink(rows of the mini-batch, logp, entropy)."""
+        idx = idx.to(self.logp.device)
+
+        def put(rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+            at = idx[rows]
+            self.logp[at] = logp.detach().float()
+            self.entropy[at] = entropy.detach().float()
+            self.fresh[at] = float(fresh)
+        return put
+
+    def result(self, device: torch.device) -> Observed:
+        both = mengine.from_last_stage(torch.cat([self.logp, self.entropy, self.fresh[:, None]], dim=1), device)
+        T = self.logp.shape[1]
+        return Observed(logp=both[:, :T], entropy=both[:, T:2 * T], fresh=both[:, 2 * T] > 0.5)
+
+
+def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None) -> dict[str, float]:
     """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
-    share of the mini-batch aggregate (see pfppo_mega.models.engine)."""
+    share of the mini-batch aggregate (see pfppo_mega.models.engine). ``sink(rows, logp,
+    entropy)``, when given, receives each micro-batch's log-probs and entropy (update's Observed)."""
     a = run.cfg.algorithm
     mode, c = a.loss_agg_mode, run.policy_loss_params.loss_scale_factor
     # The chosen variant's loss aggregates over pg_mask (ppo_clip and verl's losses) or the response mask (tis).
@@ -61,6 +106,8 @@ def actor_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
             mask=m, pg_mask=eb.pg_mask[r], is_weights=None if eb.is_weights is None else eb.is_weights[r],
             on_policy=eb.on_policy[r])
         devicecheck.expect("policy loss", run.device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
+        if sink is not None:
+            sink(r, logp, entropy)
         pl = run.policy_loss(pl_in, run.policy_loss_params)
         share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode)
         resp_share = mengine.share_scale(m, micro.norm, mode=mode)

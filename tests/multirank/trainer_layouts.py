@@ -9,7 +9,8 @@ Last, a DP2 run with the distributed optimizer checkpoints and resumes (`RESULT 
 so does a DP2 PF-PPO run whose pool is split across the ranks (`RESULT dp2_pf_resume`). A TP2 and
 a PP2 run with the distributed optimizer checkpoint at step 2 and take step 3 uninterrupted
 (`RESULT tp2_distopt` / `pp2_distopt`): the test resumes their checkpoints in one process (TP1,
-resharded) and compares its step 3.
+resharded) and compares its step 3. A PP2 run with the engine's log-probs as the proximal policy
+(`RESULT pp2_engine_logp`) is compared with the same run in one process.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
 """
@@ -238,6 +239,22 @@ def distopt_step3(base: dict, name: str, tp: int, pp: int) -> dict:
     return {"metrics": {k: m[k] for k in KEYS}, "bytes": info.bytes, "blocked_s": info.blocked_s}
 
 
+ENGINE_LOGP_KEYS = KEYS + ("policy/entropy_first10", "rollout/logp_gap_max")
+
+
+def engine_logp_run(base: dict, name: str, tp: int = 1, pp: int = 1, steps: int = 2) -> list[dict]:
+    """``steps`` steps with algorithm.recompute_old_logp false (the engine's log-probs as the proximal
+    policy): the entropy and the engine/trainer gap come from the update, on the last pipeline stage,
+    and must reach the logging rank (stage 0 at pp2)."""
+    d = json.loads(json.dumps(base))
+    d["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    d["algorithm"]["recompute_old_logp"] = False
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/{name}"
+    d["checkpoint"] = {"save_interval": 0, "resume": False, "export_hf": False}
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    return [{k: m.get(k) for k in ENGINE_LOGP_KEYS} for m in (tr.train_step() for _ in range(steps))]
+
+
 def main(path: str) -> None:
     base = json.load(open(path))
     torch.set_num_threads(1)
@@ -289,6 +306,10 @@ def main(path: str) -> None:
         if dist.get_rank() == 0:
             print("RESULT", name, json.dumps(r), flush=True)
         destroy_parallel()
+    steps = engine_logp_run(base, "pp2_engine_logp", pp=2)
+    if dist.get_rank() == 0:
+        print("RESULT pp2_engine_logp", json.dumps({"steps": steps}), flush=True)
+    destroy_parallel()
     pf = dp2_pf_ppo_resume(base)
     if dist.get_rank() == 0:
         print("RESULT dp2_pf_resume", json.dumps(pf), flush=True)
