@@ -19,7 +19,7 @@ def test_ratios_are_against_trl():
 
 def test_unknown_arm_and_missing_model_are_refused(tmp_path, capsys):
     assert trl.main(["--arms", "trl_grpo,verl"]) == 2
-    assert "allowed trl_grpo, ours_grpo, ours_ppo" in capsys.readouterr().err
+    assert "allowed trl_grpo, ours_grpo, ours_grpo_bypass, ours_ppo" in capsys.readouterr().err
     assert trl.main(["--model", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl")]) == 2
     assert "make demo-llm" in capsys.readouterr().err
 

