@@ -231,6 +231,28 @@ def test_max_batch_size_chunks_give_same_result(hf_untied):
                        chunked.generate(PROMPTS, sampled).responses)
 
 
+def test_shared_prompts_are_prefilled_once(hf_untied, monkeypatch):
+    """GRPO's groups: a prompt several rows share is prefilled once (its keys, values and logits
+    copied to each row); the rows' tokens and log-probs are those of separate prefills."""
+    batch = [p for p in PROMPTS for _ in range(3)]
+    assert len({tuple(p) for p in PROMPTS}) == len(PROMPTS)
+    shared, separate = make_builtin(hf_untied), make_builtin(hf_untied, share_prompts=False)
+    prefilled: list[int] = []
+    real = type(shared.model).prefill
+
+    def spy(self, prompts, cache, end):
+        prefilled.append(len(prompts))
+        return real(self, prompts, cache, end)
+    monkeypatch.setattr(type(shared.model), "prefill", spy)
+    for params in (SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_token_id=None, greedy=True),
+                   SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_token_id=None, seed=4)):
+        a, b = shared.generate(batch, params), separate.generate(batch, params)
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.lengths, b.lengths)
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    assert prefilled == [len(PROMPTS), len(batch)] * 2, prefilled
+    assert len({tuple(r) for r in rows(a)}) > len(PROMPTS)  # sampled: a group's rows still draw apart
+
+
 # ------------------------------------------------------------------ stopping
 def test_eos_stops_rows(make_engine, hf_untied):
     engine = make_engine(hf_untied)

@@ -3,7 +3,9 @@
 generate(): prefill the prompts in one packed forward (no padding computed; each row's keys and
 values land left-padded in the cache), then decode one token per step for all rows at once; a row
 that emitted EOS keeps being computed (its outputs are discarded) until every row is finished or
-max_new_tokens is reached.
+max_new_tokens is reached. A prompt that several rows share (GRPO's n samples of a prompt) is
+prefilled once: its keys, values and last-token logits are copied to each of its rows
+(``share_prompts``; the rows' draws and log-probs are those of separate prefills).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class BuiltinEngine(RolloutEngine):
     def __init__(self, shape: DecoderShape, *, pad_token_id: int,
                  dtype: torch.dtype = torch.float32, max_batch_size: int | None = None,
                  device: torch.device | str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 pack_weights: bool = True, log=print) -> None:
+                 pack_weights: bool = True, share_prompts: bool = True, log=print) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         self.shape = shape
@@ -105,6 +107,7 @@ class BuiltinEngine(RolloutEngine):
         # the weights in memory); packed lazily at the first generate() after each weight update
         self.pack_weights = pack_weights
         self._packed = False
+        self.share_prompts = share_prompts  # prefill each distinct prompt of a generate() call once
 
     # ----------------------------------------------------------------- weights
     def weight_layout(self) -> WeightLayout:
@@ -214,9 +217,7 @@ class BuiltinEngine(RolloutEngine):
         key_valid = torch.zeros(B, P + N, dtype=torch.bool, device=dev)  # [B, K_max], left-padded prompts
         for b, prompt in enumerate(prompts):
             key_valid[b, P - len(prompt):] = True  # the response slots are real too
-        cache = KVCache.allocate(self.shape, B, P + N, dtype=self.dtype, device=dev)
-
-        logits = self.model.prefill(prompts, cache, end=P)  # [B, V]
+        logits, cache = self._prefill(prompts, P + N, end=P)  # [B, V], the rows' caches
         next_pos = key_valid[:, :P].sum(-1)  # [B] position of the token about to be sampled
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
@@ -245,6 +246,22 @@ class BuiltinEngine(RolloutEngine):
             finished,
             torch.stack(logits_out, dim=1) if keep_logits else None,
         )
+
+
+    def _prefill(self, prompts: list[list[int]], max_len: int, *, end: int) -> tuple[torch.Tensor, KVCache]:
+        """Logits [B, V] at each prompt's last token and a [B]-row cache holding its keys and values;
+        with share_prompts every distinct prompt is computed once (U <= B rows) and copied to its rows."""
+        B, dev = len(prompts), self.device
+        first: dict[tuple[int, ...], int] = {}
+        of_row = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> its distinct prompt
+        if not self.share_prompts or len(first) == B:
+            cache = KVCache.allocate(self.shape, B, max_len, dtype=self.dtype, device=dev)
+            return self.model.prefill(prompts, cache, end=end), cache
+        distinct = KVCache.allocate(self.shape, len(first), max_len, dtype=self.dtype, device=dev)
+        logits = self.model.prefill([list(p) for p in first], distinct, end=end)      # [U, V]
+        rows = torch.tensor(of_row, dtype=torch.long, device=dev)                      # [B]
+        # each row its own copy: decoding writes a row's new keys and values into its own slots
+        return logits[rows], KVCache(distinct.k[:, rows], distinct.v[:, rows])
 
 
 def _check(cfg, *, world_size: int) -> None:
