@@ -36,7 +36,11 @@ from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, Eng
                                      SamplingParams, WAKE_TAGS, check_prompts, engine_dtype, row_seed)
 from pfppo_mega.rollout.weights import WeightLayout
 
-KV_BLOCK = 128  # vLLM CPU's KV block size (tokens)
+# The KV block size (tokens) set on a CPU. vLLM's CPU default of 128 leaves a chat prompt of ~45 tokens
+# without a full block, so its prefix cache never shares GRPO's n rows of a prompt; with 32-token blocks
+# they share the prompt's first full blocks (16 is not supported by vLLM's CPU attention): SmolLM2, 8
+# prompts x 4 rows x 16 tokens, 6.11 -> 4.62 s a generate() call, and no change with 32 distinct prompts.
+KV_BLOCK = 32
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": "ERROR",  # a bucket-by-bucket reload warns about every layer it leaves out
         "TOKENIZERS_PARALLELISM": "false"}
@@ -123,6 +127,7 @@ class VLLMEngine(RolloutEngine):
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             kw["enable_sleep_mode"] = True
         else:  # the KV cache is allocated up front: bound it, or it asks for ~92% of host memory
+            kw["block_size"] = KV_BLOCK
             kw["kv_cache_memory_bytes"] = kv_cache_bytes(self.shape, max_model_len=self.max_model_len,
                                                          max_num_seqs=max_num_seqs, dtype=dtype)
         self.sleep_supported = on_gpu

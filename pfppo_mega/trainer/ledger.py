@@ -95,7 +95,7 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 BYTES_GRAD = 4          # fp32 grad buffer (grad_reduce_in_fp32)
 BYTES_ADAM = 8          # fp32 exp_avg + exp_avg_sq
 BYTES_MAIN = 4          # fp32 main weights (none when the params are fp32 themselves)
-KV_BLOCK = 128          # vLLM's KV block (tokens), as pfppo_mega.rollout.vllm sizes a CPU cache
+KV_BLOCK = 32           # vLLM's KV block (tokens), as pfppo_mega.rollout.vllm sets and sizes a CPU cache
 # pfppo_mega.rollout.refit's stream ring (tests/test_ledger.py checks these equal its constants)
 REFIT_MAX_AHEAD = 3
 REFIT_AHEAD_BYTES = 64 << 20
