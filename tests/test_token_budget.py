@@ -240,3 +240,7 @@ def test_perf_formulas_count_what_the_model_does():
     step = max((weights + 2 * 30 * 3 * 64 * 4 * (p + 1)) / bw,
                (2 * (30 * layer + 576 * 49152) + 4 * 9 * 64 * 30 * (p + 1)) / mm)
     assert perf.rollout_floor_s(s, [p], [2], matmul=mm, memcpy=bw, dtype_bytes=4) == pytest.approx(prefill + step)
+    # GRPO's rows sharing a prompt: the shared floor prefills it once, the per-row floor once per row
+    assert perf.rollout_floor_s(s, [p, p], [1, 1], matmul=mm, memcpy=bw, dtype_bytes=4) == pytest.approx(2 * prefill)
+    assert perf.rollout_floor_s(s, [p, p], [1, 1], matmul=mm, memcpy=bw, dtype_bytes=4,
+                                prefill_lengths=[p]) == pytest.approx(prefill)

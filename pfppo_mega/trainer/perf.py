@@ -15,6 +15,9 @@ response token. A training pass is 3 x its forward (backward: twice the forward)
                               step the larger of (weight + KV-cache bytes at the memcpy rate) and
                               (its FLOPs at the matmul rate), steps = the longest response
     perf/rollout_floor_frac   floor / the rollout phase's time (1.0: at the floor)
+    perf/rollout_floor_shared_s, perf/rollout_floor_shared_frac  the same floor with each distinct
+                              prompt prefilled once (GRPO's n rows of a prompt share its prefill, as
+                              the built-in engine does); logged when rows share prompts
     perf/matmul_gflops, perf/memcpy_gbps  the measured rates; the matmul rate is the best library's
     perf/matmul_gflops_<lib>  each library's rate (torch_mm: MKL on a CPU, what the trainer's layers
                               use; onednn: prepacked, what the built-in engine uses)
@@ -58,17 +61,21 @@ def tally_flops(shape: DecoderShape, tally: Tally, *, head_width: int) -> float:
 
 
 def rollout_floor_s(shape: DecoderShape, prompt_lengths: list[int], response_lengths: list[int], *,
-                    matmul: float, memcpy: float, dtype_bytes: int) -> float:
-    """Seconds the rollout of these rows cannot beat on this machine (see the module docstring)."""
+                    matmul: float, memcpy: float, dtype_bytes: int,
+                    prefill_lengths: list[int] | None = None) -> float:
+    """Seconds the rollout of these rows cannot beat on this machine (see the module docstring).
+    ``prefill_lengths``: the prompts prefilled (default every row's; the distinct ones when the
+    rows sharing a prompt share its prefill)."""
     if not prompt_lengths:
         return 0.0
     layer = layer_matmul_params(shape)
     heads, d, L = shape.num_attention_heads, shape.head_dim, shape.num_layers
     head = shape.hidden_size * shape.vocab_size
     per_token = 2.0 * (L * layer + head)                                 # decoder + LM head, per token
-    pairs = sum(p * (p + 1) / 2 for p in prompt_lengths)
-    prefill = (2.0 * L * layer * sum(prompt_lengths) + 4.0 * heads * d * L * pairs
-               + 2.0 * head * len(prompt_lengths)) / matmul               # logits at the last prompt token only
+    filled = prompt_lengths if prefill_lengths is None else prefill_lengths
+    pairs = sum(p * (p + 1) / 2 for p in filled)
+    prefill = (2.0 * L * layer * sum(filled) + 4.0 * heads * d * L * pairs
+               + 2.0 * head * len(filled)) / matmul                       # logits at the last prompt token only
     weight_bytes = (L * layer + head) * dtype_bytes
     kv_per_pos = 2 * L * shape.num_query_groups * d * dtype_bytes        # K and V of one position, every layer
     p = torch.tensor(prompt_lengths, dtype=torch.float64)                # [B]
@@ -97,14 +104,21 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
                     + tally_flops(shape, work.update_value, head_width=1))
     total = work.total()
     rb = scored.rollout
-    floor = rollout_floor_s(shape, [len(p) for p in rb.prompt_ids], [int(n) for n in rb.response_mask.sum(1).tolist()],
-                            matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[run.model_cfg.params_dtype])
+    prompts, responses = [len(p) for p in rb.prompt_ids], [int(n) for n in rb.response_mask.sum(1).tolist()]
+    rates_kw = dict(matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[run.model_cfg.params_dtype])
+    floor = rollout_floor_s(shape, prompts, responses, **rates_kw)
+    distinct = [len(p) for p in dict.fromkeys(tuple(p) for p in rb.prompt_ids)]
     out = {"perf/matmul_gflops": matmul / 1e9, "perf/memcpy_gbps": memcpy / 1e9,
            "perf/padding_frac": total.padding_frac, "perf/head_waste_frac": total.head_waste_frac,
            "perf/rollout_floor_s": floor, **{f"perf/matmul_gflops_{lib}": r / 1e9 for lib, r in rates.items()}}
     for name, flops in (("prepare", prepare), ("update", update)):
         if times.get(name, 0.0) > 0 and flops > 0:
             out[f"perf/{name}_matmul_frac"] = flops / (times[name] * matmul)
+    if len(distinct) < len(prompts):
+        out["perf/rollout_floor_shared_s"] = rollout_floor_s(shape, prompts, responses, prefill_lengths=distinct,
+                                                             **rates_kw)
     if times.get("rollout", 0.0) > 0:
         out["perf/rollout_floor_frac"] = floor / times["rollout"]
+        if "perf/rollout_floor_shared_s" in out:
+            out["perf/rollout_floor_shared_frac"] = out["perf/rollout_floor_shared_s"] / times["rollout"]
     return out
