@@ -183,6 +183,10 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path):
     for k in ("perf/prepare_matmul_frac", "perf/update_matmul_frac", "perf/rollout_floor_frac"):
         assert 0 < a[k] < 1.5 and 0 < b[k] < 1.5, k  # a fraction of what the machine did beside it
     assert a["perf/matmul_gflops"] > 0 and a["perf/memcpy_gbps"] > 0
+    for m in runs["padded"] + runs["budget"]:  # every step refits the engine to the updated actor
+        assert 0 < m["time/rollout_weights_s"] < m["time/rollout_s"], m["time/rollout_weights_s"]
+        assert m["perf/generate_floor_frac"] == pytest.approx(
+            m["perf/rollout_floor_s"] / (m["time/rollout_s"] - m["time/rollout_weights_s"]))
     libs = {k: v for k, v in a.items() if k.startswith("perf/matmul_gflops_")}
     assert "perf/matmul_gflops_torch_mm" in libs  # the fractions use the best library's rate
     assert a["perf/matmul_gflops"] == max(libs.values())

@@ -250,6 +250,7 @@ class EngineSync:
         # one plan for every stream: live, pool and switch (buckets never cross a pipeline stage)
         self.plan: list[BucketSpec] = live.plan(engine.bucket_bytes)
         self.last_refit_s = 0.0
+        self.weights_s = 0.0  # seconds of every refit and switch so far (the step reads its share)
         self.received = {"refit": 0, "switch": 0}  # weight bytes this rank's engine took (take_received)
 
     def _live(self, version: int):
@@ -267,6 +268,7 @@ class EngineSync:
                           groups=self.groups, what=f"refit to version {version}")
         self.received["refit"] += self.plan_bytes()
         self.last_refit_s = time.perf_counter() - t0
+        self.weights_s += self.last_refit_s
         return self.last_refit_s
 
     def failing_ranks(self, ok: bool, group=None) -> list[int]:
@@ -324,7 +326,9 @@ class EngineSync:
         update_everywhere(self.engine, pool.source(version), self.plan, version, stream_group=self.node_group,
                           groups=self.groups, what=f"switch to snapshot {version}")
         self.received["switch"] += self.plan_bytes()
-        return time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+        self.weights_s += secs
+        return secs
 
     def plan_bytes(self) -> int:
         """Weight bytes of one full update (every bucket of the plan)."""

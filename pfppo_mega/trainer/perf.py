@@ -15,6 +15,8 @@ response token. A training pass is 3 x its forward (backward: twice the forward)
                               step the larger of (weight + KV-cache bytes at the memcpy rate) and
                               (its FLOPs at the matmul rate), steps = the longest response
     perf/rollout_floor_frac   floor / the rollout phase's time (1.0: at the floor)
+    perf/generate_floor_frac  floor / the rollout phase's time less its weight updates (refits, pool
+                              switches: time/rollout_weights_s), i.e. the engine's generation alone
     perf/rollout_floor_shared_s, perf/rollout_floor_shared_frac  the same floor with each distinct
                               prompt prefilled once (GRPO's n rows of a prompt share its prefill, as
                               the built-in engine does); logged when rows share prompts
@@ -121,4 +123,7 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
         out["perf/rollout_floor_frac"] = floor / times["rollout"]
         if "perf/rollout_floor_shared_s" in out:
             out["perf/rollout_floor_shared_frac"] = out["perf/rollout_floor_shared_s"] / times["rollout"]
+        generating = times["rollout"] - times.get("rollout_weights", 0.0)
+        if generating > 0:
+            out["perf/generate_floor_frac"] = floor / generating
     return out
