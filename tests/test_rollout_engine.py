@@ -542,6 +542,23 @@ def test_update_weights_refuses_stale_corrupt_and_partial(make_engine, hf_untied
         engine.update_weights(corrupt, version=4)
     assert engine.weight_version == -1
 
+    # a bucket refused mid-stream, with earlier buckets (other weights) already applied: the engine
+    # (vLLM: one reload call for the whole update) ends with no valid version, and the full update
+    # below must bring every weight back
+    engine.bucket_bytes, default_bytes = 2000, engine.bucket_bytes
+    try:
+        small = plan_buckets(engine.weight_layout(), 2000)
+        mid = list(NamedTensorSource(_perturbed(sd).items(), 4).buckets(small))
+        k = len(mid) // 2
+        flipped = mid[k].flat.clone()
+        flipped.view(torch.int32)[0] ^= 1
+        mid[k] = Bucket(mid[k].spec, mid[k].version, flipped, mid[k].checksum, source_rank=1)
+        with pytest.raises(WeightUpdateError, match=rf"bucket {mid[k].spec.index} .* from rank 1 failed its checksum"):
+            engine.update_weights(mid, version=4)
+    finally:
+        engine.bucket_bytes = default_bytes
+    assert k > 0 and engine.weight_version == -1
+
     partial = list(NamedTensorSource(sd.items(), 4).buckets(plan))[:-1]
     if partial:
         with pytest.raises(WeightUpdateError, match=rf"ended after {len(partial)} bucket\(s\)"):

@@ -100,15 +100,20 @@ def test_refit_to_snapshot_and_back_is_bit_identical(engine, model):
     before = engine.generate(PROMPTS, params)
     g = torch.Generator().manual_seed(2)
     snapshot = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
-    engine.bucket_bytes = 3000  # many buckets: whole fused groups per reload call
+    engine.bucket_bytes = 3000  # many buckets: whole fused groups each, one reload call per update
+    worker = engine._worker
+    reload, calls = worker.reload_weights, []
+    worker.reload_weights = lambda **kw: calls.append(1) or reload(**kw)
     try:
         plan = engine.bucket_plan()
         engine.update_weights(NamedTensorSource(snapshot.items(), 7).buckets(plan), version=7)
+        assert len(calls) == 1  # vLLM walks the whole model per call: once per update, not per bucket
         other = engine.generate(PROMPTS, params)
         engine.update_weights(NamedTensorSource(sd.items(), 11).buckets(plan), version=11)
         after = engine.generate(PROMPTS, params)
     finally:
         engine.bucket_bytes = rvllm.DEFAULT_BUCKET_BYTES
+        del worker.reload_weights  # the class's method again
     assert len(plan) > 5
     assert other.versions.tolist() == [7] * len(PROMPTS) and after.versions.tolist() == [11] * len(PROMPTS)
     assert not torch.equal(other.responses, before.responses)

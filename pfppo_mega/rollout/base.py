@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -199,8 +199,7 @@ class RolloutEngine(abc.ABC):
         stream = iter(buckets)
         error: Exception | None = None
         try:
-            for bucket in stream:
-                self._apply(receiver.accept(bucket))
+            self._apply_stream(receiver.accept(bucket) for bucket in stream)
             checksum = receiver.finish()
         except Exception as e:
             error = e
@@ -236,6 +235,14 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Put one verified bucket's tensors (whole fused groups) into the model."""
+
+    def _apply_stream(self, buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        """Put every verified bucket of one update into the model, in order (a bucket's tensors may
+        be views of a buffer the stream reuses once the next bucket is drawn). An error raised by
+        ``buckets`` (a refused bucket, a lost producer) propagates; what was applied stays applied,
+        and update_weights leaves the engine without a valid version. Default: _apply per bucket."""
+        for named in buckets:
+            self._apply(named)
 
     def _commit(self) -> None:
         """Called after the last bucket of a complete update (e.g. reset a prefix cache)."""
