@@ -148,14 +148,26 @@ def test_config_keys_are_validated():
 # ----------------------------------------------------------------------------- the trainer
 
 
-def test_trainer_steps_match_and_report_perf(world, tmp_path):
+def _count_probes(monkeypatch) -> tuple[list, int]:
+    """A list that machine's timings append to, and how many one measurement of every rate takes."""
+    from pfppo_mega.compat import onednn
+    from pfppo_mega.trainer import machine
+
+    timed, best = [], machine._best_seconds
+    monkeypatch.setattr(machine, "_best_seconds", lambda fn, device, repeats: timed.append(1) or best(fn, device, repeats))
+    return timed, 2 + onednn.available(torch.float32)  # torch.mm and memcpy, oneDNN where torch has it
+
+
+def test_trainer_steps_match_and_report_perf(world, tmp_path, monkeypatch):
     """Two PPO steps of the tiny trainer, padded vs token budget + response-only head: every metric
     but the timings agrees; perf/ reports the padding and the machine fractions."""
     from test_trainer import TINY, _cfg
 
     from pfppo_mega.sft import run_sft
+    from pfppo_mega.trainer import machine
     from pfppo_mega.trainer.loop import PPOTrainer
 
+    timed, per_probe = _count_probes(monkeypatch)
     sft = tmp_path / "sft"
     d = json.loads(json.dumps(TINY))
     d["sft"].update(output_dir=str(sft), steps=20)
@@ -164,9 +176,14 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path):
     runs = {}
     for name, training in (("padded", {}), ("budget", {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 104,
                                                        "response_only_head": True})):
-        cfg = _cfg(tmp_path / name, sft, training={"total_training_steps": 2, **training}, checkpoint={"resume": False})
+        probe = {"perf_probe_interval": 1} if name == "budget" else {}  # the rates timed again each step
+        cfg = _cfg(tmp_path / name, sft, training={"total_training_steps": 2, **training}, checkpoint={"resume": False},
+                   logging=probe)
         trainer = PPOTrainer(cfg, log=lambda *_: None)
+        timed.clear()
         runs[name] = [trainer.train_step() for _ in range(2)]
+        # once per process without the interval (none here when an earlier test took them), each step with it
+        assert len(timed) == 2 * per_probe if probe else len(timed) <= per_probe, (name, timed)
     for step, (a, b) in enumerate(zip(runs["padded"], runs["budget"])):
         assert sorted(a) == sorted(b)
         for k in a:
@@ -185,11 +202,29 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path):
     assert a["perf/matmul_gflops"] > 0 and a["perf/memcpy_gbps"] > 0
     for m in runs["padded"] + runs["budget"]:  # every step refits the engine to the updated actor
         assert 0 < m["time/rollout_weights_s"] < m["time/rollout_s"], m["time/rollout_weights_s"]
-        assert m["perf/generate_floor_frac"] == pytest.approx(
-            m["perf/rollout_floor_s"] / (m["time/rollout_s"] - m["time/rollout_weights_s"]))
+        # the engine's generate() calls are part of the phase, beside the refit, never overlapping it
+        assert 0 < m["time/rollout_engine_s"] <= m["time/rollout_s"] - m["time/rollout_weights_s"]
+        assert m["perf/generate_floor_frac"] == pytest.approx(m["perf/rollout_floor_s"] / m["time/rollout_engine_s"])
     libs = {k: v for k, v in a.items() if k.startswith("perf/matmul_gflops_")}
     assert "perf/matmul_gflops_torch_mm" in libs  # the fractions use the best library's rate
     assert a["perf/matmul_gflops"] == max(libs.values())
+
+
+def test_machine_remeasure_takes_the_rates_again(monkeypatch):
+    """The rates are cached per process, and remeasure() (the trainer's logging.perf_probe_interval)
+    makes the next call time the machine again instead of returning the first figure."""
+    from pfppo_mega.trainer import machine
+
+    timed, per_probe = _count_probes(monkeypatch)
+    cpu = torch.device("cpu")
+    machine.remeasure()
+    first = machine.matmul_rate(cpu), machine.memcpy_rate(cpu)
+    assert len(timed) == per_probe and min(first) > 0
+    assert (machine.matmul_rate(cpu), machine.memcpy_rate(cpu)) == first  # cached: nothing timed
+    assert len(timed) == per_probe
+    machine.remeasure()
+    again = machine.matmul_rate(cpu), machine.memcpy_rate(cpu)
+    assert len(timed) == 2 * per_probe and min(again) > 0  # timed again: a new figure
 
 
 def test_machine_rate_is_the_best_library():

@@ -801,6 +801,11 @@ class LoggingConfig(Section):
         0, "If > 0: each step, sample this many held-out prompts from the current policy and log "
            "kl/probe_k1, an on-policy KL(current || reference) estimate that is the same for PPO and "
            "PF-PPO (costs one extra small generation + two forward passes).")
+    perf_probe_interval: int = opt(
+        0, "Steps between re-measurements of this machine's matmul and memcpy rates, which the perf/ "
+           "fractions compare each phase against; 0 = measured once, at the first step. A shared machine's "
+           "speed drifts: re-measure to keep the fractions honest (each costs ~0.5 s on a 2-core CPU, "
+           "outside the step's time).")
     worst_samples: int = opt(
         2, "Each step, append the this-many longest, most repetitive and highest-reward samples (step, "
            "prompt, text, reward, honest score, snapshot version) to samples_worst.jsonl in output_dir "
@@ -811,6 +816,7 @@ class LoggingConfig(Section):
         _range(p, "eval_interval", self.eval_interval, ge=0, le=C.MAX_STEPS)
         _range(p, "kl_probe_size", self.kl_probe_size, ge=0, le=C.MAX_EVAL_PROMPTS)
         _range(p, "worst_samples", self.worst_samples, ge=0, le=C.MAX_WORST_SAMPLES)
+        _range(p, "perf_probe_interval", self.perf_probe_interval, ge=0, le=C.MAX_STEPS)
 
 
 @dataclass

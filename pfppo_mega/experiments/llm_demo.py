@@ -40,7 +40,8 @@ def breakdown(metrics_path: Path) -> list[str]:
     for k in keys:
         if k.startswith("time/") and med[k] >= 0.01:
             share = f" ({100 * med[k] / step:.0f}%)" if step else ""
-            part = " of rollout: refits, switches" if k == "time/rollout_weights_s" else ""
+            part = {"time/rollout_weights_s": " of rollout: refits, switches",
+                    "time/rollout_engine_s": " of rollout: the engine's generate()"}.get(k, "")
             lines.append(f"    {k[5:-2]:<15} {med[k]:8.2f} s{share}{part}")
     lines += [f"    {k:<28} {med[k]:.3g}" for k in keys if k.startswith("perf/") and k != "perf/step_s"]
     return lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -256,6 +257,7 @@ class Generation:
         self.split = split  # None: one rank, nothing to split
         self.rollout_trainer_bytes = -1  # trainer bytes on the device during the last generation
         self.work = Work()
+        self.engine_s = 0.0  # seconds inside the engine's generate() calls so far (the step reads its share)
         # the colocation calls in the order they ran, with the trainer's bytes on the device then
         self.events: list[tuple[str, int]] = []
 
@@ -365,20 +367,27 @@ class Generation:
         rank asks for the same rows (evaluation, the KL probe), not one request per replica."""
         self.record("generate")
         if self.split is None:
-            out = self._guarded(lambda: self.engine.generate(prompt_ids, params), step=step, pool=pool)
+            out = self._guarded(lambda: self._timed(self.engine.generate, prompt_ids, params), step=step, pool=pool)
             self.work.add(generated=int(out.lengths.sum()), needed=int(out.lengths.sum()), rows=len(prompt_ids),
                           owner=True)
             return out
         layout = self.split if not replicated else dataclasses.replace(
             self.split, dp_rank=0, replica_leader=self.split.rank == 0)
         share = plan_share(layout, prompt_ids, params, what=what)
-        outs = self._guarded(lambda: [self.engine.generate(p, prm) for _, _, p, prm in share.calls], step=step,
-                             pool=pool)
+        outs = self._guarded(lambda: [self._timed(self.engine.generate, p, prm) for _, _, p, prm in share.calls],
+                             step=step, pool=pool)
         out = assemble(layout, share, outs, prompt_ids, pad_token_id=self.tokenizer.pad_id, what=what)
         self.work.add(generated=sum(int(o.lengths.sum()) for o in outs), needed=int(out.lengths.sum()),
                       rows=len(prompt_ids), owner=layout.replica_leader,
                       engine_leader=layout.rank % layout.rollout_tp == 0)
         return out
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.engine_s += time.perf_counter() - t0
 
     def _guarded(self, attempt: Callable[[], Any], *, step: int, pool):
         """``attempt()`` (this rank's engine calls), agreed on by every rank. When it fails anywhere (an

@@ -97,9 +97,10 @@ class PPOTrainer:
         samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
         corrupt_before = st.guards["corrupt_snapshots"]
         # rollout + score (DAPO's dynamic sampling repeats them until the batch is full)
-        weights_before = run.gen.sync.weights_s
+        weights_before, engine_before = run.gen.sync.weights_s, run.gen.engine_s
         scored, rollout_stats = run.collector.collect(self, samples, timer)  # rewards, responses, pool stats
         timer.seconds["rollout_weights"] = run.gen.sync.weights_s - weights_before  # of which refits, switches
+        timer.seconds["rollout_engine"] = run.gen.engine_s - engine_before      # and the engine's generate()
         with timer("score"):
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
         add_guard_counts(run, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before)

@@ -1,12 +1,12 @@
-"""This machine's rates, measured in the run itself (once per process, cached): what the perf/
-metrics compare the phases against (trainer/perf.py).
+"""This machine's rates, measured in the run itself (cached per process until remeasure()): what
+the perf/ metrics compare the phases against (trainer/perf.py).
 
     matmul_rates(device, dtype) FLOP/s of n x n @ n x n matmuls (n = 1024), the best of a few timed
                                 repeats after a warm-up, at the process's torch threads, through each
                                 library torch offers here: "torch_mm" (torch.mm: MKL on a CPU, cuBLAS
                                 on a GPU; what the trainer's megatron layers get) and, on a CPU in
                                 fp32, "onednn" (a oneDNN-prepacked weight: what the built-in engine
-                                uses; 385-395 GFLOP/s here against torch.mm's 155-200)
+                                uses; docs/perf.md has both rates on two machine kinds)
     matmul_rate(device, dtype)  the best of those: the machine's rate, that the perf/ fractions use
     memcpy_rate(device)         bytes copied per second (tensor.copy_ of 256 MiB, 8x this CPU's L3;
                                 size / time, as memcpy figures are quoted), the best of a few repeats
@@ -73,6 +73,13 @@ def _memcpy_rate(device: str, nbytes: int, threads: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
     dst = torch.empty_like(src)
     return nbytes / _best_seconds(lambda: dst.copy_(src), dev, REPEATS)
+
+
+def remeasure() -> None:
+    """Forget the measured rates: the next call measures them again (the trainer does so every
+    logging.perf_probe_interval steps, so its fractions compare against the machine as it is now)."""
+    for measured in (_matmul_rate, _onednn_rate, _memcpy_rate):
+        measured.cache_clear()
 
 
 def matmul_rates(device: torch.device, dtype: torch.dtype = torch.float32, n: int = MATMUL_N) -> dict[str, float]:

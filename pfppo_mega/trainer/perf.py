@@ -15,12 +15,15 @@ response token. A training pass is 3 x its forward (backward: twice the forward)
                               step the larger of (weight + KV-cache bytes at the memcpy rate) and
                               (its FLOPs at the matmul rate), steps = the longest response
     perf/rollout_floor_frac   floor / the rollout phase's time (1.0: at the floor)
-    perf/generate_floor_frac  floor / the rollout phase's time less its weight updates (refits, pool
-                              switches: time/rollout_weights_s), i.e. the engine's generation alone
+    perf/generate_floor_frac  floor / the seconds inside the engine's generate() calls
+                              (time/rollout_engine_s): the engine's generation alone; the rest of the
+                              phase is its weight updates (time/rollout_weights_s: refits, pool switches)
+                              and the trainer's frame around them (colocation, decoding, moving rows)
     perf/rollout_floor_shared_s, perf/rollout_floor_shared_frac  the same floor with each distinct
                               prompt prefilled once (GRPO's n rows of a prompt share its prefill, as
                               the built-in engine does); logged when rows share prompts
     perf/matmul_gflops, perf/memcpy_gbps  the measured rates; the matmul rate is the best library's
+                              (measured at the first step, again every logging.perf_probe_interval steps)
     perf/matmul_gflops_<lib>  each library's rate (torch_mm: MKL on a CPU, what the trainer's layers
                               use; onednn: prepacked, what the built-in engine uses)
 
@@ -95,6 +98,9 @@ def rollout_floor_s(shape: DecoderShape, prompt_lengths: list[int], response_len
 def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, float]:
     """This step's perf/ record (takes the passes' tallies: the next step starts from zero)."""
     work = run.passes.take()
+    every = run.cfg.logging.perf_probe_interval
+    if every and run.state.step % every == 0:
+        machine.remeasure()  # this machine's speed drifts (1.8x within hours seen on a shared CPU)
     shape = DecoderShape.from_model_config(run.model_cfg, run.arch)
     dtype = getattr(torch, run.model_cfg.params_dtype)
     rates = machine.matmul_rates(run.device, dtype)
@@ -123,7 +129,6 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
         out["perf/rollout_floor_frac"] = floor / times["rollout"]
         if "perf/rollout_floor_shared_s" in out:
             out["perf/rollout_floor_shared_frac"] = out["perf/rollout_floor_shared_s"] / times["rollout"]
-        generating = times["rollout"] - times.get("rollout_weights", 0.0)
-        if generating > 0:
-            out["perf/generate_floor_frac"] = floor / generating
+        if times.get("rollout_engine", 0.0) > 0:
+            out["perf/generate_floor_frac"] = floor / times["rollout_engine"]
     return out
