@@ -83,7 +83,7 @@ def remeasure() -> None:
 
 
 def matmul_rates(device: torch.device, dtype: torch.dtype = torch.float32, n: int = MATMUL_N) -> dict[str, float]:
-    """FLOP/s of square matmuls in ``dtype`` on ``device`` per library (measured once per process and
+    """FLOP/s of square matmuls in ``dtype`` on ``device`` per library (cached per process and
     thread count): {"torch_mm": ..., "onednn": ... (CPU fp32 where torch has it)}."""
     threads = torch.get_num_threads()
     rates = {"torch_mm": _matmul_rate(str(device), dtype, n, threads)}
@@ -98,5 +98,5 @@ def matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int
 
 
 def memcpy_rate(device: torch.device, nbytes: int = MEMCPY_BYTES) -> float:
-    """Bytes per second of a device-to-device copy (measured once per process and thread count)."""
+    """Bytes per second of a device-to-device copy (cached per process and thread count until remeasure())."""
     return _memcpy_rate(str(device), nbytes, torch.get_num_threads())
