@@ -109,7 +109,9 @@ def _init_process_group(backend: str, timeout: timedelta) -> tuple[Optional[str]
 
 
 def _device(backend: str) -> torch.device:
-    if backend == "nccl":
+    """The models' device: this rank's GPU (LOCAL_RANK) whenever CUDA devices are visible, with
+    gloo too (gloo's collectives run on host copies: parallel.comm_device), else the CPU."""
+    if backend == "nccl" or torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

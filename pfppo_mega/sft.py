@@ -94,7 +94,8 @@ def held_out_accuracy(model, task: AdditionTask, tok: Tokenizer, problems: list[
     only, so the plain form's varying lengths go in groups)."""
     was_training = model.training
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)  # draws where the logits are
     scores = {}
     for greedy in (True, False):
         ok = [0.0] * len(problems)
@@ -102,9 +103,9 @@ def held_out_accuracy(model, task: AdditionTask, tok: Tokenizer, problems: list[
         for i, p in enumerate(problems):
             groups.setdefault(len(task.prompt_text(p)), []).append(i)
         for rows in groups.values():
-            ids = torch.tensor([tok.encode(task.prompt_text(problems[i])) for i in rows])
+            ids = torch.tensor([tok.encode(task.prompt_text(problems[i])) for i in rows], device=device)  # [b, P]
             start = ids.shape[1]
-            done = torch.zeros(len(rows), dtype=torch.bool)
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
                 logits = gpt.actor_logits(model, ids, gather_vocab=True)[:, -1, : tok.vocab_size].float()
                 if greedy:
@@ -198,9 +199,10 @@ def run_sft(cfg: Config, *, log=print) -> Path:
     if tok.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"model.vocab_size = {model_cfg.vocab_size} < tokenizer size {tok.vocab_size}")
     task = AdditionTask.from_config(cfg.data)
-    init_parallel(tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
-                  backend=cfg.parallel.backend, seed=cfg.training.seed, timeout_s=cfg.parallel.collective_timeout_s)
-    actor = gpt.build_actor(model_cfg)
+    par = init_parallel(tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
+                        backend=cfg.parallel.backend, seed=cfg.training.seed,
+                        timeout_s=cfg.parallel.collective_timeout_s)
+    actor = gpt.build_actor(model_cfg, device=par.device)
     if s.init_gain:
         fan_in_init(actor, s.init_gain, tp=cfg.parallel.tensor_model_parallel_size)
     model = gpt.wrap_ddp(actor)
@@ -214,8 +216,9 @@ def run_sft(cfg: Config, *, log=print) -> Path:
             lr = s.lr * step / s.warmup_steps
         for group in opt.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-        ids, tgt, mask = demo_batch(task, tok, task.train_prompts(s.batch_size, rng), rng, s.noise,
-                                    carry_drop=s.carry_drop, carry_digit=s.carry_digit)
+        ids, tgt, mask = (t.to(par.device) for t in demo_batch(  # made on the host, trained on the device
+            task, tok, task.train_prompts(s.batch_size, rng), rng, s.noise, carry_drop=s.carry_drop,
+            carry_digit=s.carry_digit))
         model.train()
         gpt.zero_grads(model, opt)
         logits = gpt.actor_logits(model, ids, ids != tok.pad_id)                    # [B, S, V]

@@ -36,12 +36,13 @@ known to work.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -291,3 +292,66 @@ def model_parallel_manual_seed(seed: int) -> None:
         enable()
         torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- the placement test
+
+
+_META = torch.device("meta")
+
+
+class _CudaToMeta(TorchFunctionMode):
+    """Rewrites CUDA devices (and int indices) to ``meta``; ``Tensor.cuda()`` moves to meta;
+    ``Tensor.type()`` names a meta tensor ``torch.cuda.*`` (as a CUDA tensor would be named) and
+    every other tensor by its real name, so megatron's type asserts pass for what is on the
+    "device" and refuse what stayed on the host, exactly as on a GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is torch.Tensor.cuda:
+            return args[0].to(_META)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            with torch._C.DisableTorchFunction():  # the real name, past every mode
+                name = args[0].type()
+            return name.replace("torch.meta.", "torch.cuda.", 1) if args[0].device.type == "meta" else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _META
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _META) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+_CUDA_AS_META: dict[str, Callable] = {  # torch.cuda as a GPU machine answers it, for the placement test
+    "is_available": lambda: True,
+    "device_count": lambda: 1,
+    "set_device": lambda device: None,
+    "is_bf16_supported": lambda *a, **k: True,
+    "get_device_name": lambda *a, **k: "meta (pfppo placement test)",
+    "memory_allocated": lambda *a, **k: 0,
+    "max_memory_allocated": lambda *a, **k: 0,
+    "reset_peak_memory_stats": lambda *a, **k: None,
+    "empty_cache": lambda: None,
+}
+
+
+@contextlib.contextmanager
+def cuda_on_meta() -> Iterator[None]:
+    """The GPU code path on a CPU machine with CUDA mapped to the ``meta`` device, not to the CPU:
+    inside it ``torch.cuda.is_available()`` is True, every tensor made for a CUDA device (megatron's
+    ``current_device()``, ``"cuda"``, ``.cuda()``, ``.to(cuda)``) is a meta tensor, and a tensor made
+    without a device is a CPU tensor, as on a GPU machine. So whatever a GPU run would leave on the
+    host is on the CPU here, where a test can see it (the CPU compatibility layer, which makes the host
+    the device, hides it). Nothing computes (meta tensors have shapes only): build, wrap and place,
+    then assert where everything is. Needs the CPU layer enabled in this thread (``enable()``)."""
+    if not mode_active():
+        raise RuntimeError("cuda_on_meta() needs megatron_cpu.enable() in this thread first")
+    saved = {name: getattr(torch.cuda, name) for name in _CUDA_AS_META}
+    for name, fn in _CUDA_AS_META.items():
+        setattr(torch.cuda, name, fn)
+    mode = _CudaToMeta()
+    try:
+        with mode:
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)

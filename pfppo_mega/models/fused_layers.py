@@ -35,15 +35,23 @@ from pfppo_mega.kernels.layers import swiglu, usable
 # ----------------------------------------------------------------------------- megatron modules
 
 
-class FusedRMSNorm(torch.nn.RMSNorm):
-    """megatron's norm (``build_module(spec, config=, hidden_size=, eps=)``): a torch.nn.RMSNorm
-    (the same ``weight``, as WrappedTorchNorm builds it) whose forward is the fused kernel."""
+class PlacedRMSNorm(torch.nn.RMSNorm):
+    """megatron's norm (``build_module(spec, config=, hidden_size=, eps=)``): the torch.nn.RMSNorm
+    that megatron's local spec builds (WrappedTorchNorm: the same ``weight``), made where and as
+    megatron makes its linears: on ``torch.cuda.current_device()`` (the host under
+    ``use_cpu_initialization``, as megatron's own layers) in ``params_dtype``. WrappedTorchNorm
+    passes neither, so on a GPU its weights stayed on the host in fp32 (the first H200 run)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         if config.normalization != "RMSNorm" or config.sequence_parallel:
-            raise ValueError("FusedRMSNorm: needs normalization RMSNorm without sequence parallelism "
+            raise ValueError(f"{type(self).__name__}: needs normalization RMSNorm without sequence parallelism "
                              f"(got {config.normalization!r}, sequence_parallel={config.sequence_parallel})")
-        super().__init__(hidden_size, eps=eps)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+
+
+class FusedRMSNorm(PlacedRMSNorm):
+    """PlacedRMSNorm whose forward is the fused kernel (CPU fp32)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if usable(x, self.weight):
@@ -119,6 +127,22 @@ def layer_spec(spec):
         attn.q_layernorm = FusedRMSNorm
         attn.k_layernorm = FusedRMSNorm
     sub.mlp.submodules.activation_func = ModuleSpec(module=FusedSwiGLU)
+    return spec
+
+
+def placed_norms(spec):
+    """megatron's local GPT layer spec -> a copy whose norms (input, pre-MLP, Qwen3's q/k) are
+    PlacedRMSNorm: megatron's own layers otherwise, on the device and in the dtype of the model."""
+    import copy
+
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    sub.input_layernorm = PlacedRMSNorm
+    sub.pre_mlp_layernorm = PlacedRMSNorm
+    attn = sub.self_attention.submodules
+    if getattr(attn, "q_layernorm", None) is not None and not _is_identity(attn.q_layernorm):
+        attn.q_layernorm = PlacedRMSNorm
+        attn.k_layernorm = PlacedRMSNorm
     return spec
 
 

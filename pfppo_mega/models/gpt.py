@@ -35,6 +35,7 @@ Training sequence with megatron DDP and optimizer (``wrap_ddp`` and ``build_opti
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -61,9 +62,11 @@ with _quiet_megatron():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import (
@@ -268,12 +271,60 @@ def transformer_config(
     return config
 
 
+# ----------------------------------------------------------------------------- placement
+
+
+def model_device() -> torch.device:
+    """Where this process's models live: the current CUDA device when one is visible (megatron's
+    ``torch.cuda.current_device()``, set by ``parallel.init_parallel``), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolved(device: torch.device) -> torch.device:
+    """The device a tensor made for ``device`` really lands on. Equal to ``device`` on a GPU; a torch
+    function mode may map it (the CPU compatibility layer maps cuda to cpu, the placement test to meta)."""
+    return torch.empty(0, device=device).device
+
+
+class PlacementError(RuntimeError):
+    """A model tensor is not on the device (or in the dtype) the builder put the model on."""
+
+
+def check_placement(module: torch.nn.Module, device: torch.device, *, what: str,
+                    dtype: Optional[torch.dtype] = None) -> None:
+    """Raise PlacementError naming every parameter and buffer of ``module`` that is not on
+    ``device`` (as resolved) or, when ``dtype`` is given, whose floating dtype differs. On a GPU a
+    parameter left on the host dies in megatron's optimizer ("Wrapped parameters must be ...
+    torch.cuda.*"), a buffer on the host at the first forward."""
+    want = resolved(device)
+    wrong = []
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
+                wrong.append(f"{kind} {name} {tuple(t.shape)} on {t.device}")
+            elif dtype is not None and kind == "parameter" and t.is_floating_point() and t.dtype != dtype:
+                wrong.append(f"{kind} {name} {tuple(t.shape)} in {t.dtype}")
+    if wrong:
+        shown = "\n".join(f"  - {w}" for w in wrong[:12]) + (f"\n  ... {len(wrong) - 12} more" if len(wrong) > 12 else "")
+        raise PlacementError(f"{what}: {len(wrong)} tensor(s) not on {want}"
+                             f"{f' in {dtype}' if dtype is not None else ''}:\n{shown}")
+
+
+def _place(module: torch.nn.Module, device: Optional[torch.device], what: str) -> torch.nn.Module:
+    """``module`` as built, checked to be wholly on ``device`` (default model_device()). Nothing is
+    moved: every piece is made on the device (megatron's linears on ``current_device()``, our norms
+    and heads likewise), so a piece that is not fails here, by name, on any machine."""
+    check_placement(module, device if device is not None else model_device(), what=what)
+    return module
+
+
 # ----------------------------------------------------------------------------- models
 
 
 def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool) -> GPTModel:
-    """The GPTModel of this rank's pipeline stage. ``unpadded_vocab_size`` records the true V
-    (the model's own vocab_size is padded to a multiple of tp), ``architecture`` the family."""
+    """The GPTModel of this rank's pipeline stage (where megatron put it: see ``_place``).
+    ``unpadded_vocab_size`` records the true V (the model's own vocab_size is padded to a multiple
+    of tp), ``architecture`` the family."""
     arch = shape.arch
     if config.qk_layernorm != arch.qk_norm or config.add_qkv_bias != arch.qkv_bias:
         raise ValueError(f"transformer config (qk_layernorm={config.qk_layernorm}, add_qkv_bias="
@@ -284,10 +335,12 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
             raise ValueError("a config with pfppo_fused_layers must set use_te_activation_func")
         fused_layers.install_rope()
         spec = fused_layers.layer_spec(spec)
+    else:
+        spec = fused_layers.placed_norms(spec)
     with _quiet_megatron():
         module = cls(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_block(spec, config),
             vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -307,17 +360,25 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
     return module
 
 
+def _block(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:
+    """The decoder block of this pipeline stage: ``layer_spec`` per layer and a placed final norm
+    (megatron's default for a layer spec is WrappedTorchNorm, made on the host in fp32)."""
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=fused_layers.PlacedRMSNorm)
+
+
 def build_actor(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_bias: bool = False,
-                features: Optional[Features] = None) -> GPTModel:
+                features: Optional[Features] = None, device: Optional[torch.device] = None) -> GPTModel:
     """The policy: GPTModel with the LM head (tied to the embedding if tie_word_embeddings).
     ``arch``: the family (hf_io.architecture_from_hf); None = Llama (Qwen2 with ``qkv_bias``).
+    Every parameter and buffer on ``device`` (default model_device(); checked, PlacementError).
 
     forward(input_ids [B, S], position_ids [B, S], attention_mask None) -> logits [B, S, Vp/tp]
     on the last pipeline stage (Vp = vocab padded to a multiple of tp), hidden states elsewhere.
     """
     shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
     config = transformer_config(model, arch=shape.arch, features=features)
-    return _gpt(GPTModel, shape, config, tie=shape.tie_word_embeddings)
+    return _place(_gpt(GPTModel, shape, config, tie=shape.tie_word_embeddings), device, "build_actor")
 
 
 class ValueHead(torch.nn.Module):
@@ -328,9 +389,9 @@ class ValueHead(torch.nn.Module):
     Accepts and ignores output_layer's keyword arguments (weight, runtime_gather_output).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
 
     def forward(self, hidden_states: Tensor, weight: Optional[Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> tuple[Tensor, None]:
@@ -353,15 +414,29 @@ class CriticModel(GPTModel):
         return out.squeeze(-1)  # [B, S, 1] -> [B, S]
 
 
-def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None,
-                 qkv_bias: bool = False, features: Optional[Features] = None) -> CriticModel:
-    """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied."""
+def build_critic(model: ModelConfig, *, arch: Optional[Architecture] = None, qkv_bias: bool = False,
+                 features: Optional[Features] = None, device: Optional[torch.device] = None) -> CriticModel:
+    """The value model: build_actor's trunk with a zero-initialised ValueHead, never tied; placed
+    like build_actor."""
     shape = DecoderShape.from_model_config(model, _architecture(arch, qkv_bias))
     config = transformer_config(model, arch=shape.arch, features=features)
+    device = device if device is not None else model_device()
     critic = _gpt(CriticModel, shape, config, tie=False)
     if critic.post_process:
-        critic.output_layer = _selectable(ValueHead(shape.hidden_size, config.params_dtype))
-    return critic
+        critic.output_layer = _selectable(ValueHead(shape.hidden_size, config.params_dtype, device))
+    return _place(critic, device, "build_critic")
+
+
+def wrap_frozen(model: GPTModel) -> torch.nn.Module:
+    """A model that never trains (the reference policy, a reward model) wrapped as the trained
+    ones are, minus DDP: megatron's Float16Module when bf16, which casts every parameter (the
+    local-spec norms are built fp32) and the inputs to bf16 and the last stage's output to fp32,
+    so a reference equal to the actor computes the actor's logits bit for bit (KL = 0 at step 0).
+    Eval mode, no gradients; checked to be on the model's device in the config's dtype."""
+    module: torch.nn.Module = Float16Module(model.config, model) if model.config.bf16 else model
+    module.eval().requires_grad_(False)
+    check_placement(module, model_device(), what="frozen model", dtype=model.config.params_dtype)
+    return module
 
 
 # ----------------------------------------------------------------------------- the head at chosen positions
@@ -487,6 +562,7 @@ def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer or features.use_distributed_optimizer,
     )
+    check_placement(module, model_device(), what="the trained model", dtype=config.params_dtype)
     ddp = DistributedDataParallel(config, ddp_config, module)
     if features.sparse_vocab_grads:
         vocab_grads.install(model)
@@ -560,7 +636,8 @@ def _fuse_adamw(optimizer: MegatronOptimizer) -> None:
 
 @dataclass(frozen=True)
 class StepStats:
-    """Outcome of one optimizer step. grad_norm is before clipping."""
+    """Outcome of one optimizer step. grad_norm is the global norm before clipping; update_successful
+    is False when no step was taken (a non-finite grad norm, or a grad scaler's inf/nan check)."""
 
     update_successful: bool
     grad_norm: float
@@ -573,13 +650,32 @@ def zero_grads(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> 
     optimizer.zero_grad()
 
 
-def optimizer_step(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> StepStats:
-    """Reduce gradients across data-parallel ranks (finalize_model_grads), clip, and step.
+def optimizer_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, *,
+                   finalize: bool = True) -> StepStats:
+    """Reduce gradients across data-parallel ranks (finalize_model_grads), take the global grad norm,
+    clip, and step -- or skip the step when the norm is not finite.
 
-    Call after the backward passes of all micro-batches, unless a megatron schedule already
-    ran config.finalize_model_grads_func.
+    Call after the backward passes of all micro-batches; finalize=False when a megatron schedule
+    already ran config.finalize_model_grads_func. Without a grad scaler (bf16, fp32) megatron's own
+    step() would apply a NaN/inf gradient: its clip test ``clip_coeff < 1.0`` is False for NaN, and
+    AdamW then writes NaN into every weight and moment. Here a non-finite norm zeroes the grads and
+    returns update_successful=False with the norm (the trainer counts it as a skipped update). The
+    norm is all-reduced over the model-parallel ranks (and a distributed optimizer's DP ranks; DP
+    gradients are already reduced), so every rank skips together. The sequence is megatron-core
+    0.16's ChainedOptimizer.step (prepare, norm, clip, step) with the check between norm and clip.
     """
-    model.config.finalize_model_grads_func([model])
-    ok, grad_norm, _ = optimizer.step()
-    norm = float(grad_norm) if grad_norm is not None else float("nan")
-    return StepStats(update_successful=bool(ok), grad_norm=norm)
+    if finalize:
+        model.config.finalize_model_grads_func([model])
+    if optimizer.prepare_grads():  # a grad scaler's inf/nan check (fp16 only)
+        zero_grads(model, optimizer)
+        return StepStats(update_successful=False, grad_norm=float("nan"))
+    norm = float(optimizer.get_grad_norm())  # global, before clipping; a host sync
+    if not math.isfinite(norm):
+        zero_grads(model, optimizer)
+        return StepStats(update_successful=False, grad_norm=norm)
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        params = [] if getattr(sub, "is_stub_optimizer", False) else sub.get_parameters()
+        if params and sub.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=sub.config.clip_grad, total_norm=norm,
+                                         use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return StepStats(update_successful=bool(optimizer.step_with_ready_grads()), grad_norm=norm)

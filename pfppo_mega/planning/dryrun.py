@@ -99,7 +99,7 @@ def _meta_models(model_cfg, arch=None, features=None) -> tuple[dict[str, tuple],
         actor = gpt._gpt(gpt.GPTModel, shape, config, tie=shape.tie_word_embeddings)
         critic = gpt._gpt(gpt.CriticModel, shape, config, tie=False)
         if critic.post_process:
-            critic.output_layer = gpt.ValueHead(shape.hidden_size, config.params_dtype)
+            critic.output_layer = gpt.ValueHead(shape.hidden_size, config.params_dtype, torch.device("meta"))
     shapes = []
     for m in (actor, critic):
         on_meta = {p.device.type for p in m.parameters()}

@@ -202,11 +202,7 @@ class RewardModel:
         except CheckpointError as e:  # tensors of another shape than config.json says
             raise RewardSetupError(f"{where}: {e}; {config_file(path)} has vocab_size = {hf['vocab_size']}, "
                                    f"hidden_size = {hf['hidden_size']}: the tensors must have those shapes") from None
-        critic.eval().requires_grad_(False)
-        self.model = critic
-        if critic.config.bf16:  # bf16 parameters: megatron's wrapper casts the inputs and the output
-            from megatron.core.transformer.module import Float16Module
-            self.model = Float16Module(critic.config, critic)
+        self.model = gpt.wrap_frozen(critic)  # bf16: megatron's wrapper casts the norms, inputs and output
         log(f"[pfppo] reward model: {self.path} ({arch.family}, {model_cfg.num_layers} layers, hidden "
             f"{model_cfg.hidden_size}), scoring the last token of prompt + response")
 

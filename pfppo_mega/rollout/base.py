@@ -9,7 +9,11 @@ suite (tests/test_rollout_engine.py) runs over both.
 Lifecycle: ``update_weights(buckets, version)`` (refit to the current policy and switching to a
 pool snapshot are the same call), ``generate`` (every row tagged with the version and stream
 checksum of the weights that produced it), ``sleep()`` / ``wake_up()`` around the trainer's
-update (free what the engine can; a logged no-op where it cannot).
+update (free what the engine can; a logged no-op where it cannot). An engine whose sleep frees the
+weights themselves (``sleep_discards_weights``: vLLM's level 2 on a GPU, where wake_up brings back
+memory, not weights) holds no version afterwards: weight_version -1 until the next complete update,
+so every "already holds that version" check (Generation.ensure_current, EngineSync.switch, the
+PF-PPO pool's held snapshot) pushes the weights again instead of generating on what is left.
 
 Log-prob contract (every backend):
     sampled:  logprob_t = log_softmax(logits_t / temperature)[token_t]
@@ -57,7 +61,7 @@ class EngineSpec:
     ``pfppo_mega.registry.ROLLOUT_ENGINES`` (the key ``actor_rollout.engine``).
 
     check(cfg, world_size=):  every check that needs no engine; raises EngineSetupError
-    build(cfg, model_dir, hf_cfg, pad_token_id=, bucket_bytes=, max_model_len=, log=) -> RolloutEngine
+    build(cfg, model_dir, hf_cfg, pad_token_id=, bucket_bytes=, max_model_len=, device=, log=) -> RolloutEngine
     from_hf_model(hf_model, pad_token_id=, version=1, **engine kw) -> RolloutEngine holding that
         in-memory transformers model's weights as ``version`` (the conformance suite, benchmarks)
     unavailable() -> '' when the engine can run here, else why not (a missing package)
@@ -164,6 +168,7 @@ class RolloutEngine(abc.ABC):
     top_p_logprobs: str = "full"  # or "nucleus": see the module docstring
     _version: int = -1
     _checksum: str = ""
+    sleep_discards_weights: bool = False  # sleep() frees the weights (not a host copy): see the module docstring
 
     # ----------------------------------------------------------------- weights
     @abc.abstractmethod
@@ -257,7 +262,8 @@ class RolloutEngine(abc.ABC):
 
     # ----------------------------------------------------------------- memory
     def sleep(self) -> None:
-        """Free what the engine can (KV cache, on GPUs the weights) while the trainer runs."""
+        """Free what the engine can (KV cache, on GPUs the weights) while the trainer runs. When that
+        discards the weights (sleep_discards_weights), call invalidate(): the engine holds no version."""
         self._log_once(f"[rollout] {type(self).__name__}.sleep(): nothing to free on this engine (no-op)")
 
     def _log_once(self, line: str) -> None:

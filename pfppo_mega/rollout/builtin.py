@@ -272,9 +272,11 @@ def _check(cfg, *, world_size: int) -> None:
 
 
 def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
-           log) -> BuiltinEngine:
+           device: torch.device, log) -> BuiltinEngine:
+    """On the trainer's device: on a GPU the engine generates there (on the host it would decode on
+    one CPU thread while the colocated trainer's states are offloaded for nothing)."""
     return BuiltinEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id, dtype=engine_dtype(cfg),
-                         bucket_bytes=bucket_bytes, log=log)
+                         device=device, bucket_bytes=bucket_bytes, log=log)
 
 
 def _from_hf_model(hf_model, *, pad_token_id: int, version: int = 1, **kw) -> BuiltinEngine:

@@ -197,11 +197,18 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     # ----------------------------------------------------------------- memory
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Level 2 frees the weights (level 1 keeps a host copy that wake_up puts back)."""
+        return self.sleep_supported and self.sleep_level == 2
+
     def sleep(self) -> None:
         if not self.sleep_supported:
             self._log_once("[rollout] vLLM sleep(): not supported on CPU (vLLM sleep mode needs CUDA; the KV "
                            "cache stays allocated) -- no-op")
             return
+        if self.sleep_discards_weights:  # wake_up(("weights",)) brings back memory, not these weights
+            self.invalidate()
         self.llm.sleep(level=self.sleep_level)
         self._asleep = set(WAKE_TAGS)
 
@@ -293,7 +300,7 @@ def _check(cfg, *, world_size: int) -> None:
 
 
 def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int, max_model_len: int,
-           log) -> VLLMEngine:
+           device: torch.device, log) -> VLLMEngine:  # vLLM places itself (its own device and workers)
     ar = cfg.actor_rollout
     return VLLMEngine(model_dir, pad_token_id=pad_token_id, dtype=engine_dtype(cfg),
                       tensor_parallel_size=ar.tensor_model_parallel_size, max_num_seqs=ar.max_num_seqs,

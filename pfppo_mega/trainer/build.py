@@ -187,18 +187,21 @@ def seed_everything(seed: int) -> None:
 # ============================================================================ the builder
 
 
-def _models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir: Path, *, critic: bool):
+def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir: Path, *, critic: bool,
+                 device: torch.device):
     """(actor, reference, critic | None, actor optimizer, critic optimizer | None), in this order
-    (the initialisation consumes the seeded RNG)."""
-    actor = gpt.build_actor(model_cfg, arch=arch, features=features)
+    (the initialisation consumes the seeded RNG), every one on ``device`` in the config's dtype
+    (the builders and wrappers check it: gpt.PlacementError). The reference is wrapped as the actor
+    is, minus DDP, so that it computes the actor's logits exactly at step 0."""
+    actor = gpt.build_actor(model_cfg, arch=arch, features=features, device=device)
     hf_io.load_actor_from_hf(actor, model_dir)
     actor = gpt.wrap_ddp(actor, features=features)
-    ref = gpt.build_actor(model_cfg, arch=arch, features=features)  # frozen copy of the initial policy
+    ref = gpt.build_actor(model_cfg, arch=arch, features=features, device=device)  # frozen initial policy
     hf_io.load_actor_from_hf(ref, model_dir)
-    ref.eval().requires_grad_(False)
+    ref = gpt.wrap_frozen(ref)
     value = None
     if critic:  # SFT trunk + zero-initialised value head
-        value = gpt.build_critic(model_cfg, arch=arch, features=features)
+        value = gpt.build_critic(model_cfg, arch=arch, features=features, device=device)
         hf_io.load_critic_trunk_from_hf(value, model_dir)
         value = gpt.wrap_ddp(value, features=features)
     t = cfg.training
@@ -256,8 +259,8 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     reward_fn: RewardFn = build_reward_fn(cfg, log=log)
     reward_fn.check(data.train_rows + data.val, "data")
 
-    actor, ref, critic, actor_opt, critic_opt = _models(cfg, model_cfg, arch, features, model_dir,
-                                                        critic=estimator.needs_critic)
+    actor, ref, critic, actor_opt, critic_opt = build_models(cfg, model_cfg, arch, features, model_dir,
+                                                             critic=estimator.needs_critic, device=device)
     t = cfg.training
     kernels = get_backend(cfg.kernels, device, log=log)  # the models' device: auto = verified kernels only
     # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
@@ -280,7 +283,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     memory.enter("build trainer")
     try:
         engine = build_engine_colocated(lambda: build_engine(cfg, model_dir, hf_cfg, pad_token_id=tokenizer.pad_id,
-                                                             world_size=par.world_size, log=log),
+                                                             world_size=par.world_size, device=device, log=log),
                                         offload=offload, memory=memory)
     except EngineSetupError as e:
         raise SetupError(str(e)) from e

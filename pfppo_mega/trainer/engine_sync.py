@@ -192,14 +192,15 @@ def refit_bucket_bytes(cfg) -> int:
 
 
 def build_engine(cfg, model_dir: Path, hf_cfg: dict, *, pad_token_id: int, world_size: int,
-                 log: Callable[[str], None]) -> RolloutEngine:
+                 log: Callable[[str], None], device: Optional[torch.device] = None) -> RolloutEngine:
     """The engine ``cfg.actor_rollout.engine`` names (pfppo_mega.registry.ROLLOUT_ENGINES), with the
-    refit bucket size of the config and max_model_len = rollout_max_model_len(cfg, hf_cfg). An
-    engine's package (vLLM) is imported only when it is named."""
+    refit bucket size of the config and max_model_len = rollout_max_model_len(cfg, hf_cfg), on
+    ``device`` (the trainer's: the built-in engine lives there; vLLM places itself; default cpu).
+    An engine's package (vLLM) is imported only when it is named."""
     check_engine_config(cfg, world_size=world_size)
     return ROLLOUT_ENGINES.get(cfg.actor_rollout.engine).build(
         cfg, model_dir, hf_cfg, pad_token_id=pad_token_id, bucket_bytes=refit_bucket_bytes(cfg),
-        max_model_len=rollout_max_model_len(cfg, hf_cfg), log=log)
+        max_model_len=rollout_max_model_len(cfg, hf_cfg), device=device or torch.device("cpu"), log=log)
 
 
 def rollout_max_model_len(cfg, hf_cfg: dict) -> int:
