@@ -57,7 +57,8 @@ from torch import Tensor
 from pfppo_mega import parallel, ppo
 from pfppo_mega.compat import onednn
 from pfppo_mega.models import microbatch
-from pfppo_mega.models.gpt import _check_right_padded, _positions, _quiet_megatron, head_at, unwrap, zero_grads
+from pfppo_mega.models.gpt import (_check_right_padded, _positions, _quiet_megatron, head_at, optimizer_step, unwrap,
+                                   zero_grads)
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
 from pfppo_mega.types import PackedInputs
@@ -114,7 +115,7 @@ class StepResult:
     loss: float              # the global loss L (sum of the shares over micro-batches and DP ranks)
     stats: dict[str, float]  # loss_fn's stats, averaged over micro-batches and DP ranks weighted by tokens
     grad_norm: float         # global gradient norm before clipping (nan when skipped)
-    update_successful: bool  # False when the loss was not finite (no step taken) or the optimizer refused
+    update_successful: bool  # False when the loss or grad norm was not finite (no step taken) or the optimizer refused
 
 
 ActorLossFn = Callable[[Tensor, Tensor, MicroBatch], tuple[Tensor, Stats]]  # (logp, entropy, mb) -> (share, stats)
@@ -553,10 +554,8 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
     if not math.isfinite(loss):  # never step on a NaN / inf loss
         zero_grads(model, optimizer)
         return StepResult(loss=loss, stats=mean_stats, grad_norm=float("nan"), update_successful=False)
-    ok, grad_norm, _ = optimizer.step()
-    return StepResult(loss=loss, stats=mean_stats,
-                      grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                      update_successful=bool(ok))
+    step = optimizer_step(model, optimizer, finalize=False)  # a non-finite grad norm is skipped there too
+    return StepResult(loss=loss, stats=mean_stats, grad_norm=step.grad_norm, update_successful=step.update_successful)
 
 
 def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,

@@ -223,6 +223,14 @@ class MemoryRecorder:
         return held
 
 
+def sleep_engine(engine) -> None:
+    """engine.sleep(); an engine whose sleep discards its weights then holds no version (whether or not
+    its own sleep said so), so the next frame's ensure_current / switch / pool check pushes them again."""
+    engine.sleep()
+    if engine.sleep_discards_weights:
+        engine.invalidate()
+
+
 def build_engine_colocated(build: Callable[[], Any], *, offload: TrainerOffload, memory: MemoryRecorder):
     """The engine built with the trainer's states off the device (vLLM claims gpu_memory_utilization
     of the card when it starts), then asleep before they come back -- the ledger's BUILD_ORDER after
@@ -237,7 +245,7 @@ def build_engine_colocated(build: Callable[[], Any], *, offload: TrainerOffload,
         memory.enter("offload actor weights")
         engine = build()
         memory.enter("build engine")
-        engine.sleep()
+        sleep_engine(engine)
         memory.enter("sleep")
     finally:
         if off:
@@ -323,7 +331,7 @@ class Generation:
             try:
                 yield
             finally:
-                self.engine.sleep()
+                sleep_engine(self.engine)
                 self.sync.release_buffers()  # the refit stream's ring goes with the engine's memory
                 self.record("sleep")
         finally:

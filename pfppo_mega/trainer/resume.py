@@ -780,11 +780,30 @@ def _plain_resharded(run: Run, re: "_Reshard", name: str, opt: Any, subs: list, 
         for g in o.optimizer.param_groups:
             for q in g["params"]:
                 model = model_of[id(q)]
-                state[q] = re.plain_state(name, names[model], tuple(model.shape))
-                need(tuple(state[q]["exp_avg"].shape) == tuple(q.shape),
-                     f"state {name}: {names[model]} rebuilt with shape {tuple(state[q]['exp_avg'].shape)}, the "
+                rebuilt = re.plain_state(name, names[model], tuple(model.shape))
+                need(tuple(rebuilt["exp_avg"].shape) == tuple(q.shape),
+                     f"state {name}: {names[model]} rebuilt with shape {tuple(rebuilt['exp_avg'].shape)}, the "
                      f"parameter has {tuple(q.shape)}")
+                state[q] = state_like_param(rebuilt, q, device_step=bool(g.get("fused") or g.get("capturable")))
         out.append((saved_sub["param_groups"], state))
+    return out
+
+
+def state_like_param(state: dict[str, torch.Tensor], param: torch.Tensor, *,
+                     device_step: bool) -> dict[str, torch.Tensor]:
+    """One parameter's optimizer state placed as torch's Optimizer.load_state_dict places it (state
+    installed by hand skips that cast; the checkpoint's tensors are on the host): every tensor on the
+    parameter's device, floating ones in its dtype, except ``step``, which stays as saved unless the
+    group runs fused or capturable (``device_step``: then float32 on the parameter's device, where
+    the fused kernel reads it)."""
+    out = {}
+    for k, v in state.items():
+        if k == "step":
+            out[k] = v.to(dtype=torch.float32, device=param.device) if device_step else v
+        elif param.is_floating_point() and v.is_floating_point():
+            out[k] = v.to(dtype=param.dtype, device=param.device)
+        else:
+            out[k] = v.to(device=param.device)
     return out
 
 

@@ -3,6 +3,7 @@ step (when the run has a critic) and one actor step, micro-batched by megatron's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -153,19 +154,30 @@ def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
 
 
 def count_skip(run: Run, model: str, res: "mengine.StepResult") -> None:
-    """A NaN/inf loss or a refused step is skipped and counted (the loss is global, so every
-    rank skips together); training.max_consecutive_skipped_updates in a row of one model halt
-    the run: it is not learning."""
+    """A NaN/inf loss, a NaN/inf grad norm (bf16 and fp32 have no grad scaler: gpt.optimizer_step
+    skips it) or a refused step is skipped, logged and counted (loss and norm are global, so every
+    rank skips together); training.max_consecutive_skipped_updates in a row of one model halt the
+    run: it is not learning."""
     st = run.state
     if res.update_successful:
         st.consecutive_skips[model] = 0
         return
     st.guards["skipped_updates"] += 1
     st.consecutive_skips[model] += 1
+    why = skip_reason(res)
+    run.log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in guard/skipped_updates")
     limit = run.cfg.training.max_consecutive_skipped_updates
     if limit and st.consecutive_skips[model] >= limit:
         raise TrainingHalted(
             f"step {st.step + 1}: {st.consecutive_skips[model]} consecutive {model} updates were skipped "
-            f"(last loss {res.loss}, non-finite or refused by the optimizer) >= "
+            f"(last: {why}) >= "
             f"training.max_consecutive_skipped_updates ({limit}); stopping: the run is not learning. "
             f"Check lr, kl_coeff, rewards and the model weights (0 disables this check).")
+
+
+def skip_reason(res: "mengine.StepResult") -> str:
+    if not math.isfinite(res.loss):
+        return f"loss {res.loss}"
+    if not math.isfinite(res.grad_norm):
+        return f"grad norm {res.grad_norm} with loss {res.loss:.6g}"
+    return f"refused by the optimizer, loss {res.loss:.6g}"
