@@ -14,6 +14,7 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.kernels import ops
+from pfppo_mega.kernels.backends import FusedBackend
 from pfppo_mega.kernels.testing import (
     assert_within_torch_error,
     gae_inputs,
@@ -116,7 +117,9 @@ def test_cuda_policy_loss(mode, dual_clip_c, dtype):
         out.loss.backward()
         return out, logp.grad
 
-    k_out, k_grad = run(ops.policy_loss, dtype)
+    # through the backend the trainer calls: it maps seq-mean-token-sum-norm onto the op's own
+    # seq-mean-token-sum (the op takes 3 modes; calling it with the 4th is refused by name)
+    k_out, k_grad = run(FusedBackend().policy_loss, dtype)
     t_out, t_grad = run(ppo.policy_loss, dtype)
     r_out, r_grad = run(ppo.policy_loss, torch.float64)
     for name in ("loss", "pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "is_weight_mean"):

@@ -239,8 +239,8 @@ def _compiled(fn, note_list: list[str], label: str):
 
 def gae_case(device: str, rows: int, cols: int) -> Case:
     dtype = torch.float32
-    inp = gae_inputs(rows, cols, seed=1, dtype=dtype)
-    r, v = inp["rewards"].to(device), inp["values"].to(device)
+    inp = gae_inputs(rows, cols, seed=1, dtype=dtype, device=device)  # made where they are used
+    r, v = inp["rewards"], inp["values"]
     mask = ragged_mask(rows, cols, seed=1, empty_rows=False).to(device)
     kw = dict(gamma=0.99, lam=0.95)
     # torch.compile of gae_chunked unrolls its loop over chunks: measured here 129 s to compile
@@ -267,9 +267,8 @@ def gae_case(device: str, rows: int, cols: int) -> Case:
 
 
 def logprob_case(device: str, rows: int, dtype: torch.dtype, backward: bool) -> Case:
-    x = logits(rows, VOCAB, seed=2, dtype=dtype)
-    labels = labels_for(x, seed=2).to(device)
-    x = x.to(device)
+    x = logits(rows, VOCAB, seed=2, dtype=dtype, device=device)  # made where it is used
+    labels = labels_for(x, seed=2)
     notes: list[str] = []
 
     def with_backward(fn):

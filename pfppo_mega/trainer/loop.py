@@ -36,12 +36,22 @@ from pfppo_mega.trainer.update import update
 
 @dataclass
 class PhaseTimer:
+    """Seconds per phase. On a GPU the device is synchronized at both ends of a phase, so a phase's
+    time holds its own kernels, not the tail of the previous phase's queue (a host sync per phase)."""
+
+    device: torch.device = torch.device("cpu")
     seconds: dict[str, float] = field(default_factory=dict)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @contextmanager
     def __call__(self, name: str):
+        self._sync()
         t0 = time.perf_counter()
         yield
+        self._sync()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -92,7 +102,7 @@ class PPOTrainer:
             return self._train_step()
 
     def _train_step(self) -> dict[str, float]:
-        run, st, timer = self.run, self.run.state, PhaseTimer()
+        run, st, timer = self.run, self.run.state, PhaseTimer(self.run.device)
         t0 = time.perf_counter()
         samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
         corrupt_before = st.guards["corrupt_snapshots"]

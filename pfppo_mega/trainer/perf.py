@@ -9,6 +9,8 @@ response token. A training pass is 3 x its forward (backward: twice the forward)
 
     perf/prepare_matmul_frac  prepare phase's model FLOPs / (its time x matmul rate)
     perf/update_matmul_frac   update phase's (actor + critic, forward + backward) likewise
+    perf/prepare_tflops, perf/update_tflops  those phases' model FLOP/s (the same FLOP count), in TFLOP/s
+    perf/update_tokens_per_s  real tokens through the update's passes (actor + critic) per second
     perf/padding_frac         share of the decoder positions the prepare and update passes ran on padding
     perf/head_waste_frac      share of the head's positions whose output is never read (prompt, padding)
     perf/rollout_floor_s      the rollout's floor: prefill FLOPs at the matmul rate, then per decode
@@ -122,6 +124,9 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
     for name, flops in (("prepare", prepare), ("update", update)):
         if times.get(name, 0.0) > 0 and flops > 0:
             out[f"perf/{name}_matmul_frac"] = flops / (times[name] * matmul)
+            out[f"perf/{name}_tflops"] = flops / times[name] / 1e12
+    if times.get("update", 0.0) > 0:  # real tokens the update's passes ran on (actor + critic), per second
+        out["perf/update_tokens_per_s"] = (work.update_lm.real + work.update_value.real) / times["update"]
     if len(distinct) < len(prompts):
         out["perf/rollout_floor_shared_s"] = rollout_floor_s(shape, prompts, responses, prefill_lengths=distinct,
                                                              **rates_kw)
