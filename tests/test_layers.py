@@ -25,8 +25,10 @@ LAYERS = (
     ("components", ("rollout", "pool", "data", "rewards", "tasks")),  # engines, pool, prompts, rewards
     ("models", ("models",)),         # megatron models, HF import/export, resharding
     ("math", ("kernels", "ppo")),    # fused ops and pure-torch math
-    ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "_C")),
-    # groups and collectives, shims, the typed tree, shared types, names and limits; _C: the C++ ops
+    ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "pinned",
+              "_C")),
+    # groups and collectives, shims, the typed tree, shared types, names and limits, exactly pinned host
+    # buffers; _C: the C++ ops
 )
 # Same-layer imports between packages: importer -> what it may import (nothing else sideways).
 SIDEWAYS = {

@@ -348,6 +348,7 @@ def run_audit(args: argparse.Namespace) -> int:
         alloc_off = torch.cuda.memory_allocated()
         host1 = dict(torch.cuda.host_memory_stats())
         exact1 = pinned.pinned_bytes() if pinned else None
+        host_buffers = run.offload.host_bytes() if hasattr(run.offload, "host_bytes") else None
     torch.cuda.synchronize()
     alloc_back = torch.cuda.memory_allocated()
     # gradient buffers come back zeroed (nothing reads them before zero_grads): compare the rest
@@ -360,11 +361,13 @@ def run_audit(args: argparse.Namespace) -> int:
            "allocated_after": alloc_back, "freed_bytes": alloc0 - alloc_off,
            "torch_pinned_held_during": host1.get(host_key, 0) - host0.get(host_key, 0),
            "exact_pinned_during": None if exact1 is None else exact1 - exact0,
+           "offload_host_buffers": host_buffers,  # the trainer's host copies (gradients are not copied)
            "params": sum(p.numel() for p in gpt.unwrap(run.actor).parameters())}
     print(f"offload round trip: bit-identical {same}; device bytes {alloc0 / 2**30:.3f} -> {alloc_off / 2**30:.3f} -> "
           f"{alloc_back / 2**30:.3f} GiB (trainer states {predicted / 2**30:.3f} GiB); pinned host held during it: "
           f"torch allocator {res['torch_pinned_held_during'] / 2**30:.3f} GiB, exactly pinned "
-          f"{res['exact_pinned_during'] if exact1 is None else round(res['exact_pinned_during'] / 2**30, 3)} GiB")
+          f"{res['exact_pinned_during'] if exact1 is None else round(res['exact_pinned_during'] / 2**30, 3)} GiB, "
+          f"the offload's host buffers {(host_buffers or 0) / 2**30:.3f} GiB")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return 0 if not off and same else 1

@@ -687,9 +687,10 @@ class TrainingConfig(Section):
                 "recompute: drops the s^2 attention terms) or full (each layer keeps only its input and "
                 "recomputes the rest).")
     offload_during_rollout: Optional[bool] = opt(
-        None, "Colocation: while the rollout engine generates, the actor's and critic's parameters, gradient "
-              "buffers and optimizer states and the reference's parameters wait in host memory (pinned) and "
-              "come back bit-identical before they are needed (pfppo_mega/trainer/offload.py); the engine "
+        None, "Colocation: while the rollout engine generates, the actor's and critic's parameters and optimizer "
+              "states and the reference's parameters wait in host memory (pinned, exactly their size) and "
+              "come back bit-identical before they are needed, the gradient buffers are freed and come back "
+              "zeroed (pfppo_mega/trainer/offload.py); the engine "
               "sleeps during the update. null = on for GPUs, off on CPU (host and device are one memory). "
               "`pfppo plan` reads the same key (null: on).")
     value_loss_spike_factor: float = opt(
@@ -718,6 +719,13 @@ class TrainingConfig(Section):
         _range(p, "critic_grad_clip", self.critic_grad_clip, ge=0, optional=True)
         _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
         _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0, le=C.MAX_STEPS)
+        warm, total = self.critic_warmup_steps, self.total_training_steps
+        if type(warm) is int and type(total) is int and 0 < warm >= total:
+            p.append(Problem("critic_warmup_steps", warm,
+                             f"must be less than the run's training.total_training_steps (verl: "
+                             f"trainer.total_training_steps) = {total}: the warm-up steps "
+                             f"update only the critic, so the policy would never change; lower the warm-up or "
+                             f"raise the run's steps"))
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
         _range(p, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, ge=1, le=C.MAX_COUNT * C.MAX_TOKENS)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)

@@ -31,6 +31,8 @@ from typing import Callable, Iterable
 import psutil
 import torch
 
+from pfppo_mega.pinned import pinned_empty
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 CHECKSUMS = ("crc32", "blake2b", "fingerprint")
 
@@ -149,8 +151,12 @@ def compute_checksum(tensors: NamedTensors, method: str = "crc32",
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A private contiguous CPU copy of t (non-blocking from CUDA into pinned memory)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    """A private contiguous CPU copy of t (non-blocking from CUDA into memory pinned exactly its size,
+    pfppo_mega.pinned; the caller synchronizes before reading it)."""
+    if pin:
+        out = pinned_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    else:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t.detach(), non_blocking=pin and t.is_cuda)
     return out
 

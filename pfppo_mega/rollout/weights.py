@@ -33,6 +33,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from pfppo_mega.pinned import pinned_empty
+
 _QKV = re.compile(r"^(.*\.layers\.\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate|up)_proj\.weight$")
 CHECKSUM_BYTES = 32  # hex digits of the blake2b-128 digest
@@ -233,7 +235,13 @@ def wire_nbytes(nbytes: int) -> int:
 
 
 def new_wire(nbytes: int, device: torch.device | str = "cpu", *, pin: bool = False) -> torch.Tensor:
-    return torch.empty(wire_nbytes(nbytes), dtype=torch.uint8, device=device, pin_memory=pin)
+    """A [wire_nbytes(nbytes)] uint8 wire buffer; ``pin``: on the host, page-locked exactly its size
+    (pfppo_mega.pinned: torch's pinned allocator would hold the next power of two)."""
+    if pin:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"new_wire: pin=True is for a host buffer, not device {device}")
+        return pinned_empty(wire_nbytes(nbytes))
+    return torch.empty(wire_nbytes(nbytes), dtype=torch.uint8, device=device)
 
 
 def wire_flat(wire: torch.Tensor, spec: BucketSpec) -> torch.Tensor:
