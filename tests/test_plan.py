@@ -311,15 +311,42 @@ def test_without_offload_the_engine_shares_the_gpu_with_the_trainer(capsys):
 
 
 def test_micro_batch_comes_from_the_config_unless_the_flag_says_otherwise():
-    assert _plan(H200_CONFIG, "h200").micro_batch == 1  # training.micro_batch_size: 1
-    two = _plan(H200_CONFIG, "h200", ("training.micro_batch_size=2",))
+    rows = ("training.use_dynamic_bsz=false",)  # micro-batches by rows, as before the token budget
+    assert _plan(H200_CONFIG, "h200", rows + ("training.micro_batch_size=1",)).micro_batch == 1
+    two = _plan(H200_CONFIG, "h200", rows + ("training.micro_batch_size=2",))
     assert (two.micro_batch, two.num_microbatches) == (2, 32)
     # without sequence parallelism 2 sequences per micro-batch need full recompute on H200
-    assert not two.fits() and _plan(H200_CONFIG, "h200", ("training.micro_batch_size=2", "training.recompute=full")).fits()
-    assert _plan(H200_CONFIG, "h200", ("training.micro_batch_size=2",), micro_batch=4).micro_batch == 4
+    assert not two.fits() and _plan(H200_CONFIG, "h200", rows + ("training.micro_batch_size=2",
+                                                                  "training.recompute=full")).fits()
+    assert _plan(H200_CONFIG, "h200", rows + ("training.micro_batch_size=2",), micro_batch=4).micro_batch == 4
     # null: the whole mini-batch of a DP rank (256 / dp 4 = 64 sequences) in one micro-batch
-    whole = _plan(H200_CONFIG, "h200", ("training.micro_batch_size=null",))
+    whole = _plan(H200_CONFIG, "h200", rows + ("training.micro_batch_size=null",))
     assert (whole.micro_batch, whole.num_microbatches) == (64, 1) and not whole.fits()
+
+
+def test_a_token_budget_is_planned_as_its_full_length_rows():
+    """The 70B configs train by token budget (issue 35: micro_batch_size 1 padded every row to the
+    longest): a micro-batch of <= 4096 tokens holds the activations of one 4096-token row, the plan of
+    micro_batch_size 1; a budget of two rows plans two, and micro_batch_size still caps the rows."""
+    cfg = load_config(H200_CONFIG, [])
+    assert cfg.training.use_dynamic_bsz and cfg.training.micro_batch_size is None
+    budget = _plan(H200_CONFIG, "h200")
+    one_row = _plan(H200_CONFIG, "h200", ("training.use_dynamic_bsz=false", "training.micro_batch_size=1"))
+    assert budget.micro_batch == 1 and budget.train.total == one_row.train.total and budget.fits()
+    assert _plan(H200_CONFIG, "h200", ("training.max_tokens_per_micro_batch=8192",)).micro_batch == 2
+    assert _plan(H200_CONFIG, "h200", ("training.max_tokens_per_micro_batch=8192",
+                                       "training.micro_batch_size=1")).micro_batch == 1
+    assert _plan(H200_CONFIG, "h200", ("training.max_tokens_per_micro_batch=1000",)).micro_batch == 1  # a row alone
+
+
+def test_vllm_max_num_seqs_bounds_the_waves(capsys):
+    """The 70B plan's KV cache holds 645 sequences per replica and the rollout needs 128: one wave, but
+    only if vLLM may schedule 128 at once (max_num_seqs 64, its default, took two waves unplanned)."""
+    assert load_config(H200_CONFIG, []).actor_rollout.max_num_seqs == 128
+    assert _plan(H200_CONFIG, "h200").kv.waves == 1
+    capped = _plan(H200_CONFIG, "h200", ("actor_rollout.max_num_seqs=64",))
+    assert capped.kv.waves == 2 and capped.kv.sequences > 128
+    assert any("64 at once (actor_rollout.max_num_seqs = 64" in n for n in capped.notes), capped.notes
 
 
 # ----------------------------------------------------------------------------- Llama-3.3-70B (issue 13)

@@ -99,8 +99,11 @@ def format_plan(plan: Plan, config: str) -> str:
         f"(world {lay.world_size}); rollout engine tp={plan.rollout_tp} ({kv.replicas} replicas), "
         f"{r.engine_dtype}, sleep level {r.sleep_level}",
         f"sequence {r.seq_len} tokens (prompt {r.max_prompt_length} + response {r.max_response_length}); "
-        f"micro-batch {plan.micro_batch}; {plan.num_microbatches} micro-batches per mini-batch of {r.mini_batch} "
-        f"per DP rank; pipeline bubble {plan.bubble:.1%}",
+        + (f"micro-batches of <= {r.max_tokens_per_micro_batch} tokens (use_dynamic_bsz; planned as {plan.micro_batch} "
+         f"full-length row(s), at least {plan.num_microbatches} per mini-batch of {r.mini_batch})"
+         if r.max_tokens_per_micro_batch is not None else
+         f"micro-batch {plan.micro_batch}; {plan.num_microbatches} micro-batches per mini-batch of {r.mini_batch}")
+        + f" per DP rank; pipeline bubble {plan.bubble:.1%}",
         f"activations: {k.recompute} recompute, sequence parallel {sp}, {k.layer} layer "
         f"(Korthikanti et al. 2022 accounting for a Llama layer; see pfppo_mega/planning/memory.py); "
         f"distributed optimizer {'on' if k.distributed_optimizer else 'off'}",

@@ -11,10 +11,11 @@ pipeline stage on the card's capacity and reads its budgets off the records:
   host memory);
 - rollout phase: the "generate" record of the worst stage (engine weights, workspace, KV cache,
   what the trainer keeps on the GPU: nothing with ``training.offload_during_rollout``);
-- host per node: the "update" record's host side of the node's ranks (offloaded trainer states,
-  which stay allocated after a reload; the PF-PPO pool, placement "node": every node keeps every
-  snapshot whole in the engine's layout, "sharded": 1/nodes of each; sleeping engine weights at
-  level 1; the host reserve).
+- host per node: the "update" record's host side of the node's ranks (offloaded trainer states
+  but their gradients, which are freed and come back zeroed; the host copies stay allocated after a
+  reload, page-locked exactly their size by pfppo_mega.pinned; the PF-PPO pool, placement "node":
+  every node keeps every snapshot whole in the engine's layout, "sharded": 1/nodes of each;
+  sleeping engine weights at level 1; the host reserve).
 
 Only the standard library is imported here (and the ledger, ``shapes``, ``pfppo_mega.families``).
 """
@@ -285,7 +286,8 @@ def _host_budget(run: RunShape, hw: Hardware, knobs: Knobs, layout: Layout, rt: 
     comps: list[Component] = []
     if knobs.offload_during_rollout:
         comps.append(Component("trainer states offloaded during rollout", per_node("offloaded "),
-                               f"{hw.gpus_per_node} GPUs x ({_trained(run)} train states + reference weights)"))
+                               f"{hw.gpus_per_node} GPUs x ({_trained(run)} weights + optimizer states, reference "
+                               f"weights; grads freed, not copied)"))
     h0 = holdings[0]
     if h0.pool is not None:
         full = DTYPE_BYTES[run.engine_dtype] * total_param_count(run.model, "lm")
@@ -326,7 +328,8 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
                         f"({run.max_position_embeddings})")
     b, m = micro_batching(run, knobs, layout.dp)
     per_dp = layout.dp * b
-    if run.mini_batch % per_dp:
+    by_rows = run.max_tokens_per_micro_batch is None or knobs.micro_batch is not None  # a token budget cuts any batch
+    if run.mini_batch % per_dp and by_rows:
         problems.append(f"batch: training.batch_size({run.mini_batch}) must be divisible by dp({layout.dp}) x "
                         f"micro_batch({b}) = {per_dp}")
     bubble = (layout.pp - 1) / (m + layout.pp - 1)
@@ -351,7 +354,9 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
     replicas = hw.world_size // rt
     per_replica = ceil(run.rollout_samples / replicas)
     concurrent = tokens // run.seq_len
-    waves = ceil(per_replica / concurrent) if concurrent else 0
+    # vLLM schedules at most max_num_seqs sequences at once, whatever its cache holds
+    scheduled = min(concurrent, run.max_num_seqs) if run.engine == "vllm" else concurrent
+    waves = ceil(per_replica / scheduled) if scheduled else 0
     kv = KVCache(h.kv_per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
     host = _host_budget(run, hw, knobs, layout, rt, holdings, records)
 
@@ -365,8 +370,10 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
         problems.append(f"rollout: the KV cache holds {kv.tokens} tokens per replica, less than one sequence of "
                         f"{run.seq_len} tokens ({_gib(run.seq_len * kv.bytes_per_token - kv.budget)} short per GPU)")
     elif kv.waves > 1:
-        notes.append(f"rollout: {kv.rollout_sequences_per_replica} sequences per engine replica, {kv.sequences} "
-                     f"fit in the KV cache at full length: generation runs in {kv.waves} waves")
+        bound = (f"{scheduled} at once (actor_rollout.max_num_seqs = {run.max_num_seqs}; the KV cache holds "
+                 f"{kv.sequences})" if scheduled < concurrent else f"{kv.sequences} fit in the KV cache at full length")
+        notes.append(f"rollout: {kv.rollout_sequences_per_replica} sequences per engine replica, {bound}: "
+                     f"generation runs in {kv.waves} waves")
     for budget in (stages[worst].train, rollout, host):
         if not budget.fits():
             parts = ", ".join(f"{c.name} {c.bytes / GiB:.1f}"

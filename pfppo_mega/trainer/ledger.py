@@ -28,9 +28,13 @@ optimizer, as pfppo_mega.models.gpt builds them):
   transient  activations of the update (Korthikanti et al., below) and of a forward in prepare
              (one layer's working set + the last stage's logits); the engine's workspace while it
              generates.
-  host       the offloaded trainer states (TrainerOffload keeps its host buffers after a reload:
-             counted from the first offload on), the PF-PPO pool's share of this rank, a sleeping
-             engine's weights at sleep level 1, a fixed host reserve.
+  host       the offloaded trainer states but their gradients (TrainerOffload keeps its host buffers
+             after a reload: counted from the first offload on; the grad buffers are freed without a
+             host copy and come back zeroed), the PF-PPO pool's share of this rank, a sleeping
+             engine's weights at sleep level 1, a fixed host reserve. The offload's buffers and the
+             pool's copies are page-locked exactly their size (pfppo_mega.pinned), so they count at
+             their bytes; torch's caching pinned allocator would hold the next power of two of each
+             (``pinned.allocator_bytes``).
 
 Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/generation.py call them:
   build trainer, offload trainer, offload actor weights, build engine, sleep, reload trainer   (once)
@@ -95,6 +99,7 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 BYTES_GRAD = 4          # fp32 grad buffer (grad_reduce_in_fp32)
 BYTES_ADAM = 8          # fp32 exp_avg + exp_avg_sq
 BYTES_MAIN = 4          # fp32 main weights (none when the params are fp32 themselves)
+GRADS = " grads (fp32)"  # the grad buffers' holdings: "actor grads (fp32)", "critic grads (fp32)"
 KV_BLOCK = 32           # vLLM's KV block (tokens), as pfppo_mega.rollout.vllm sets and sizes a CPU cache
 # pfppo_mega.rollout.refit's stream ring (tests/test_ledger.py checks these equal its constants)
 REFIT_MAX_AHEAD = 3
@@ -351,6 +356,7 @@ class RunShape:
     engine: str = "vllm"              # actor_rollout.engine
     max_num_seqs: int = 64            # actor_rollout.max_num_seqs (a CPU vLLM's KV cache holds that many)
     refit_bucket_bytes: int = 64 * MiB  # actor_rollout.refit_bucket_mb
+    max_tokens_per_micro_batch: Optional[int] = None  # training.use_dynamic_bsz's budget; None: off
 
     @classmethod
     def from_config(cls, cfg, arch=None, reward_model: Optional[DecoderShape] = None, *, model=None) -> "RunShape":
@@ -371,6 +377,8 @@ class RunShape:
             rollout_samples=cfg.training.rollout_batch_size * ar.n_samples_per_prompt,
             mini_batch=cfg.training.batch_size,
             micro_batch_size=cfg.training.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch if cfg.training.use_dynamic_bsz
+            else None,
             gpu_memory_utilization=ar.gpu_memory_utilization,
             use_pf_ppo=cfg.algorithm.use_pf_ppo,
             pool_size=cfg.algorithm.pool.pool_size,
@@ -403,8 +411,15 @@ def reward_model_shape(path):
 
 def micro_batching(run: RunShape, knobs: Knobs, dp: int) -> tuple[int, int]:
     """(micro-batch b, micro-batches per mini-batch per DP rank m): the flag, else
-    training.micro_batch_size, else the whole mini-batch per DP rank."""
-    b = knobs.micro_batch or run.micro_batch_size or max(1, run.mini_batch // dp)
+    training.micro_batch_size, else the whole mini-batch per DP rank. With a token budget
+    (training.use_dynamic_bsz) a micro-batch holds at most max_tokens_per_micro_batch tokens (rows x
+    its longest row; a longer row runs alone): its activations are those of max(1, budget // seq_len)
+    rows at full length, the worst case (capped by training.micro_batch_size when set)."""
+    per_rank = max(1, run.mini_batch // dp)
+    if knobs.micro_batch is None and run.max_tokens_per_micro_batch is not None:
+        b = min(max(1, run.max_tokens_per_micro_batch // run.seq_len), run.micro_batch_size or per_rank, per_rank)
+    else:
+        b = knobs.micro_batch or run.micro_batch_size or per_rank
     return b, max(1, run.mini_batch // (dp * b))
 
 
@@ -446,6 +461,7 @@ class RankHoldings:
     kv_per_token: float = 0.0
     util: float = 0.0
     kept: tuple[str, ...] = ()          # trainer holdings no offload moves (a reward model stays on the device)
+    discarded: tuple[str, ...] = ()     # trainer holdings the offload frees without a host copy (the grads)
 
     def kv_for(self, capacity: Optional[float]) -> Holding:
         """The KV cache at this capacity: utilization x capacity - weights - workspace (vLLM on a GPU)."""
@@ -465,7 +481,7 @@ def _train_state(prefix: str, n: int, dp: int, distributed: bool, dtype: str) ->
     what = "Adam moments" if dtype == "float32" else "main weights + Adam moments"
     return [
         Holding(f"{prefix} weights ({SHORT[dtype]})", w * n, f"{w} B x {n / 1e9:.3f} B params on this rank"),
-        Holding(f"{prefix} grads (fp32)", BYTES_GRAD * n, "4 B x params (fp32 grad buffer)"),
+        Holding(f"{prefix}{GRADS}", BYTES_GRAD * n, "4 B x params (fp32 grad buffer)"),
         Holding(f"{prefix} optimizer (fp32 x{opt // 4})", opt * n / shard, f"{opt} B x params ({what}) {how}"),
     ]
 
@@ -593,7 +609,8 @@ def rank_holdings(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, rol
         prepare=Holding("activations (prepare forward)", fwd, f_fwd),
         update=Holding(f"activations ({which} update)", act, formula), update_model=which,
         pool=pool, host_reserve=host_reserve, offload=knobs.offload_during_rollout,
-        kv_per_token=per_token, util=run.gpu_memory_utilization)
+        kv_per_token=per_token, util=run.gpu_memory_utilization,
+        discarded=tuple(x.name for x in trainer if x.name.endswith(GRADS)))
 
 
 # ----------------------------------------------------------------------------- the ledger
@@ -659,6 +676,8 @@ class Ledger:
             if name in self.device:
                 held = self.device.pop(name)
                 self.offloaded.append(name)
+                if name in self.h.discarded:  # freed, no host copy: zeroed on reload
+                    continue
                 # TrainerOffload keeps its host buffers after a reload: counted from the first offload on
                 self.host.setdefault("offloaded " + name, Holding("offloaded " + name, held.bytes, held.formula))
 
