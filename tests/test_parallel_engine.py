@@ -364,3 +364,55 @@ def test_train_step_skips_a_non_finite_loss(world, ckpts):
     bad.attention_mask = bad.attention_mask.flip(1)
     with pytest.raises(ValueError, match="not right-padded"):
         engine.forward_values(actor, bad, micro_batch_size=2)
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the reads of a tensor's value into Python (each one a device -> host sync on a GPU)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__bool__,
+             torch.Tensor.__int__}
+
+    def __init__(self, active=lambda: True):
+        super().__init__()
+        self.count, self.active = 0, active
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            from pfppo_mega.trainer.devicecheck import _tensor_type
+
+            return _tensor_type(args[0])  # megatron's type asserts, answered as the CPU layer answers them
+        self.count += func in self.READS and self.active()
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_update_reads_its_losses_once_not_per_micro_batch(world, ckpts, monkeypatch):
+    """Issue 35: the loss callback read every micro-batch's share, stats and token count into Python
+    (three host syncs per micro-batch, each stalling a GPU's queue), and share_scale one more. Now the
+    host reads of a step do not grow with the number of micro-batches. (The label range check of the
+    torch backend reads host labels only, never a device tensor: not counted.)"""
+    from pfppo_mega.kernels import shard_math
+
+    counting = []
+    check = shard_math.check_labels
+
+    def unread(*a, **k):  # a host-only check: on a GPU the labels are on the device and it reads nothing
+        counting.append(False)
+        try:
+            return check(*a, **k)
+        finally:
+            counting.pop()
+
+    monkeypatch.setattr(shard_math, "check_labels", unread)
+    reads = {}
+    for mbs in (8, 1):
+        cfg, actor = _actor(ckpts["llama"])
+        ddp = gpt.wrap_ddp(actor)
+        opt = gpt.build_optimizer(ddp, lr=1e-3, weight_decay=0.0, grad_clip=1.0)
+        with _HostSyncs(lambda: not counting) as syncs:
+            engine.train_step(ddp, opt, common.ppo_batch().inputs,
+                              lambda logp, ent, mb: ((logp * mb.inputs.response_mask).sum() * engine.share_scale(
+                                  mb.inputs.response_mask, mb.norm, mode="token-mean", like=logp),
+                                  {"x": logp.detach().mean()}),
+                              temperature=1.0, micro_batch_size=mbs)
+        reads[mbs] = syncs.count
+    assert reads[1] == reads[8], reads  # 8 micro-batches read no more than 1

@@ -54,7 +54,7 @@ def _grads(path: Path, batching, *, sparse: bool, dtype: str = "float32"):
         out = ppo.policy_loss(logp, (logp.detach() + batch.logp_noise[mb.rows]) * m, batch.advantages[mb.rows], m,
                               clip_ratio_low=common.CLIP_LOW, clip_ratio_high=common.CLIP_HIGH)
         ent = ppo.agg_loss(entropy, m, mode="token-mean")
-        return (out.loss - 0.01 * ent) * engine.share_scale(m, mb.norm, mode="token-mean"), {}
+        return (out.loss - 0.01 * ent) * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
 
     ddp.train()
     res = engine.train_step(ddp, opt, inp, loss, temperature=common.TEMPERATURE, micro_batch_size=batching)
@@ -148,3 +148,37 @@ def test_bench_update_ab_runs_every_arm(world, tmp_path):
     first = [a["losses"][0] for a in arms.values()]
     assert max(first) - min(first) <= 1e-6 * max(1.0, abs(first[0]))
     assert all(len(a["each_s"]) == 2 and a["median_s"] > 0 for a in arms.values())
+
+
+class _Matmuls(torch.overrides.TorchFunctionMode):
+    """Records (name, operand dtypes) of every matrix product."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in ("matmul", "mm", "addmm", "addmm_"):
+            self.seen.append((name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_head_gradient_is_a_bf16_gemm_on_a_gpu_and_fp32_on_the_cpu():
+    """Issue 35: on a GPU the held LM-head gradient was flushed with an fp32 GEMM (no TF32; ~3-5 s per
+    70B step). Off the CPU (meta stands for the GPU) the product now takes bf16 operands into the fp32
+    buffer; on the CPU it stays fp32. Numerics of the bf16 form: within bf16 rounding of fp64."""
+    V, N, H = 64, 48, 32
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for device, want in (("meta", [("matmul", (bf16, bf16))]), ("cpu", [("addmm_", (fp32, fp32, fp32))])):
+        main = torch.zeros(V, H, device=device)
+        g = torch.randn(N, V, device=device, dtype=bf16)
+        x = torch.randn(N, H, device=device, dtype=bf16)
+        with _Matmuls() as seen:
+            vocab_grads.accumulate(main, g, x)
+        assert seen.seen == want, (device, seen.seen)
+    g = torch.randn(N, V, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(N, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    ref = g.double().t() @ x.double()
+    low = torch.matmul(g.t(), x).float()  # the GPU form's arithmetic, run here
+    assert ((low.double() - ref).norm() / ref.norm()) < 1e-2

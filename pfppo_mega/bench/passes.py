@@ -70,12 +70,12 @@ def _losses(inp, old_logp, old_values, adv, returns):
     def actor_loss(logp, entropy, mb):
         m = mb.inputs.response_mask
         out = ppo.policy_loss(logp, old_logp[mb.rows], adv[mb.rows], m, clip_ratio_low=0.2, clip_ratio_high=0.28)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean"), {}
+        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
 
     def critic_loss(values, mb):
         m = mb.inputs.response_mask
         out = ppo.value_loss(values, old_values[mb.rows], returns[mb.rows], m, value_clip=0.2)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean"), {}
+        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
     return actor_loss, critic_loss
 
 

@@ -133,30 +133,33 @@ def global_normalizers(mask: Tensor) -> Normalizers:
     return Normalizers(tokens=tokens, rows=rows)
 
 
-def share_scale(mask: Tensor, norm: Normalizers, *, mode: str) -> float:
+def share_scale(mask: Tensor, norm: Normalizers, *, mode: str, like: Optional[Tensor] = None) -> Union[Tensor, float]:
     """Factor turning ppo.agg_loss(loss_mat, mask, mode=mode) over a micro-batch into its share of
     the same aggregate over the global batch: local tokens / global tokens (token-mean) or local
     rows with tokens / global rows (seq-mean-*). 1.0 when the micro-batch is the global batch, and
-    for seq-mean-token-sum-norm (sum / constant: the shares add up to the global sum / constant)."""
+    for seq-mean-token-sum-norm (sum / constant: the shares add up to the global sum / constant).
+    A 0-dim tensor on the mask's device, in ``like``'s dtype (the loss it scales; float64 without
+    one), the ratio taken in float64 and rounded once, as a Python float multiplied into the loss
+    would be: no host sync per micro-batch (the global counts are host numbers already); x / x is
+    exactly 1.0."""
     if mode == "seq-mean-token-sum-norm":  # a sum over a constant: each micro-batch's is its share
         return 1.0
     if mode == "token-mean":
-        local, total = float(mask.float().sum()), norm.tokens
+        local, total = mask.sum(dtype=torch.float64), norm.tokens                   # 0-dim, on the device
     elif mode in ppo.LOSS_AGG_MODES:
-        local, total = float((mask.float().sum(dim=1) > 0).float().sum()), norm.rows
+        local, total = (mask.sum(dim=1) > 0).sum(dtype=torch.float64), norm.rows
     else:
         raise ValueError(f"share_scale: mode={mode!r} is not one of {ppo.LOSS_AGG_MODES}")
-    if local == total:
-        return 1.0
-    return local / total if total > 0 else 0.0
+    scale = local / total if total > 0 else torch.zeros((), dtype=torch.float64, device=mask.device)
+    return scale if like is None else scale.to(like.dtype)
 
 
 def agg_loss_share(loss_mat: Tensor, mask: Tensor, norm: Normalizers, *, mode: str,
                    loss_scale_factor: float | None = None) -> Tensor:
     """ppo.agg_loss over the micro-batch times share_scale: this micro-batch's share of the
     global-batch aggregate (the value loss_fn returns)."""
-    return ppo.agg_loss(loss_mat, mask, mode=mode, loss_scale_factor=loss_scale_factor) * share_scale(
-        mask, norm, mode=mode)
+    loss = ppo.agg_loss(loss_mat, mask, mode=mode, loss_scale_factor=loss_scale_factor)
+    return loss * share_scale(mask, norm, mode=mode, like=loss)
 
 
 # ----------------------------------------------------------------------------- micro-batches
@@ -494,6 +497,20 @@ def _reduce_summary(loss: Optional[float], stats: Optional[dict[str, float]]) ->
     return values[0], dict(zip(keys, values[1:]))
 
 
+def _to_host(shares: list, stats: list[dict], tokens: list) -> tuple[list[float], list[dict[str, float]], list[float]]:
+    """The micro-batches' loss shares, stats and token counts as Python floats, with one device ->
+    host copy for all of them (plain numbers among them pass through)."""
+    flat = [*shares, *tokens, *(v for s in stats for v in s.values())]
+    held = [x for x in flat if isinstance(x, Tensor)]
+    dev = held[0].device if held else None
+    values = iter(torch.stack([x.to(device=dev, dtype=torch.float64).reshape(()) for x in held]).tolist()
+                  if held else [])
+    host = [next(values) if isinstance(x, Tensor) else float(x) for x in flat]
+    n_s, n_t = len(shares), len(tokens)
+    it = iter(host[n_s + n_t:])
+    return host[:n_s], [{k: next(it) for k in s} for s in stats], host[n_s:n_s + n_t]
+
+
 def _token_weighted(stats: list[dict[str, float]], tokens: list[float], total: float) -> dict[str, float]:
     """sum_mb stats_mb * tokens_mb / total: each micro-batch's stats weighted by its share of the
     global response tokens (summed over DP ranks afterwards, this is the global token-weighted mean;
@@ -540,14 +557,16 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
         share, mb_stats = share_of(output, chunk, mb)
         if share.dim() != 0:
             raise ValueError(f"loss_fn must return a 0-dim loss share, got shape {tuple(share.shape)}")
-        shares.append(float(share.detach()))
-        stats.append({k: float(v) for k, v in mb_stats.items()})
-        tokens.append(float(mb.inputs.response_mask.sum()))
+        # kept on the device: read once after the schedule (a host sync per micro-batch stalls a GPU's queue)
+        shares.append(share.detach())
+        stats.append({k: v.detach() if isinstance(v, Tensor) else v for k, v in mb_stats.items()})
+        tokens.append(mb.inputs.response_mask.sum())
         return share * undo if undo != 1.0 else share, {}
 
     zero_grads(model, optimizer)
     _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head,
                   forward_only=False)  # backward + finalize_model_grads
+    shares, stats, tokens = _to_host(shares, stats, tokens)  # one host sync for every micro-batch
     local_loss = math.fsum(shares) if _last_stage() else None
     local_stats = _token_weighted(stats, tokens, norm.tokens) if _last_stage() else None
     loss, mean_stats = _reduce_summary(local_loss, local_stats)

@@ -110,8 +110,8 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
         if sink is not None:
             sink(r, logp, entropy)
         pl = run.policy_loss(pl_in, run.policy_loss_params)
-        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode)
-        resp_share = mengine.share_scale(m, micro.norm, mode=mode)
+        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode, like=pl.loss)
+        resp_share = mengine.share_scale(m, micro.norm, mode=mode, like=pl.loss)
         kl_loss = logp.new_zeros(())
         if a.use_kl_loss and a.kl_coeff > 0:
             kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode,
@@ -142,7 +142,7 @@ def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
         out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
                              loss_agg_mode=a.loss_agg_mode,
                              loss_scale_factor=run.policy_loss_params.loss_scale_factor)
-        share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode)
+        share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode, like=out.loss)
         return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
 
     run.critic.train()

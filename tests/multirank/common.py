@@ -235,13 +235,13 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
         out = ppo.policy_loss(logp, old_logp[mb.rows], local.advantages[mb.rows], m,
                               clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
         ent = ppo.agg_loss(entropy, m, mode="token-mean")
-        scale = engine.share_scale(m, mb.norm, mode="token-mean")
+        scale = engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss)
         return (out.loss - ENTROPY_COEFF * ent) * scale, {"clipfrac": out.pg_clipfrac}
 
     def critic_loss(values, mb):
         m = mb.inputs.response_mask
         out = ppo.value_loss(values, old_values[mb.rows], local.returns[mb.rows], m, value_clip=VALUE_CLIP)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean"), {"vf_clipfrac": out.vf_clipfrac}
+        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {"vf_clipfrac": out.vf_clipfrac}
 
     actor.train()
     critic.train()
