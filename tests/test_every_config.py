@@ -39,7 +39,7 @@ SKIPPED = {"article_example.yaml": "no model section: the shape comes from actor
 REFUSED_AT_LOAD: dict[str, str] = {}  # config name -> the key its load refuses
 # What the gloo step replaces on CPU (config name -> feature): megatron's recompute needs CUDA.
 _70B = ("70b_pfppo.yaml", "70b_pfppo_h100.yaml", "70b_llama33_pfppo.yaml", "70b_llama33_pfppo_h100.yaml")
-SUBSTITUTED = {name: {"recompute"} for name in _70B}
+SUBSTITUTED = {name: {"recompute"} for name in _70B + ("gpu_check_300m.yaml",)}
 LAUNCH_TIMEOUT_S = 600  # the configs' steps and the TP2 x PP2 trainer's two
 
 

@@ -37,10 +37,10 @@ class CountingEngine(BuiltinEngine):
         return super().generate(prompts, params)
 
 
-def _build(cfg, model_dir, hf_cfg, *, pad_token_id, bucket_bytes, max_model_len, log):
+def _build(cfg, model_dir, hf_cfg, *, pad_token_id, bucket_bytes, max_model_len, device, log):
     CALLS["built"] += 1
     return CountingEngine(DecoderShape.from_hf_config(hf_cfg), pad_token_id=pad_token_id, bucket_bytes=bucket_bytes,
-                          log=log)
+                          device=device, log=log)
 
 
 def _from_hf_model(hf_model, *, pad_token_id, version=1, **kw):
