@@ -165,3 +165,21 @@ def test_the_300m_config_has_a_real_vocabulary_and_every_gpu_feature(tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert 0.25e9 <= json.loads(report.read_text())["params"]["actor_total"] <= 0.35e9
+
+
+def test_phase_timers_synchronize_the_gpu(monkeypatch):
+    """Issue 35 (10): the phase timers read a host clock around asynchronous GPU work; on CUDA they now
+    synchronize at both ends of a phase (on the CPU nothing is queued: no call)."""
+    import torch
+
+    from pfppo_mega.trainer.loop import PhaseTimer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    cuda = PhaseTimer(torch.device("cuda", 0))
+    with cuda("update"):
+        pass
+    assert calls == [torch.device("cuda", 0)] * 2 and "update" in cuda.seconds
+    with PhaseTimer(torch.device("cpu"))("update"):
+        pass
+    assert len(calls) == 2
