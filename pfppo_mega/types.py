@@ -60,6 +60,8 @@ class RewardResult:
 class PromptSource(Protocol):
     """Training prompts. The position is checkpoint state: a resumed run continues where it stopped."""
 
+    rows_per_pass: int | None  # prompts this rank draws in one pass over the data; None: generated, no end
+
     def next_batch(self, n: int) -> list[Sample]: ...
 
     def state_dict(self) -> dict[str, Any]: ...

@@ -383,7 +383,8 @@ class FilterGroupsConfig(Section):
     max_num_gen_batches: int = opt(
         10, "Most generation rounds per step (the first included); when still short, the batch is filled "
             "with dropped groups (they add no gradient to a group estimator), counted in dapo/filled_groups. "
-            "0 = no bound.")
+            "0 = no bound, except that a rank which keeps no group over a full pass over its prompts "
+            "stops the run (SamplingStalled: rounds, groups kept, this key).")
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "max_num_gen_batches", self.max_num_gen_batches, ge=0, le=C.MAX_COUNT)

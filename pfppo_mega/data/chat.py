@@ -61,6 +61,11 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{where}: chat_template does not compile: {e}") from None
+        except (SyntaxError, RecursionError, MemoryError) as e:  # Jinja's parser and Python's compiler
+            raise ChatTemplateError(f"{where}: chat_template does not compile: its blocks or expressions are nested "
+                                    f"deeper than Jinja's parser / Python's compiler allow ({type(e).__name__}: "
+                                    f"{getattr(e, 'msg', None) or e}); a real template nests a few levels: "
+                                    f"flatten it") from None
         self.special_tokens = {k: v or "" for k, v in special_tokens.items()}
         self.notes: list[str] = []  # what the probe found worth saying at start (build_prompt_data logs it)
         self._probe()

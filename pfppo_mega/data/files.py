@@ -4,7 +4,8 @@
 A row: `prompt` (a list of {role, content} chat messages, or a string), `data_source`,
 `reward_model: {ground_truth}`, `extra_info` (the column names are data.*_key; a dotted key
 reads into nested mappings). Every problem is found at start and named with the file and the
-row: a missing or unreadable file, a row without the prompt, a prompt of the wrong shape.
+row: a missing or unreadable file, a row without the prompt, a prompt of the wrong shape, a key
+twice in one JSON object (json itself would keep the last silently).
 """
 
 from __future__ import annotations
@@ -67,24 +68,66 @@ def read_rows(path: str | Path, key: str) -> list[dict[str, Any]]:
 
 def _json_rows(text: str, where: str, *, whole: bool) -> list[Any]:
     stripped = text.lstrip()
+    pairs = _KeepPairs()
     if whole and stripped.startswith("["):
         try:
-            return json.loads(stripped)
+            rows = json.loads(stripped, object_pairs_hook=pairs)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e})") from None
         except RecursionError:
             raise DataError(f"{where}: nested deeper than Python's JSON reader allows") from None
+        if pairs.twice:
+            i, key = next((i, k) for i, r in enumerate(rows) if (k := pairs.find(r)) is not None)
+            raise DataError(f"{where} row {i}: {_twice(key)}")
+        return rows
     rows = []
     for n, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append(json.loads(line, object_pairs_hook=pairs))
         except json.JSONDecodeError as e:
             raise DataError(f"{where} line {n + 1}: not valid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise DataError(f"{where} line {n + 1}: nested deeper than Python's JSON reader allows") from None
+        if pairs.twice:
+            raise DataError(f"{where} line {n + 1} (row {len(rows) - 1}): {_twice(pairs.find(rows[-1]))}")
     return rows
+
+
+def _twice(key: str | None) -> str:
+    return (f"key {key!r} appears twice in one object (JSON would silently keep the last one): a row's keys "
+            f"must be unique; remove or merge the duplicate")
+
+
+class _KeepPairs:
+    """json's object_pairs_hook: builds each object as json does, and remembers (by identity) the
+    objects that held a key twice, so the reader can name the row and the key's path."""
+
+    def __init__(self) -> None:
+        self.twice: dict[int, tuple[str, dict]] = {}   # id(object) -> (the repeated key, the object: kept
+                                                        # alive, so its id is not reused)
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) < len(pairs):
+            seen: set[str] = set()
+            self.twice[id(obj)] = (next(k for k, _ in pairs if k in seen or seen.add(k)), obj)
+        return obj
+
+    def find(self, row: Any) -> str | None:
+        """The dotted path of the first repeated key inside `row` (walked without recursion), or None."""
+        stack = [(row, "")]
+        while stack:
+            node, path = stack.pop()
+            if isinstance(node, dict):
+                if id(node) in self.twice:
+                    key = self.twice[id(node)][0]
+                    return f"{path}.{key}" if path else key
+                stack += [(v, f"{path}.{k}" if path else k) for k, v in node.items()]
+            elif isinstance(node, list):
+                stack += [(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return None
 
 
 def get_path(row: dict[str, Any], dotted: str) -> Any:
@@ -201,6 +244,11 @@ class FilePrompts:
             out += self._order[self.offset: self.offset + k]
             self.offset += k
         return out
+
+    @property
+    def rows_per_pass(self) -> int:
+        """Prompts this rank draws in one pass over the rows (each rank takes 1/dp_size of every batch)."""
+        return -(-len(self.samples) // self.dp_size)
 
     def next_batch(self, n: int) -> list[Sample]:
         """n prompts for this rank (the global batch is n * dp_size rows, epochs wrap around)."""

@@ -19,6 +19,11 @@ Supported (anything else is refused by name before any tensor is read):
 - tokenizers: byte-level BPE (``tokenizer.ggml.model = gpt2``) with a pre-tokenizer of
   PRE_TOKENIZERS.
 
+A damaged file is refused by name before anything is written: a tensor's bytes outside the data
+section or shared with another tensor, a tensor missing or a layer beyond ``block_count`` (or one
+short of it), a shape the metadata disagrees with (e.g. the embedding's rows vs the vocabulary
+size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens.
+
 llama.cpp's converter permutes the rows of a Llama file's q/k projections (per head, it
 interleaves the two rotary halves: ``permute`` in convert_hf_to_gguf.py); the import undoes that
 (``unpermute_qk``), as transformers' GGUF loader does. qwen2 / qwen3 files are not permuted.
@@ -81,6 +86,22 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.wei
               "output.weight": "lm_head.weight"}
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 
+# The tensors every file must hold: the top ones, and in each of block_count layers the base ones plus the
+# architecture's own (qwen2: q/k/v biases; qwen3: q/k norms). output.weight is optional (absent: tied).
+_TOP_REQUIRED = ("token_embd.weight", "output_norm.weight")
+_LAYER_REQUIRED = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                   "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_ARCH_LAYER_REQUIRED = {"llama": (), "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                        "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight")}
+# Each tensor's HF-orientation shape ([out, in]) in named dimensions (_dims gives their values and keys).
+_SHAPES = {"token_embd.weight": ("vocab", "hidden"), "output.weight": ("vocab", "hidden"),
+           "output_norm.weight": ("hidden",), "attn_norm.weight": ("hidden",), "ffn_norm.weight": ("hidden",),
+           "attn_q.weight": ("q", "hidden"), "attn_k.weight": ("kv", "hidden"), "attn_v.weight": ("kv", "hidden"),
+           "attn_output.weight": ("hidden", "q"), "attn_q.bias": ("q",), "attn_k.bias": ("kv",),
+           "attn_v.bias": ("kv",), "attn_q_norm.weight": ("head",), "attn_k_norm.weight": ("head",),
+           "ffn_gate.weight": ("ffn", "hidden"), "ffn_up.weight": ("ffn", "hidden"),
+           "ffn_down.weight": ("hidden", "ffn")}
+
 
 class GGUFError(ValueError):
     """A GGUF file the import cannot take; the message names the file, the key or tensor and why."""
@@ -107,6 +128,8 @@ class GGUFFile:
     meta: dict[str, Any]
     tensors: list[Any]          # gguf.ReaderTensor
     arch: str
+    size: int = 0               # bytes in the file
+    data_start: int = 0         # where the tensor data section begins (tensor data_offset is absolute)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(key, default)
@@ -130,16 +153,21 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     p = Path(path)
     if not p.is_file():
         raise GGUFError(f"GGUF file {str(p)!r} does not exist")
+    size = p.stat().st_size
     try:
         reader = gguf.GGUFReader(str(p))
     except Exception as e:
+        if "cannot reshape" in str(e):  # the reader views each tensor's bytes: too few of them left
+            raise GGUFError(f"{p}: a tensor's data runs past the end of the file ({size} bytes; the gguf reader: "
+                            f"{e}): the file is truncated or its tensor offsets are damaged; download or convert "
+                            f"it again") from None
         raise GGUFError(f"{p}: not a readable GGUF file: {type(e).__name__}: {e}") from None
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{p}: general.architecture = {arch!r} is not supported (supported: "
                         f"{', '.join(ARCHITECTURES)})")
-    return GGUFFile(str(p), meta, list(reader.tensors), arch)
+    return GGUFFile(str(p), meta, list(reader.tensors), arch, size, int(reader.data_offset))
 
 
 def hf_config(f: GGUFFile) -> dict[str, Any]:
@@ -224,6 +252,72 @@ def check_tensors(f: GGUFFile) -> None:
                         f"Hugging Face counterpart here (e.g. rope_freqs = RoPE scaling; MoE experts): not supported")
 
 
+def check_regions(f: GGUFFile) -> None:
+    """Every tensor's bytes inside the file's data section, and no two tensors sharing bytes (a tensor
+    would be read from another's data)."""
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in f.tensors)
+    for start, end, name in spans:
+        if start < f.data_start or end > f.size:
+            raise GGUFError(f"{f.path}: tensor {name}'s data (bytes {start}..{end}) lies outside the file's data "
+                            f"section (bytes {f.data_start}..{f.size}): its offset is damaged or the file "
+                            f"truncated; download or convert it again")
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise GGUFError(f"{f.path}: tensors {n0} (bytes {s0}..{e0}) and {n1} (bytes {s1}..{e1}) overlap: one "
+                            f"would be read from the other's data; the file's tensor offsets are damaged, "
+                            f"convert it again")
+
+
+def check_layers(f: GGUFFile, cfg: dict[str, Any]) -> None:
+    """Every expected tensor present, and no layer beyond {arch}.block_count."""
+    a, n = f.arch, cfg["num_hidden_layers"]
+    names = {t.name for t in f.tensors}
+    layers = sorted({int(m.group(1)) for m in map(_LAYER_RE.match, names) if m})
+    beyond = [i for i in layers if i >= n]
+    if beyond:
+        raise GGUFError(f"{f.path}: the file holds layer(s) {beyond[:5]} but {a}.block_count = {n} (layers 0.."
+                        f"{n - 1}): the metadata disagrees with the tensors; fix {a}.block_count or convert again")
+    absent = [i for i in range(n) if i not in layers]
+    if absent:
+        raise GGUFError(f"{f.path}: {a}.block_count = {n}, but layer(s) {absent[:5]}{' ...' if len(absent) > 5 else ''} "
+                        f"have no tensors (the file holds {len(layers)} layers): a truncated or mislabelled file; "
+                        f"fix {a}.block_count or convert again")
+    per_layer = _LAYER_REQUIRED + _ARCH_LAYER_REQUIRED[a]
+    missing = [x for x in _TOP_REQUIRED if x not in names]
+    missing += [f"blk.{i}.{x}" for i in range(n) for x in per_layer if f"blk.{i}.{x}" not in names]
+    if missing:
+        raise GGUFError(f"{f.path}: tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                        f"missing ({len(missing)} in all; a {a} model needs {', '.join(_TOP_REQUIRED)} and, in every "
+                        f"layer, {', '.join(per_layer)}): "
+                        f"the file is incomplete, convert it again")
+
+
+def _dims(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Each named dimension of _SHAPES: (its value, the metadata it comes from)."""
+    a, hd = f.arch, cfg["head_dim"]
+    vocab_from = f"{a}.vocab_size" if f.get(f"{a}.vocab_size") is not None else "the count of tokenizer.ggml.tokens"
+    return {"vocab": (cfg["vocab_size"], vocab_from), "hidden": (cfg["hidden_size"], f"{a}.embedding_length"),
+            "ffn": (cfg["intermediate_size"], f"{a}.feed_forward_length"), "head": (hd, f"{a}.attention.key_length"),
+            "q": (cfg["num_attention_heads"] * hd, f"{a}.attention.head_count x head_dim"),
+            "kv": (cfg["num_key_value_heads"] * hd, f"{a}.attention.head_count_kv x head_dim")}
+
+
+def check_shapes(f: GGUFFile, cfg: dict[str, Any]) -> None:
+    """Every tensor's shape as the metadata says (e.g. the embedding's rows = the vocabulary size)."""
+    dims = _dims(f, cfg)
+    for t in f.tensors:
+        m = _LAYER_RE.match(t.name)
+        names = _SHAPES.get(m.group(2) if m else t.name)
+        if names is None:
+            continue
+        want = [dims[d][0] for d in names]
+        got = [int(d) for d in reversed(list(t.shape))]
+        if got != want:
+            said = ", ".join(f"{d} {dims[d][0]} from {dims[d][1]}" for d in dict.fromkeys(names))
+            raise GGUFError(f"{f.path}: tensor {t.name} is {got}, but the metadata gives {want} ({said}): the "
+                            f"metadata disagrees with the tensors; fix the metadata or convert the model again")
+
+
 def dequantize(t) -> Tensor:
     """One GGUF tensor as fp32 in HF's [out, in] orientation (GGUF lists dims innermost first)."""
     gguf = require_gguf()
@@ -240,6 +334,10 @@ def iter_hf_tensors(f: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, Ten
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in f.tensors:
         w = dequantize(t)
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:
+            raise GGUFError(f"{f.path}: tensor {t.name} ({t.tensor_type.name}) holds {bad} non-finite values (NaN "
+                            f"or Inf) of {w.numel()}: a damaged or badly converted file; convert the model again")
         if permuted and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             w = unpermute_qk(w, heads if ".attn_q." in t.name else kv)
         yield hf_name(t.name), w
@@ -250,6 +348,26 @@ def iter_hf_tensors(f: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, Ten
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
     return {tok: i for i, tok in enumerate(tokens)}
+
+
+def check_merges(f: GGUFFile, merges: Any, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as (left, right) pairs: each entry two vocabulary tokens joined by one space,
+    their concatenation a token too (what the tokenizers library's BPE requires)."""
+    out = []
+    for i, m in enumerate(merges):
+        parts = m.split(" ") if isinstance(m, str) else None
+        if parts is None or len(parts) != 2 or not all(parts):
+            why = "is not two tokens separated by one space"
+        elif not all(x in vocab for x in (*parts, "".join(parts))):
+            absent = next(x for x in (*parts, "".join(parts)) if x not in vocab)
+            why = f"names {absent!r}, which is not in tokenizer.ggml.tokens"
+        else:
+            out.append((parts[0], parts[1]))
+            continue
+        raise GGUFError(f"{f.path}: tokenizer.ggml.merges entry {i} = {str(m)[:80]!r} {why} (a merge is two "
+                        f"vocabulary tokens separated by one space, their concatenation a token too): the file's "
+                        f"tokenizer is damaged, convert it again")
+    return out
 
 
 def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
@@ -264,8 +382,13 @@ def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
         raise GGUFError(f"{f.path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
                         f"{', '.join(PRE_TOKENIZERS)})")
     tokens = list(f.need("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in f.need("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(_byte_level_vocab(tokens), merges, fuse_unk=False, byte_fallback=False))
+    vocab = _byte_level_vocab(tokens)
+    merges = check_merges(f, f.need("tokenizer.ggml.merges"), vocab)
+    try:
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # the tokenizers library's own refusal, named with the keys it read
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens / tokenizer.ggml.merges do not make a BPE tokenizer "
+                        f"({type(e).__name__}: {e}); the file's tokenizer is damaged, convert it again") from None
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                          if PRE_TOKENIZERS[pre] == "digits" else byte_level)
@@ -309,17 +432,20 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
     f = open_gguf(path)
     cfg = hf_config(f)
     check_tensors(f)
+    check_regions(f)
+    check_layers(f, cfg)
+    check_shapes(f, cfg)
     tok, tok_cfg = build_tokenizer(f)
     out = Path(out_dir)
     if out.exists() and not (overwrite and out.is_dir()):
         raise GGUFError(f"output {str(out)!r} exists (pass --overwrite to replace a directory)")
+    tensors = dict(iter_hf_tensors(f, cfg))  # dequantised and checked finite before anything is written
+    if cfg["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would survive the rename
-        tensors = dict(iter_hf_tensors(f, cfg))
-        if cfg["tie_word_embeddings"]:
-            tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tok.save(str(tmp / "tokenizer.json"))

@@ -167,6 +167,8 @@ class AdditionPrompts:
     position is that stream's state, which its owner checkpoints (and reseeds per rank at dp > 1):
     state_dict holds nothing more."""
 
+    rows_per_pass = None  # generated: no pass over the data ends
+
     def __init__(self, task: AdditionTask, tokenizer, rng: random.Random):
         self.task, self.tokenizer, self.rng = task, tokenizer, rng
 

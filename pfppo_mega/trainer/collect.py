@@ -5,7 +5,9 @@
                       estimator), draw more prompts and generate again until the batch is full,
                       at most max_num_gen_batches rounds; short after that, the batch is filled with
                       dropped groups (counted). Every rank takes part in every round (generation is
-                      collective), until every rank is full.
+                      collective), until every rank is full. Unbounded (max_num_gen_batches = 0), a
+                      rank still short that keeps no group over a full pass over its prompts stops
+                      the run (SamplingStalled, on every rank together): more rounds would never end.
 """
 
 from __future__ import annotations
@@ -36,16 +38,49 @@ def agreeing_groups(scored: ScoredBatch) -> torch.Tensor:
     return lo == hi
 
 
+class SamplingStalled(RuntimeError):
+    """Unbounded dynamic sampling that can keep no group: the message names the rounds, the groups kept
+    and the key to change. `pfppo train` exits non-zero with it (as with update.TrainingHalted)."""
+
+
+# Unbounded sampling from a generated task (no pass over the data to measure progress by): a rank still
+# short after this many rounds in a row without a kept group stops the run.
+IDLE_ROUNDS_GENERATED = 100
+
+
 class DynamicSampling:
-    def __init__(self, *, max_rounds: int, next_batch, log) -> None:
+    def __init__(self, *, max_rounds: int, next_batch, log, rows_per_pass: int | None = None) -> None:
         self.max_rounds, self.next_batch, self.log = max_rounds, next_batch, log
+        self.rows_per_pass = rows_per_pass  # prompts this rank sees in one pass over the data; None: generated
+
+    def idle_limit(self, need: int) -> int:
+        """Rounds in a row without a kept group after which an unbounded rank is stuck: one pass over its prompts."""
+        if self.rows_per_pass is None:
+            return IDLE_ROUNDS_GENERATED
+        return max(1, -(-self.rows_per_pass // need))
+
+    def halt_if_stuck(self, *, need: int, have: int, idle: int, rounds: int) -> None:
+        """Collective (every rank calls it every unbounded round): SamplingStalled on every rank when any
+        rank still short has kept no group for a full pass."""
+        limit = self.idle_limit(need)
+        if parallel.world_min(int(not (have < need and idle >= limit))) == 1:
+            return
+        span = ("the bound for a generated task (IDLE_ROUNDS_GENERATED: it has no pass over data to wait for)"
+                if self.rows_per_pass is None else
+                f"a full pass over the training prompts ({self.rows_per_pass} on this rank)")
+        raise SamplingStalled(
+            f"dynamic sampling: after {rounds} rounds a rank still short of its {need} prompt groups (this rank has "
+            f"kept {min(have, need)}) kept no group over {limit} rounds in a row = {span}: every group's rewards "
+            f"agree (all right or all wrong), and algorithm.filter_groups.max_num_gen_batches = 0 (no bound) would "
+            f"draw prompts forever. Set algorithm.filter_groups.max_num_gen_batches > 0 (a batch still short is "
+            f"then filled with agreeing groups), or check the reward function and the data")
 
     def collect(self, trainer, samples: list[Sample], timer) -> tuple[ScoredBatch, dict[str, float]]:
         need = len(samples)                              # prompt groups this rank trains on
         kept: list[ScoredBatch] = []
         spare: list[ScoredBatch] = []
         stats: dict[str, float] = {}
-        rounds = have = dropped = 0
+        rounds = have = dropped = idle = 0               # idle: rounds in a row without a kept group
         counts = [0, 0, 0]  # bad rewards, reward errors, timeouts over every round
         batch = samples
         while True:
@@ -66,9 +101,12 @@ class DynamicSampling:
                 spare.append(scored.select(drop))
             have += int((~agree).sum())
             dropped += int(agree.sum())
+            idle = 0 if keep else idle + 1
             full = parallel.world_min(int(have >= need)) == 1  # every rank has its batch
             if full or (self.max_rounds and rounds >= self.max_rounds):
                 break
+            if not self.max_rounds:
+                self.halt_if_stuck(need=need, have=have, idle=idle, rounds=rounds)
             batch = self.next_batch(need)
         filled = max(0, need - have)
         if filled:
@@ -87,4 +125,5 @@ def build_collector(cfg, *, prompts, log):
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return OneRound()
-    return DynamicSampling(max_rounds=fg.max_num_gen_batches, next_batch=prompts.next_batch, log=log)
+    return DynamicSampling(max_rounds=fg.max_num_gen_batches, next_batch=prompts.next_batch, log=log,
+                           rows_per_pass=prompts.rows_per_pass)

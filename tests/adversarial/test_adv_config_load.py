@@ -253,6 +253,13 @@ OVERRIDE_CASES = [
     Case("bool_for_int", "override", from_overrides("training.batch_size=true"),
          ("training.batch_size",), "expected int"),
     Case("section_replaced_by_scalar", "override", from_overrides("training=3"), ("training",), "mapping"),
+    Case("critic_warmup_covers_run", "override",
+         from_overrides("training.critic_warmup_steps=3", "training.total_training_steps=2"),
+         ("training.critic_warmup_steps = 3", "training.total_training_steps (verl: trainer.total_training_steps) = 2"),
+         "the policy would never change"),
+    Case("critic_warmup_short_of_run", "override",
+         from_overrides("training.critic_warmup_steps=3", "training.total_training_steps=4"),
+         accept=lambda c: c.training.critic_warmup_steps == 3),
 ]
 
 # verl's norm_adv_by_std_in_grpo concerns GRPO only: it must not switch PPO whitening.
@@ -321,6 +328,13 @@ VERL_LAYOUT_CASES = [
          ("algorithm.kl_ctrl.type",), "adaptive KL controller"),
         ("verl_key_without_verl_layout", ("algorithm.use_kl_in_reward=true",), ("algorithm.use_kl_in_reward",),
          "verl's layout is read when"),
+        # issue 40: a critic warm-up covering the run trained only the critic and exited 0
+        ("critic_warmup_covers_run", ("trainer.critic_warmup=5", "trainer.total_training_steps=5"),
+         ("training.critic_warmup_steps = 5", "verl's trainer.critic_warmup", "trainer.total_training_steps) = 5"),
+         "the policy would never change"),
+        ("critic_warmup_past_default_run", ("trainer.critic_warmup=600",),
+         ("training.critic_warmup_steps = 600", "verl's trainer.critic_warmup", "trainer.total_training_steps) = 500"),
+         "the policy would never change"),
     )
 ] + [
     Case("verl_interpolation_cycle", "verl",

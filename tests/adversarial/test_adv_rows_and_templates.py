@@ -70,3 +70,38 @@ def test_a_template_that_ends_every_prompt_in_eos_is_said_at_start(tok_dir, tmp_
     lines.clear()
     build_prompt_data(cfg, Tokenizer.from_dir(d), model_dir=d, rng=random.Random(0), log=lines.append)
     assert not any("EOS token" in x for x in lines), lines
+
+
+# Issue 40: a row with a key twice (two reward_model objects) kept the last silently (every correct
+# answer then scored 0); a template nested deeper than Python's compiler allows ended in a SyntaxError
+# (IndentationError) or RecursionError traceback from Jinja's compiler.
+
+GOOD = json.dumps(_row())
+TWICE_TOP = ('{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2+2?"}], '
+             '"reward_model": {"ground_truth": "4"}, "extra_info": {}, "reward_model": {"ground_truth": "5"}}')
+TWICE_NESTED = ('{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2+2?"}], '
+                '"reward_model": {"ground_truth": "4", "ground_truth": "5"}, "extra_info": {}}')
+
+
+@pytest.mark.parametrize("name,text,said", [
+    ("top.jsonl", f"{GOOD}\n\n{TWICE_TOP}\n", r"top.jsonl' line 3 \(row 1\): key 'reward_model' appears twice"),
+    ("nested.jsonl", f"{TWICE_NESTED}\n", r"nested.jsonl' line 1 \(row 0\): key 'reward_model.ground_truth' appears twice"),
+    ("array.json", f"[{GOOD}, {GOOD}, {TWICE_NESTED}]", r"array.json' row 2: key 'reward_model.ground_truth' appears twice"),
+    ("lines.json", f"{GOOD}\n{TWICE_TOP}\n", r"lines.json' line 2 \(row 1\): key 'reward_model' appears twice"),
+], ids=["jsonl_top", "jsonl_nested", "json_array", "json_lines"])
+def test_a_key_twice_in_a_row_is_refused_by_row_and_key(tok_dir, tmp_path, name, text, said):  # noqa: F811
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(DataError, match=rf"{said} in one object \(JSON would silently keep the last one\)"):
+        _load(tok_dir, [str(f)])
+
+
+@pytest.mark.parametrize("source", [
+    "{% if true %}" * 120 + "{% for m in messages %}{{ m['content'] }}{% endfor %}" + "{% endif %}" * 120,
+    "{% if true %}" * 2000 + "{% for m in messages %}{{ m['content'] }}{% endfor %}" + "{% endif %}" * 2000,
+    "{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+], ids=["if_120", "if_2000", "parens_2000"])
+def test_a_template_nested_too_deep_is_refused_by_file(source):
+    with pytest.raises(ChatTemplateError, match=r"^/ckpt/chat_template.jinja: chat_template does not compile: its "
+                                                r"blocks or expressions are nested deeper than .* flatten it"):
+        ChatTemplate(source, special_tokens={"bos_token": "<s>"}, where="/ckpt/chat_template.jinja")
