@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pfppo_mega import watchdog
 from pfppo_mega.compat import megatron_cpu
 from pfppo_mega.constants import COLLECTIVE_TIMEOUT_S
 
@@ -118,8 +119,15 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _watchdog_store(timeout_s: float):
+    """A store client of its own on the launcher's rendezvous store (MASTER_ADDR:MASTER_PORT): the
+    watchdog's short read timeout stays off the process group's store."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int,
-                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> ParallelInfo:
+                  timeout_s: float = COLLECTIVE_TIMEOUT_S, watchdog_s: float = 0.0) -> ParallelInfo:
     """Initialise torch.distributed, megatron's model-parallel groups and RNG, and CPU compat.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK for the GPU) when a launcher
@@ -127,6 +135,8 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int,
     returns the current layout; with another layout it raises (call destroy_parallel first).
     ``timeout_s`` (parallel.collective_timeout_s) bounds every collective of the world group and
     megatron's groups: a stalled rank makes the others raise instead of waiting forever.
+    ``watchdog_s`` (parallel.watchdog_s; 0: off): a launched multi-rank world also runs the heartbeat
+    watchdog (pfppo_mega.watchdog), which names a rank silent that long and ends this one.
     """
     global _state
     from megatron.core import parallel_state
@@ -160,6 +170,8 @@ def init_parallel(*, tp: int, pp: int, backend: str = "auto", seed: int,
         distributed_timeout_minutes=timeout_s / 60,  # megatron builds timedelta(minutes=...) of it
     )
     megatron_cpu.model_parallel_manual_seed(seed)
+    if watchdog_s and world_size > 1 and _launched_by_env():
+        watchdog.start(_watchdog_store, rank=rank, world_size=world_size, stall_s=watchdog_s)
 
     info = ParallelInfo(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, device=device,
                         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -181,6 +193,7 @@ def destroy_parallel() -> None:
 
     if _state is None:
         return
+    watchdog.stop()
     parallel_state.destroy_model_parallel()
     if _state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

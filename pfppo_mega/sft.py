@@ -201,7 +201,7 @@ def run_sft(cfg: Config, *, log=print) -> Path:
     task = AdditionTask.from_config(cfg.data)
     par = init_parallel(tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
                         backend=cfg.parallel.backend, seed=cfg.training.seed,
-                        timeout_s=cfg.parallel.collective_timeout_s)
+                        timeout_s=cfg.parallel.collective_timeout_s, watchdog_s=cfg.parallel.watchdog_s)
     actor = gpt.build_actor(model_cfg, device=par.device)
     if s.init_gain:
         fan_in_init(actor, s.init_gain, tp=cfg.parallel.tensor_model_parallel_size)

@@ -26,9 +26,9 @@ LAYERS = (
     ("models", ("models",)),         # megatron models, HF import/export, resharding
     ("math", ("kernels", "ppo")),    # fused ops and pure-torch math
     ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "pinned",
-              "_C")),
+              "watchdog", "_C")),
     # groups and collectives, shims, the typed tree, shared types, names and limits, exactly pinned host
-    # buffers; _C: the C++ ops
+    # buffers, the stalled-rank watchdog; _C: the C++ ops
 )
 # Same-layer imports between packages: importer -> what it may import (nothing else sideways).
 SIDEWAYS = {
@@ -40,7 +40,8 @@ SIDEWAYS = {
     "rewards": {"tasks"},            # ... and its verifier (rewards/task.py)
     "pool": {"rollout"},             # a snapshot is a WeightSource of buckets in the rollout layout
     "kernels": {"ppo"},              # the backends take the pure-torch references' arguments
-    "parallel": {"compat", "constants"},  # megatron-core on a CPU torch; the default collective timeout
+    "parallel": {"compat", "constants", "watchdog"},  # megatron-core on a CPU torch; the default collective
+                                                      # timeout; the heartbeat watchdog it starts
     "config": {"constants", "registry"},  # the tree's choices and limits; registered names
 }
 # DESIGN.md's words beyond the order: "trainer/ ... owns no ... task code".

@@ -215,6 +215,11 @@ class ParallelConfig(Section):
         "that stalls (SIGSTOP, a hung kernel, a dead node) ends the job with an error naming this key instead of "
         "leaving the others waiting. Refits have their own bound, actor_rollout.refit_timeout_s."
     )
+    watchdog_s: float = opt(
+        120.0, "Heartbeat watchdog (multi-rank runs): a rank whose heartbeat has not moved for this many seconds "
+               "(stopped, hung in a collective, a frozen node) is named by its peers, which end with exit status "
+               "75 instead of waiting collective_timeout_s. 0 = off. Independent of collective_timeout_s, which "
+               "still covers slow collectives.")
     sequence_parallel: bool = opt(
         False, "Megatron sequence parallelism: activations outside attention / MLP split over the TP ranks "
                "along the sequence. Needs tensor_model_parallel_size > 1 and GPUs (refused on CPU at start).")
@@ -236,6 +241,7 @@ class ParallelConfig(Section):
     def _check(self, p: list[Problem]) -> None:
         _range(p, "tensor_model_parallel_size", self.tensor_model_parallel_size, ge=1, le=C.MAX_PARALLEL)
         _range(p, "collective_timeout_s", self.collective_timeout_s, gt=0, le=C.MAX_REFIT_TIMEOUT_S)
+        _range(p, "watchdog_s", self.watchdog_s, ge=0, le=C.MAX_REFIT_TIMEOUT_S)
         _range(p, "pipeline_model_parallel_size", self.pipeline_model_parallel_size, ge=1,
                le=C.MAX_PARALLEL)
         _range(p, "virtual_pipeline_size", self.virtual_pipeline_size, ge=2, le=C.MAX_PARALLEL, optional=True)
@@ -487,7 +493,11 @@ class AlgorithmConfig(Section):
         _range(p, "kl_coeff", self.kl_coeff, ge=0)
         _range(p, "clip_ratio", self.clip_ratio, gt=0, lt=1)
         for key in ("clip_ratio_low", "clip_ratio_high"):  # when set apart from clip_ratio
-            if getattr(self, key) != self.clip_ratio:
+            if key == "clip_ratio_low" and self.policy_loss == "cispo":
+                # CISPO clips the detached ratio weight only; verl's canonical setting is
+                # clip_ratio_low = 10 (1 - 10 < 0 < ratio: no lower clip), so any eps_low > 0 is valid
+                _range(p, key, self.clip_ratio_low, gt=0)
+            elif getattr(self, key) != self.clip_ratio:
                 _range(p, key, getattr(self, key), gt=0, lt=1)
         _range(p, "dual_clip_c", self.dual_clip_c, gt=1, optional=True)
         _range(p, "lmbda", self.lmbda, ge=0, le=1)

@@ -238,7 +238,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
 
     # --- parallel state (one place), then models and optimizers
     par = init_parallel(tp=tp, pp=pp, backend=cfg.parallel.backend, seed=cfg.training.seed,
-                        timeout_s=cfg.parallel.collective_timeout_s)
+                        timeout_s=cfg.parallel.collective_timeout_s, watchdog_s=cfg.parallel.watchdog_s)
     # The device rule (docs/scaling.md): everything that meets a model lives on the models' device;
     # collectives run on their group's device (pfppo_mega.parallel). PFPPO_DEVICE_CHECK=1 checks it.
     device = par.device
