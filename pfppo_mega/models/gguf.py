@@ -14,10 +14,17 @@ failed import leaves no half-written checkpoint.
 Supported (anything else is refused by name before any tensor is read):
 
 - architectures: ``llama`` (also Mistral-style files, which llama.cpp writes as llama), ``qwen2``,
-  ``qwen3``; dense, SwiGLU, full RoPE (``rope.dimension_count`` = head_dim), no RoPE scaling;
-- tensor types: QUANT_TYPES below (dequantised by ``gguf.quants.dequantize``);
+  ``qwen3``; dense, SwiGLU, full RoPE (``rope.dimension_count`` = head_dim);
+- RoPE scaling: none, ``linear`` (``{arch}.rope.scaling.type`` + ``.factor``), and Llama-3.1's
+  ``llama3``, which llama.cpp's converter writes as a ``rope_freqs.weight`` tensor of per-frequency
+  divisors (no metadata key): the import recovers ``factor``, ``low_freq_factor``, ``high_freq_factor``
+  and ``original_max_position_embeddings`` from it (``llama3_rope_from_factors``) and writes them to
+  config.json's ``rope_scaling``; divisors no llama3 setting reproduces are refused;
+- tensor types: QUANT_TYPES below (dequantised by ``gguf.quants.dequantize``, K-quants included);
 - tokenizers: byte-level BPE (``tokenizer.ggml.model = gpt2``) with a pre-tokenizer of
-  PRE_TOKENIZERS.
+  PRE_TOKENIZERS (GPT-2's regex, SmolLM's digit split, Qwen2's and Llama-3's regex splits), and
+  SentencePiece vocabularies (``tokenizer.ggml.model = llama``: Llama-2, Mistral), built as a BPE
+  with byte fallback whose merge order is the tokens' scores (``sentencepiece_tokenizer``).
 
 A damaged file is refused by name before anything is written: a tensor's bytes outside the data
 section or shared with another tensor, a tensor missing or a layer beyond ``block_count`` (or one
@@ -69,9 +76,18 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True),
                  "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
 
 # tokenizer.ggml.pre -> how text is split before the byte-level BPE (llama.cpp's llama-vocab.cpp):
-# "digits" = every digit its own piece, then GPT-2's regex (StarCoder / SmolLM); "gpt2" = GPT-2's regex.
+# "digits" = every digit its own piece, then GPT-2's regex (StarCoder / SmolLM); "gpt2" = GPT-2's regex;
+# "qwen2" / "llama3" = the regex of SPLIT_REGEX (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 / _LLAMA3).
 PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
-                  "refact": "digits"}
+                  "refact": "digits", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+                  "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3"}
+# The split regexes, as llama.cpp (llama-vocab.cpp) and the models' own tokenizer.json write them. They
+# differ only in the digits: Qwen2 splits every digit, Llama-3 runs of up to three.
+_SPLIT_TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLIT_REGEX = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" + _SPLIT_TAIL,
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|" + _SPLIT_TAIL,
+}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -84,7 +100,9 @@ _LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight":
                 "ffn_down.weight": "mlp.down_proj.weight"}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling as llama.cpp writes it: [head_dim / 2] divisors
 
 # The tensors every file must hold: the top ones, and in each of block_count layers the base ones plus the
 # architecture's own (qwen2: q/k/v biases; qwen3: q/k norms). output.weight is optional (absent: tied).
@@ -180,8 +198,9 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     if int(rope_dim) != head_dim:
         problems.append(f"{a}.rope.dimension_count = {rope_dim} (partial rotary; only = head_dim {head_dim})")
     scaling = f.get(f"{a}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        problems.append(f"{a}.rope.scaling.type = {scaling!r} (only 'none')")
+    if scaling not in ("none", None, "linear"):
+        problems.append(f"{a}.rope.scaling.type = {scaling!r} (only 'none', 'linear', and llama3 as a "
+                        f"{_ROPE_FREQS} tensor)")
     if int(f.get(f"{a}.attention.value_length", head_dim)) != head_dim:
         problems.append(f"{a}.attention.value_length = {f.get(f'{a}.attention.value_length')} (must equal key_length)")
     for key in (f"{a}.expert_count", f"{a}.attention.sliding_window"):
@@ -210,11 +229,96 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{f.path}: neither {a}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
+    rope_scaling = _rope_scaling(f, head_dim, cfg["rope_theta"])
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
     for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id"),
                         ("tokenizer.ggml.padding_token_id", "pad_token_id")):
         if f.get(key) is not None:
             cfg[hf_key] = int(f.get(key))
     return cfg
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """The [head_dim / 2] divisors llama.cpp's converter writes as rope_freqs.weight for llama3 scaling
+    (each inverse frequency f_i is divided by one): wavelength w_i = 2 pi / f_i; 1 below
+    orig / high_freq_factor, factor above orig / low_freq_factor, 1 / ((1 - s) / factor + s) between,
+    s = (orig / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+    wavelen = 2 * np.pi / inv
+    orig = float(original_max_position_embeddings)
+    smooth = (orig / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < orig / high_freq_factor, 1.0, out)
+    return np.where(wavelen > orig / low_freq_factor, factor, out)
+
+
+def llama3_rope_from_factors(factors: np.ndarray, head_dim: int, theta: float,
+                             original_max_position_embeddings: int) -> dict[str, Any] | None:
+    """config.json's llama3 rope_scaling whose divisors (llama3_rope_factors) equal `factors` (rtol 1e-4),
+    or None. The divisors fix only the two band edges (orig / low, orig / high) and `factor`, not orig
+    itself: orig is taken as given (the file's rope.scaling.original_context_length, else Llama-3.1's
+    8192), low and high fitted. Tried first: Llama-3.1/3.2/3.3's own low = 1, high = 4."""
+    factors = np.asarray(factors, dtype=np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    orig = float(original_max_position_embeddings)
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    candidates = [(1.0, 4.0)]
+    medium = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if medium.sum() >= 2:  # s_i = (1/r_i - 1/factor) / (1 - 1/factor) is linear in orig / w_i
+        s = (1.0 / factors[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        x = orig * inv[medium] / (2 * np.pi)   # orig / w_i
+        slope, icpt = np.polyfit(x, s, 1)     # s = x / (high - low) - low / (high - low)
+        if slope > 0:
+            width = 1.0 / slope
+            candidates.append((-icpt * width, -icpt * width + width))
+    for low, high in candidates:
+        if low <= 0 or high <= low:
+            continue
+        got = llama3_rope_factors(head_dim, theta, factor, low, high, int(orig))
+        if np.allclose(got, factors, rtol=1e-4, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": round(float(low), 6),
+                    "high_freq_factor": round(float(high), 6),
+                    "original_max_position_embeddings": int(orig)}
+    return None
+
+
+def _rope_scaling(f: GGUFFile, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """config.json's rope_scaling: linear from {arch}.rope.scaling.*, llama3 from the rope_freqs tensor."""
+    a = f.arch
+    freqs = next((t for t in f.tensors if t.name == _ROPE_FREQS), None)
+    if f.get(f"{a}.rope.scaling.type") == "linear":
+        if freqs is not None:
+            raise GGUFError(f"{f.path}: {a}.rope.scaling.type = 'linear' and a {_ROPE_FREQS} tensor (llama3 "
+                            f"scaling): two RoPE scalings; the file is inconsistent, convert it again")
+        factor = f.get(f"{a}.rope.scaling.factor")
+        if factor is None or not float(factor) > 0:
+            raise GGUFError(f"{f.path}: {a}.rope.scaling.type = 'linear' needs {a}.rope.scaling.factor > 0 "
+                            f"(found {factor!r})")
+        return {"rope_type": "linear", "factor": float(factor)}
+    if freqs is None:
+        return None
+    if a != "llama":
+        raise GGUFError(f"{f.path}: tensor {_ROPE_FREQS} (llama3 RoPE scaling) in a {a} file: only llama files "
+                        f"carry it here")
+    if freqs.tensor_type.name != "F32" or [int(d) for d in freqs.shape] != [head_dim // 2]:
+        raise GGUFError(f"{f.path}: tensor {_ROPE_FREQS} is {freqs.tensor_type.name} {[int(d) for d in freqs.shape]}, "
+                        f"but llama3 RoPE scaling is F32 [head_dim / 2] = [{head_dim // 2}]")
+    values = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+    if not np.isfinite(values).all() or (values <= 0).any():
+        raise GGUFError(f"{f.path}: tensor {_ROPE_FREQS} holds non-positive or non-finite divisors: damaged")
+    if np.allclose(values, 1.0):
+        return None
+    orig = int(f.get(f"{a}.rope.scaling.original_context_length", 8192))
+    found = llama3_rope_from_factors(values, head_dim, theta, orig)
+    if found is None:
+        raise GGUFError(f"{f.path}: tensor {_ROPE_FREQS} = {np.round(values, 4).tolist()[:8]}... is no llama3 RoPE "
+                        f"scaling (divisors 1 for short wavelengths, `factor` for long ones, smooth between; "
+                        f"rope.freq_base {theta}, original context {orig}): not supported")
+    return found
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -246,10 +350,10 @@ def check_tensors(f: GGUFFile) -> None:
     if bad_type:
         raise GGUFError(f"{f.path}: tensor types {', '.join(bad_type)} are not supported (supported: "
                         f"{', '.join(QUANT_TYPES)})")
-    unknown = [t.name for t in f.tensors if hf_name(t.name) is None]
+    unknown = [t.name for t in f.tensors if hf_name(t.name) is None and t.name != _ROPE_FREQS]
     if unknown:
         raise GGUFError(f"{f.path}: tensors {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} have no "
-                        f"Hugging Face counterpart here (e.g. rope_freqs = RoPE scaling; MoE experts): not supported")
+                        f"Hugging Face counterpart here (e.g. MoE experts): not supported")
 
 
 def check_regions(f: GGUFFile) -> None:
@@ -333,6 +437,8 @@ def iter_hf_tensors(f: GGUFFile, cfg: dict[str, Any]) -> Iterator[tuple[str, Ten
     permuted = ARCHITECTURES[f.arch][2]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in f.tensors:
+        if t.name == _ROPE_FREQS:  # config.json's rope_scaling (hf_config), not a weight
+            continue
         w = dequantize(t)
         bad = int((~torch.isfinite(w)).sum())
         if bad:
@@ -370,18 +476,15 @@ def check_merges(f: GGUFFile, merges: Any, vocab: dict[str, int]) -> list[tuple[
     return out
 
 
-def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
-    """(tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary; GGUFError for a
-    tokenizer kind or pre-tokenizer the import does not build."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def byte_level_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
+    """tokenizer.ggml.model = gpt2: byte-level BPE from the file's merges, split before it as
+    tokenizer.ggml.pre says (PRE_TOKENIZERS)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    kind, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise GGUFError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (only 'gpt2': byte-level BPE)")
+    pre = f.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{f.path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
                         f"{', '.join(PRE_TOKENIZERS)})")
-    tokens = list(f.need("tokenizer.ggml.tokens"))
     vocab = _byte_level_vocab(tokens)
     merges = check_merges(f, f.need("tokenizer.ggml.merges"), vocab)
     try:
@@ -389,12 +492,91 @@ def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
     except Exception as e:  # the tokenizers library's own refusal, named with the keys it read
         raise GGUFError(f"{f.path}: tokenizer.ggml.tokens / tokenizer.ggml.merges do not make a BPE tokenizer "
                         f"({type(e).__name__}: {e}); the file's tokenizer is damaged, convert it again") from None
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if PRE_TOKENIZERS[pre] == "digits" else byte_level)
+    split = PRE_TOKENIZERS[pre]
+    if split in SPLIT_REGEX:  # the regex isolates the pieces; ByteLevel then only maps bytes to its alphabet
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLIT_REGEX[split]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                             if split == "digits" else byte_level)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges that reproduce SentencePiece's (and llama.cpp's) BPE on this vocabulary: it joins,
+    among adjacent pieces whose concatenation is a token, the one whose token scores highest. So every
+    split (left, right) of a normal or user-defined token into two such tokens is a merge, ranked by
+    the joined token's score (higher first; ties by token id). Control, unknown, byte and unused tokens
+    are never formed by merging (SentencePiece matches them only whole, or as byte fallback)."""
+    mergeable = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for tok, i in mergeable.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-float(scores[i]), i, mergeable[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def sentencepiece_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
+    """tokenizer.ggml.model = llama (Llama-2, Mistral): SentencePiece BPE as a tokenizers BPE with byte
+    fallback (<0xXX> tokens), merges from tokenizer.ggml.scores (sentencepiece_merges). Spaces become
+    U+2581 and, with tokenizer.ggml.add_space_prefix (default true), one is put before each piece of
+    text: the start and after every special token, as llama.cpp does and Llama-2's own tokenizer.json
+    (Prepend + Replace normalizers) does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = f.need("tokenizer.ggml.scores")
+    types = f.need("tokenizer.ggml.token_type")
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise GGUFError(f"{f.path}: tokenizer.ggml.scores ({len(scores)}) / tokenizer.ggml.token_type ({len(types)}) "
+                        f"do not have one entry per token of tokenizer.ggml.tokens ({len(tokens)}): the file's "
+                        f"tokenizer is damaged, convert it again")
+    types = [int(t) for t in types]
+    if len(set(tokens)) != len(tokens):
+        dup = next(t for i, t in enumerate(tokens) if t in tokens[:i])
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens holds {dup!r} twice: the file's tokenizer is damaged")
+    unk_id = f.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is None and _UNKNOWN in types:
+        unk_id = types.index(_UNKNOWN)
+    if unk_id is not None and not 0 <= int(unk_id) < len(tokens):
+        raise GGUFError(f"{f.path}: tokenizer.ggml.unknown_token_id = {unk_id} is outside the vocabulary "
+                        f"(0..{len(tokens) - 1})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sentencepiece_merges(tokens, [float(x) for x in scores], types)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token=None if unk_id is None else tokens[int(unk_id)],
+                               fuse_unk=True, byte_fallback=True))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = None
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(dec + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return tok
+
+
+# tokenizer.ggml.model -> the builder of its tokenizers.Tokenizer
+TOKENIZER_MODELS = {"gpt2": byte_level_tokenizer, "llama": sentencepiece_tokenizer}
+
+
+def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary; GGUFError for a
+    tokenizer kind or pre-tokenizer the import does not build."""
+    from tokenizers import AddedToken
+
+    kind = f.get("tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2' = "
+                        f"byte-level BPE, 'llama' = SentencePiece)")
+    tokens = list(f.need("tokenizer.ggml.tokens"))
+    tok = TOKENIZER_MODELS[kind](f, tokens)
     types = list(f.get("tokenizer.ggml.token_type") or [])
-    special = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+    # control tokens (and SentencePiece's unknown token) stay whole and are special
+    special = [t for t, ty in zip(tokens, types) if ty == _CONTROL or (kind == "llama" and ty == _UNKNOWN)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
     if user:
