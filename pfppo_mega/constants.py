@@ -15,7 +15,10 @@ KERNEL_MODES = ("auto", "torch", "fused")  # kernels
 TASKS = ("addition",)  # data.task
 ADDITION_FORMATS = ("plain", "padded", "reversed")  # data.addition_format (tasks/addition.py)
 DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / Parquet prompt files
-OVERLONG_PROMPTS = ("filter", "error")  # data.overlong_prompts: drop (counted) or refuse at start
+OVERLONG_PROMPTS = ("filter", "error", "left", "right", "middle")  # data.overlong_prompts: drop (counted), refuse
+# at start, or cut to max_prompt_length as verl's data.truncation does (left: keep the end; right: keep the start;
+# middle: keep both ends)
+LR_SCHEDULES = ("constant", "cosine")  # training.lr_schedule after the warm-up (verl's lr_scheduler_type)
 # Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.
 REWARD_SCORERS = ("gsm8k", "math", "exact_match", "math_dapo")
 ALGORITHMS = ("ppo",)  # algorithm.name
@@ -32,10 +35,11 @@ POOL_ASSIGN = ("group", "step")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 # Token-loss aggregation (algorithm.loss_agg_mode, ppo/losses.py, the fused policy loss);
-# seq-mean-token-sum-norm is Dr.GRPO's: the token sum over a constant (algorithm.loss_scale_factor).
+# seq-mean-token-sum-norm is Dr.GRPO's (verl 0.9.1): the token sum over the step's rows with a token
+# and over a constant (algorithm.loss_scale_factor).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # the modes the C++/CUDA policy-loss op computes itself; kernels/backends.py maps
-# seq-mean-token-sum-norm onto seq-mean-token-sum times (rows / constant)
+# seq-mean-token-sum-norm onto seq-mean-token-sum / constant
 KERNEL_LOSS_AGG_MODES = LOSS_AGG_MODES[:3]
 # Policy losses a config may choose (algorithm.policy_loss, trainer/policy_loss.py; verl's names);
 # "tis" is chosen by algorithm.pool.is_mode, not here. verl's "vanilla" is ppo_clip.

@@ -327,7 +327,8 @@ def test_unknown_key_lists_valid_keys():
     p = only_problem(with_base(parallel={"zzz": 1}))
     assert p.key == "parallel.zzz"
     assert p.rule == ("unknown key; valid keys of section parallel: "
-                      "tensor_model_parallel_size, pipeline_model_parallel_size, backend, collective_timeout_s, sequence_parallel, "
+                      "tensor_model_parallel_size, pipeline_model_parallel_size, backend, collective_timeout_s, watchdog_s, "
+                      "sequence_parallel, "
                       "use_distributed_optimizer, virtual_pipeline_size")
 
 

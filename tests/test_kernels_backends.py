@@ -56,8 +56,8 @@ def _ref_policy_loss(logp, old_logp, adv, mask, is_weights, *, clip_ratio_low, c
         loss = (pg * m).sum() / tokens
     elif loss_agg_mode == "seq-mean-token-sum":
         loss = (pg * m).sum() / rows
-    elif loss_agg_mode == "seq-mean-token-sum-norm":  # over the padded width (no loss_scale_factor given)
-        loss = (pg * m).sum() / logp.shape[-1]
+    elif loss_agg_mode == "seq-mean-token-sum-norm":  # verl 0.9.1: over the rows with a token and the padded width
+        loss = (pg * m).sum() / rows / logp.shape[-1]
     else:
         loss = ((pg * m).sum(dim=1) / row_tokens.clamp(min=1)).sum() / rows
 

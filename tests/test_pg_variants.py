@@ -1,6 +1,6 @@
 """verl's policy losses (pfppo_mega.ppo.pg_variants, registered in trainer/policy_loss.py) against
-float64 references written from the formulas (verl/trainer/ppo/core_algos.py at b178a3c), token
-by token in plain Python, on ragged masks with NaN padding; with and without behaviour IS
+float64 references written from the formulas (verl/trainer/ppo/core_algos.py at b178a3c; GSPO's
+aggregation and seq-mean-token-sum-norm as verl 0.9.1), token by token in plain Python, on ragged masks with NaN padding; with and without behaviour IS
 weights (PF-PPO), through the registry as the trainer calls them; seq-mean-token-sum-norm."""
 
 import math
@@ -50,7 +50,8 @@ def _w(w, i, t):
     return 1.0 if w is None else _tok(w, i, t)
 
 
-def ref_gspo(logp, old, adv, w):
+def ref_gspo(logp, old, adv, w, agg=_token_mean):
+    """verl 0.9.1: the sequence ratio, no token clamp, aggregated by loss_agg_mode (token-mean default)."""
     rows = []
     for i, n in enumerate(LENGTHS):
         if not n:
@@ -59,7 +60,7 @@ def ref_gspo(logp, old, adv, w):
         s = math.exp(min(sum(_tok(logp, i, t) - _tok(old, i, t) for t in range(n)) / n, 10.0))
         rows.append([max(-_tok(adv, i, t) * s, -_tok(adv, i, t) * min(max(s, 1 - EPS_LOW), 1 + EPS_HIGH))
                      * _w(w, i, t) for t in range(n)])
-    return _seq_mean(rows)
+    return agg(rows)
 
 
 def ref_cispo(logp, old, adv, w):
@@ -159,6 +160,8 @@ def test_losses_match_the_formulas(weights):
         logp, old, adv, m, w = _inputs(seed, weights)
         cases = {
             "gspo": (lambda: pgv.gspo_loss(logp, old, adv, m, **clip, is_weights=w), ref_gspo(logp, old, adv, w)),
+            "gspo_seq": (lambda: pgv.gspo_loss(logp, old, adv, m, **clip, loss_agg_mode="seq-mean-token-mean",
+                                               is_weights=w), ref_gspo(logp, old, adv, w, _seq_mean)),
             "cispo": (lambda: pgv.cispo_loss(logp, old, adv, m, **clip, **agg, is_weights=w),
                       ref_cispo(logp, old, adv, w)),
             "gpg": (lambda: pgv.gpg_loss(logp, adv, m, **agg, is_weights=w), ref_gpg(logp, adv, w)),
@@ -179,12 +182,14 @@ def test_losses_match_the_formulas(weights):
             assert torch.isfinite(logp.grad).all() and (logp.grad[m == 0] == 0).all(), name
 
 
-def test_gspo_gradient_is_the_sequence_ratio_gradient():
-    """sg[s_i] pi / sg[pi] per token, token-averaged, has the gradient of the sequence loss
-    max(-A s_i, -A clip(s_i)) with s_i = exp(mean_t log r) (one advantage per row, as GRPO's)."""
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_gspo_gradient_is_the_sequence_ratio_gradient(mode):
+    """sg[s_i] pi / sg[pi] per token, aggregated, has the gradient of the sequence loss
+    max(-A s_i, -A clip(s_i)) with s_i = exp(mean_t log r) (one advantage per row, as GRPO's),
+    weighted 1 / rows (seq-mean-token-mean) or n_i / tokens (token-mean, verl 0.9.1's default)."""
     logp, old, _, m, _ = _inputs(4)
     adv = torch.tensor([0.7, -1.2, 0.4, 0.0, -0.3], dtype=torch.float64)[:, None].expand(B, T).clone()
-    loss, _ = pgv.gspo_loss(logp, old, adv, m, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH)
+    loss, _ = pgv.gspo_loss(logp, old, adv, m, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, loss_agg_mode=mode)
     loss.backward()
     got = logp.grad.clone()
     lp = logp.detach().clone().requires_grad_()
@@ -193,8 +198,9 @@ def test_gspo_gradient_is_the_sequence_ratio_gradient():
         if n:
             s = torch.exp((lp[i, :n] - old[i, :n]).mean())
             a = adv[i, 0]
-            terms.append(torch.maximum(-a * s, -a * s.clamp(1 - EPS_LOW, 1 + EPS_HIGH)))
-    torch.stack(terms).mean().backward()
+            weight = 1 / 4 if mode == "seq-mean-token-mean" else n / sum(LENGTHS)  # 4 rows with tokens
+            terms.append(weight * torch.maximum(-a * s, -a * s.clamp(1 - EPS_LOW, 1 + EPS_HIGH)))
+    torch.stack(terms).sum().backward()
     want = torch.where(m.bool(), lp.grad, torch.zeros_like(lp.grad))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
@@ -256,10 +262,12 @@ def test_policy_loss_config_keys():
                                               "algorithm.pool.is_mode=tis"])
 
 
-def test_seq_mean_token_sum_norm_is_the_token_sum_over_the_constant():
+def test_seq_mean_token_sum_norm_is_the_token_sum_over_rows_and_the_constant():
+    """verl 0.9.1: sum / global_batch_size / loss_scale_factor, global_batch_size = the rows with a
+    token (4 of the 5 here)."""
     logp, old, adv, m, _ = _inputs(8)
     loss_mat = (adv * 0.3).detach()
-    want = sum(float(loss_mat[i, t]) for i, n in enumerate(LENGTHS) for t in range(n)) / 12.0
+    want = sum(float(loss_mat[i, t]) for i, n in enumerate(LENGTHS) for t in range(n)) / 4 / 12.0
     assert ppo.agg_loss(loss_mat, m, mode="seq-mean-token-sum-norm", loss_scale_factor=12).item() == \
         pytest.approx(want, rel=1e-14)
     # verl's default constant: the padded width

@@ -275,8 +275,8 @@ def ref_agg(loss_rows, mode, width=T):
     nonempty = [r for r in loss_rows if r]
     if not nonempty:
         return 0.0
-    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO as verl: every token's loss over a constant (the padded width)
-        return sum(sum(r) for r in nonempty) / width
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO as verl 0.9.1: the token sum / rows with a token / the padded width
+        return sum(sum(r) for r in nonempty) / len(nonempty) / width
     if mode == "token-mean":
         return sum(sum(r) for r in nonempty) / sum(len(r) for r in nonempty)
     if mode == "seq-mean-token-sum":

@@ -386,6 +386,10 @@ class FilterGroupsConfig(Section):
     is full."""
 
     enable: bool = opt(False, "Drop prompt groups whose n_samples_per_prompt rewards are all equal; refill.")
+    gen_batch_size: Optional[int] = opt(
+        None, "Prompts generated per round (verl's data.gen_batch_size), at least training.rollout_batch_size: "
+              "each round draws this many, the groups that disagree are kept, and the first "
+              "rollout_batch_size kept are trained on (verl's DAPO trainer). null: rollout_batch_size.")
     max_num_gen_batches: int = opt(
         10, "Most generation rounds per step (the first included); when still short, the batch is filled "
             "with dropped groups (they add no gradient to a group estimator), counted in dapo/filled_groups. "
@@ -394,6 +398,7 @@ class FilterGroupsConfig(Section):
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "max_num_gen_batches", self.max_num_gen_batches, ge=0, le=C.MAX_COUNT)
+        _range(p, "gen_batch_size", self.gen_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
 
 
 @dataclass
@@ -427,14 +432,16 @@ class AlgorithmConfig(Section):
     value_clip: Optional[float] = opt(0.2, "Clip range of the value update; null = unclipped.")
     entropy_coeff: float = opt(0.0, "Entropy bonus weight (>= 0).")
     loss_agg_mode: str = opt("token-mean", "How token losses are averaged: token-mean, seq-mean-token-sum, "
-                             "seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO: the token sum over the "
-                             "constant loss_scale_factor, as verl).")
+                             "seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO, as verl 0.9.1: the summed token "
+                             "losses over the rows with a token of the optimizer step's batch and over the constant "
+                             "loss_scale_factor; exact under micro-batching and data parallelism).")
     loss_scale_factor: Optional[float] = opt(None, "seq-mean-token-sum-norm's constant (> 0); null = "
                                                    "max_response_length (verl: the padded response length).")
     policy_loss: str = opt("ppo_clip", "Policy loss (verl's names; 'vanilla' = ppo_clip): ppo_clip, gspo "
                            "(sequence ratio), sapo (smooth gate), gpg (plain -logp A), clip_cov, kl_cov, "
-                           "geo_mean (GMPO), cispo. gspo, sapo and geo_mean aggregate seq-mean-token-mean "
-                           "whatever loss_agg_mode, as verl. PF-PPO's is_mode tis is its own loss (ppo_clip only).")
+                           "geo_mean (GMPO), cispo. gspo aggregates with loss_agg_mode (verl 0.9.1); sapo and geo_mean "
+                           "aggregate seq-mean-token-mean whatever loss_agg_mode (an older verl's rule, docs/verl.md). "
+                           "PF-PPO's is_mode tis is its own loss (ppo_clip only).")
     clip_cov_ratio: float = opt(0.0002, "clip_cov: fraction of tokens whose gradient is cut, in (0, 1].")
     clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of the covariance of a token that may be cut.")
     clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of that covariance (> clip_cov_lb).")
@@ -691,6 +698,22 @@ class TrainingConfig(Section):
               "parameters and their names do not change. Not read on GPUs or for bf16 (megatron's layers); "
               "false: megatron's layers everywhere.")
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
+    lr_warmup_steps: Optional[int] = opt(
+        None, "Linear learning-rate warm-up: the lr of an optimizer's k-th update step (k = 0, 1, ...; one per "
+              "training step) is lr * k / lr_warmup_steps until k reaches it (verl's lr_warmup_steps: the first "
+              "step trains at 0). null: lr_warmup_ratio * total_training_steps (truncated), as verl's -1. Both "
+              "actor and critic; the actor counts from its first update (after critic_warmup_steps).")
+    lr_warmup_ratio: float = opt(0.0, "With lr_warmup_steps null: the warm-up as a fraction of "
+                                      "total_training_steps, in [0, 1) (verl's lr_warmup_steps_ratio).")
+    critic_lr_warmup_ratio: Optional[float] = opt(
+        None, "The critic's own warm-up as a fraction of total_training_steps, in [0, 1) (verl's "
+              "critic.optim.lr_warmup_steps_ratio): int(ratio * total_training_steps) steps, whatever "
+              "lr_warmup_steps says; null: the actor's warm-up (lr_warmup_steps / lr_warmup_ratio).")
+    lr_schedule: str = opt(
+        "constant", "After the warm-up: constant (lr), or cosine (from lr down to min_lr_ratio * lr at "
+                    "total_training_steps, verl's get_cosine_schedule_with_warmup; pfppo_mega/trainer/lr_schedule.py).")
+    min_lr_ratio: float = opt(0.0, "cosine: the floor as a fraction of lr, in [0, 1] (verl's min_lr_ratio). "
+                                   "Not read with constant.")
     seed: int = opt(1, "Seed of every random draw (data, init, sampling).")
     num_threads: int = opt(1, "torch intra-op threads per process on CPU.")
     recompute: str = opt(
@@ -718,7 +741,7 @@ class TrainingConfig(Section):
         "ppo_mini_batch_size": "batch_size",
         "actor_lr": "lr",
     }
-    CHOICES: ClassVar[dict[str, tuple]] = {"recompute": C.RECOMPUTE_MODES}
+    CHOICES: ClassVar[dict[str, tuple]] = {"recompute": C.RECOMPUTE_MODES, "lr_schedule": C.LR_SCHEDULES}
 
     def _check(self, p: list[Problem]) -> None:
         _range(p, "rollout_batch_size", self.rollout_batch_size, ge=1, le=C.MAX_COUNT)
@@ -737,6 +760,10 @@ class TrainingConfig(Section):
                              f"trainer.total_training_steps) = {total}: the warm-up steps "
                              f"update only the critic, so the policy would never change; lower the warm-up or "
                              f"raise the run's steps"))
+        _range(p, "lr_warmup_steps", self.lr_warmup_steps, ge=0, le=C.MAX_STEPS, optional=True)
+        _range(p, "lr_warmup_ratio", self.lr_warmup_ratio, ge=0, lt=1)
+        _range(p, "critic_lr_warmup_ratio", self.critic_lr_warmup_ratio, ge=0, lt=1, optional=True)
+        _range(p, "min_lr_ratio", self.min_lr_ratio, ge=0, le=1)
         _range(p, "micro_batch_size", self.micro_batch_size, ge=1, le=C.MAX_COUNT, optional=True)
         _range(p, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, ge=1, le=C.MAX_COUNT * C.MAX_TOKENS)
         _range(p, "seed", self.seed, ge=0, le=C.MAX_SEED)
@@ -775,7 +802,11 @@ class DataConfig(Section):
     apply_chat_template: bool = opt(True, "Render prompts with the checkpoint's chat template "
                                           "(tokenizer_config.json); a string prompt becomes one user message.")
     overlong_prompts: str = opt("filter", "Prompts longer than max_prompt_length: filter (dropped, "
-                                          "counted and reported at start) or error (refused at start).")
+                                          "counted and reported at start), error (refused at start), or cut "
+                                          "to max_prompt_length tokens (after the chat template) as verl's "
+                                          "data.truncation: left (keep the last tokens), right (keep the "
+                                          "first), middle (keep the first max_prompt_length // 2 and the last "
+                                          "max_prompt_length - max_prompt_length // 2).")
     shuffle: bool = opt(True, "Shuffle the training rows each epoch (seeded by training.seed).")
     addition_format: str = opt(
         "plain", "How the addition task writes problems: plain (123+45= -> 168), padded (every number "
@@ -946,6 +977,17 @@ class Config(Section):
         if self.algorithm.filter_groups.enable and self.actor_rollout.n_samples_per_prompt < 2:
             p.append(Problem("algorithm.filter_groups.enable", True,
                              "needs actor_rollout.n_samples_per_prompt >= 2 (a group of one always agrees)"))
+        fg, prompts = self.algorithm.filter_groups, self.training.rollout_batch_size
+        if isinstance(fg.gen_batch_size, int) and isinstance(prompts, int) and fg.gen_batch_size != prompts:
+            if not fg.enable:
+                p.append(Problem("algorithm.filter_groups.gen_batch_size", fg.gen_batch_size,
+                                 f"differs from training.rollout_batch_size ({prompts}) with "
+                                 f"algorithm.filter_groups.enable false: extra prompts are generated only to "
+                                 f"replace dropped groups; enable filter_groups or set it null"))
+            elif fg.gen_batch_size < prompts:
+                p.append(Problem("algorithm.filter_groups.gen_batch_size", fg.gen_batch_size,
+                                 f"must be >= training.rollout_batch_size ({prompts}): each round generates at "
+                                 f"least the prompts trained on"))
         ob = self.reward.overlong_buffer
         if ob.enable and isinstance(ob.len, int) and ob.len >= self.algorithm.max_response_length >= 1:
             p.append(Problem("reward.overlong_buffer.len", ob.len,

@@ -76,6 +76,7 @@ VERL_DEFAULTS: dict[str, Any] = {
     "critic.optim.lr": 1e-5,
     "critic.optim.weight_decay": 0.01,
     "critic.cliprange_value": 0.5,
+    "critic.optim.lr_warmup_steps_ratio": 0.0,
     f"{A}.megatron.tensor_model_parallel_size": 1,
     "reward_model.enable": False,
     "reward_model.use_reward_loop": True,
@@ -281,7 +282,6 @@ DYNAMIC_BSZ = ("token-budget micro-batching follows actor_rollout_ref.actor.use_
                "change memory and speed only (every loss is normalised over the whole mini-batch). In verl's default "
                "(legacy) workers each micro-batch's token-mean is averaged on its own, so there it also re-weights "
                "tokens slightly")
-NOT_MEGATRON_SCHED = "only used with an lr schedule other than constant (refused)"
 
 
 def _same_as(key: str, label: str) -> Callable[[Any, View], Any]:
@@ -539,6 +539,14 @@ def _dtype(value: Any, v: View) -> Any:
     return names[name]
 
 
+def _rollout_dtype(value: Any, v: View) -> Any:
+    name = _typed(value, str)
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto"}
+    if name not in names:
+        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype)")
+    return names[name]
+
+
 def _overlong(value: Any, v: View) -> Any:
     if _typed(value, bool):
         return Out({"data.overlong_prompts": "filter"}, "prompts over data.max_prompt_length are dropped at start")
@@ -547,12 +555,14 @@ def _overlong(value: Any, v: View) -> Any:
 
 def _truncation(value: Any, v: View) -> Any:
     mode = _typed(value, str)
+    if mode not in ("error", "left", "right", "middle"):
+        raise Bad(f"must be one of 'error', 'left', 'right', 'middle' (verl's data.truncation), got {mode!r}")
     if v.typed("data.filter_overlong_prompts", bool):
         raise Ignore("prompts over max_prompt_length are dropped first (filter_overlong_prompts)")
     if mode == "error":
         return Out({"data.overlong_prompts": "error"}, "a prompt over data.max_prompt_length is refused")
-    raise Refuse(f"truncation {mode!r}: prompts are never truncated here; set data.filter_overlong_prompts=True "
-                 "(dropped) or truncation=error")
+    return Out({"data.overlong_prompts": mode}, f"a prompt over data.max_prompt_length is cut to it at the {mode}, "
+                                                "after the chat template (verl's postprocess_data)")
 
 
 def _files(target: str) -> Callable[[Any, View], Any]:
@@ -570,7 +580,106 @@ def _files(target: str) -> Callable[[Any, View], Any]:
 def _gen_batch(value: Any, v: View) -> Any:
     if value is None or value == v.get("data.train_batch_size"):
         raise Ignore("equal to data.train_batch_size")
-    raise Refuse("generating more prompts than are trained on (DAPO-style dynamic sampling): not implemented here")
+    gen, train = _typed(value, int), v.typed("data.train_batch_size", int)
+    if v.typed("algorithm.filter_groups.enable", Optional[bool]) is not True:
+        raise Refuse(f"{gen} prompts generated per step, {train} trained on, without algorithm.filter_groups."
+                     f"enable: verl's DAPO trainer then trains on all {gen}; set data.train_batch_size={gen} for "
+                     f"that, or algorithm.filter_groups.enable=True for dynamic sampling")
+    if gen < train:
+        raise Refuse(f"fewer prompts generated per round ({gen}) than trained on (data.train_batch_size = {train}): "
+                     "verl's DAPO trainer needs several rounds even when no group is dropped; set gen_batch_size >= "
+                     "train_batch_size")
+    return gen
+
+
+# verl's learning-rate schedule (verl 0.9.1: FSDP workers read warmup_style / lr_scheduler_type and
+# min_lr_ratio, megatron workers lr_decay_style and min_lr; both lr_warmup_steps(_ratio)); ours is
+# training.lr_warmup_steps / lr_warmup_ratio / lr_schedule / min_lr_ratio (trainer/lr_schedule.py),
+# shared by actor and critic except the critic's warm-up fraction (training.critic_lr_warmup_ratio). verl's values of these keys when a config leaves them out:
+OPTIM_DEFAULTS = {"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "warmup_style": None,
+                  "lr_scheduler_type": "constant", "lr_decay_style": "constant", "min_lr_ratio": 0.0,
+                  "min_lr": 0.0, "lr_warmup_init": 0.0, "num_cycles": 0.5, "lr_decay_steps": None}
+SCHEDULES = ("constant", "cosine")
+
+
+def _optim(v: View, section: str, leaf: str) -> Any:
+    value = v.get(f"{section}.optim.{leaf}")
+    return OPTIM_DEFAULTS[leaf] if value is None else value
+
+
+def _warmup_steps(value: Any, v: View) -> Any:
+    if value is None or _typed(value, int) < 0:
+        raise Ignore("verl's -1: the warm-up is lr_warmup_steps_ratio x total_training_steps (see that key)")
+    return Out({"training.lr_warmup_steps": _typed(value, int)},
+               "the k-th actor update (k = 0, 1, ...) runs at lr x k / lr_warmup_steps until k reaches it, as verl")
+
+
+def _warmup_ratio(value: Any, v: View) -> Any:
+    ratio = _typed(value, float)
+    if _typed(_optim(v, A, "lr_warmup_steps"), int) >= 0:
+        raise Ignore("actor_rollout_ref.actor.optim.lr_warmup_steps >= 0 decides")
+    return Out({"training.lr_warmup_ratio": ratio, "training.lr_warmup_steps": None},
+               "warm-up steps = int(ratio x training.total_training_steps), as verl")
+
+
+def _schedule(value: Any, v: View) -> Any:
+    if value is None:
+        raise Ignore("null: lr_scheduler_type decides")
+    name = _typed(value, str)
+    if name not in SCHEDULES:
+        raise Refuse(f"learning-rate schedule {name!r}: constant and cosine only here (training.lr_schedule)")
+    return Out({"training.lr_schedule": name})
+
+
+def _min_lr_ratio(value: Any, v: View) -> Any:
+    if value is None:
+        raise Ignore("null: 0")
+    return Out({"training.min_lr_ratio": _typed(value, float)}, "read with training.lr_schedule cosine")
+
+
+def _min_lr(value: Any, v: View) -> Any:
+    floor = _typed(value, float)
+    if floor == 0:
+        raise Ignore("0: cosine decays to 0, as training.min_lr_ratio's default")
+    lr = v.typed(f"{A}.optim.lr", float)
+    if not lr > 0:
+        raise _Unreadable(f"{A}.optim.lr")  # reported at training.lr (must be > 0)
+    return Out({"training.min_lr_ratio": floor / lr}, f"megatron's absolute floor over optim.lr ({lr})")
+
+
+def _only_default(leaf: str, why: str) -> Callable[[Any, View], Any]:
+    """A schedule detail whose verl default is what our schedule does; another value refused."""
+    def convert(value: Any, v: View) -> Any:
+        if value is None or _same_value(value, OPTIM_DEFAULTS[leaf]) or (
+                leaf == "lr_decay_steps" and value == v.get("trainer.total_training_steps")):
+            raise Ignore(f"{OPTIM_DEFAULTS[leaf]!r}: as here")
+        raise Refuse(why)
+    return convert
+
+
+def _critic_warmup_ratio(value: Any, v: View) -> Any:
+    ratio = _typed(value, float)
+    if v.get("algorithm.adv_estimator") != "gae":
+        raise Ignore(f"no critic with adv_estimator {v.get('algorithm.adv_estimator')!r}")
+    if _typed(_optim(v, "critic", "lr_warmup_steps"), int) >= 0:
+        raise Ignore("critic.optim.lr_warmup_steps >= 0 decides")
+    return Out({"training.critic_lr_warmup_ratio": ratio},
+               "the critic's warm-up steps = int(ratio x training.total_training_steps), apart from the actor's, "
+               "as verl")
+
+
+def _critic_optim(leaf: str) -> Callable[[Any, View], Any]:
+    """A critic schedule key: one schedule here, so it must agree with the actor's."""
+    def convert(value: Any, v: View) -> Any:
+        if v.get("algorithm.adv_estimator") != "gae":
+            raise Ignore(f"no critic with adv_estimator {v.get('algorithm.adv_estimator')!r}")
+        actor = _optim(v, A, leaf)
+        if _same_value(value, actor) or (value is None and OPTIM_DEFAULTS[leaf] == actor):
+            raise Ignore(f"equal to {A}.optim.{leaf} (one learning-rate schedule here, for actor and critic)")
+        raise Refuse(f"differs from {A}.optim.{leaf} = {actor!r}: the learning-rate schedule is one setting "
+                     f"here (training.lr_warmup_steps / lr_schedule / min_lr_ratio, for actor and critic; only the "
+                     f"critic's warm-up ratio is its own); set them equal")
+    return convert
 
 
 def _critic_enable(value: Any, v: View) -> Any:
@@ -587,15 +696,23 @@ def _critic_path(value: Any, v: View) -> Any:
 
 
 def _reward_model(value: Any, v: View) -> Any:
+    """verl 0.9.1 scores a sample with the discriminative reward model alone, on its legacy path and
+    in its reward loop when no custom_reward_function is given (RewardLoopWorker.compute_score);
+    with one, the user's function computes the reward and may query the model (GenRM, hybrids)."""
     if not _typed(value, bool):
         raise Ignore("no reward model")
-    if v.typed("reward_model.use_reward_loop", bool):
-        raise Refuse("verl's reward loop (use_reward_loop=True, its default) lets the reward manager combine the "
-                     "model's and the rule-based scores; set reward.model_path, reward.model_weight and "
-                     "reward.rule_weight instead")
+    loop = v.typed("reward_model.use_reward_loop", bool)
+    if loop and v.get("custom_reward_function.path") is not None:
+        raise Refuse("with verl's reward loop and custom_reward_function.path, the user's function computes the "
+                     "reward and may query the reward model through verl's reward router (a generative reward "
+                     "model needs that); a reward function here cannot query the model. Drop "
+                     "custom_reward_function to train on the model's score alone, or mix the model's and the "
+                     "rule-based scores in our keys: reward.model_path, reward.model_weight, reward.rule_weight")
     path = v.get("reward_model.model.path")
+    where = "verl's reward loop without a custom_reward_function" if loop else "verl's legacy path"
     return Out({"reward.model_path": _typed(path, str), "reward.rule_weight": 0.0},
-               "verl's legacy path trains on the reward model's score alone (reward.rule_weight = 0)")
+               f"{where} trains on the reward model's score alone (reward.rule_weight = 0); it must be a "
+               "sequence classifier sharing the policy's vocabulary (checked at start)")
 
 
 def _reward_manager(value: Any, v: View) -> Any:
@@ -603,27 +720,29 @@ def _reward_manager(value: Any, v: View) -> Any:
     same = {"naive": "each sample scored by its data_source's scorer, as here",
             "prime": "verl's prime manager runs the same scorers in a process pool",
             "batch": "verl's batch manager runs the same scorers on a batch",
-            "dapo": "verl's dapo manager is the naive one plus the overlong buffer (refused if enabled)"}
+            "dapo": "verl's dapo manager is the naive one plus the overlong buffer (reward.overlong_buffer, from "
+                    "its overlong_buffer keys)"}
     if name in same:
         raise Ignore(same[name])
     raise Refuse(f"reward manager {name!r}: only verl's naive scoring (and dapo / prime / batch, which score "
                  "the same) exists here")
 
 
-OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg"
+OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg"  # verl's examples (main_ppo, dapo reward manager)
+OVERLONG_RECIPE = "reward_model.overlong_buffer"  # verl's recipe/dapo (dapo_trainer.yaml): the same three keys
 
 
-def _overlong_on(v: View) -> bool:
-    return v.typed(f"{OVERLONG}.enable", Optional[bool]) is True
+def _overlong_on(v: View, prefix: str = OVERLONG) -> bool:
+    return v.typed(f"{prefix}.enable", Optional[bool]) is True
 
 
-def _overlong_param(target: str) -> Callable[[Any, View], Any]:
+def _overlong_param(target: str, prefix: str = OVERLONG) -> Callable[[Any, View], Any]:
     """A parameter of DAPO's overlong penalty: ours when it is enabled."""
     ours = _when_ours(target)
 
     def convert(value: Any, v: View) -> Any:
-        if not _overlong_on(v):
-            raise Ignore(f"used only with {OVERLONG}.enable=True")
+        if not _overlong_on(v, prefix):
+            raise Ignore(f"used only with {prefix}.enable=True")
         return ours(value, v)
     return convert
 
@@ -811,18 +930,26 @@ RULES: tuple[Rule, ...] = (
     M(f"{A}.optim.betas", "(AdamW betas)", _betas, why='(0.9, 0.999) accepted; others refused'),
     M(f"{A}.optim.optimizer", "(AdamW)", _optimizer, why='adam / AdamW accepted; others refused'),
     I(f"{A}.optim.optimizer_impl", "AdamW here (megatron's)"),
-    R(f"{A}.optim.lr_warmup_steps", "learning-rate warmup: the actor's lr is constant here", ok=(-1, 0, None)),
-    R(f"{A}.optim.lr_warmup_steps_ratio", "learning-rate warmup: the actor's lr is constant here", ok=(0, 0.0)),
-    R(f"{A}.optim.warmup_style", "learning-rate warmup: the actor's lr is constant here", ok=(None, "constant")),
-    R(f"{A}.optim.lr_decay_style", "a learning-rate schedule: constant here", ok=("constant",)),
-    R(f"{A}.optim.lr_scheduler_type", "a learning-rate schedule: constant here", ok=("constant",)),
+    M(f"{A}.optim.lr_warmup_steps", "training.lr_warmup_steps", _warmup_steps, why="-1: the ratio decides"),
+    M(f"{A}.optim.lr_warmup_steps_ratio", "training.lr_warmup_ratio", _warmup_ratio,
+      why="read when lr_warmup_steps < 0, as verl"),
+    M(f"{A}.optim.warmup_style", "training.lr_schedule", _schedule, why="verl's older name of lr_scheduler_type"),
+    M(f"{A}.optim.lr_scheduler_type", "training.lr_schedule", _schedule, why="constant or cosine (FSDP workers)"),
+    M(f"{A}.optim.lr_decay_style", "training.lr_schedule", _schedule,
+      why="constant or cosine (megatron workers); linear, inverse-square-root and WSD refused"),
+    M(f"{A}.optim.min_lr_ratio", "training.min_lr_ratio", _min_lr_ratio, why="cosine's floor over lr"),
+    M(f"{A}.optim.min_lr", "training.min_lr_ratio", _min_lr, why="megatron's absolute floor, over optim.lr"),
+    M(f"{A}.optim.num_cycles", "(cosine: half a cycle)",
+      _only_default("num_cycles", "a cosine of other than half a cycle: training.lr_schedule cosine decays once")),
+    M(f"{A}.optim.lr_decay_steps", "(cosine ends at total_training_steps)",
+      _only_default("lr_decay_steps", "a decay ending before total_training_steps: cosine ends there here")),
+    M(f"{A}.optim.lr_warmup_init", "(warm-up from 0)",
+      _only_default("lr_warmup_init", "a warm-up from a non-zero lr: it starts at 0 here, as verl's default")),
     R(f"{A}.optim.weight_decay_incr_style", "a weight-decay schedule: constant here", ok=("constant",)),
-    I(f"{A}.optim.min_lr", NOT_MEGATRON_SCHED), I(f"{A}.optim.min_lr_ratio", NOT_MEGATRON_SCHED),
-    I(f"{A}.optim.num_cycles", NOT_MEGATRON_SCHED), I(f"{A}.optim.lr_decay_steps", NOT_MEGATRON_SCHED),
-    I(f"{A}.optim.lr_warmup_init", NOT_MEGATRON_SCHED), I(f"{A}.optim.lr_wsd_decay_style", NOT_MEGATRON_SCHED),
-    I(f"{A}.optim.lr_wsd_decay_steps", NOT_MEGATRON_SCHED),
+    I(f"{A}.optim.lr_wsd_decay_style", "WSD schedule only (refused at lr_decay_style)"),
+    I(f"{A}.optim.lr_wsd_decay_steps", "WSD schedule only (refused at lr_decay_style)"),
     I(f"{A}.optim.total_training_steps", "verl fills it in from trainer.total_training_steps"),
-    I(f"{A}.optim.use_checkpoint_opt_param_scheduler", NOT_MEGATRON_SCHED),
+    I(f"{A}.optim.use_checkpoint_opt_param_scheduler", "here the lr is a function of the step, which a resume restores"),
     I(f"{A}.optim.override_optimizer_config.**", "megatron optimizer offload / precision options; " + SPEED),
     I(f"{A}.optim.override_optimizer_config", "megatron optimizer offload / precision options; " + SPEED),
     # ---------------------------------------------------------------- actor: megatron layout
@@ -905,7 +1032,9 @@ RULES: tuple[Rule, ...] = (
     I(f"{R_}.val_kwargs.**", "validation sampling; here every evaluation logs eval/accuracy (sampled at the "
                              "rollout temperature) and eval/accuracy_greedy",
       ("do_sample", "n", "temperature", "top_k", "top_p")),
-    I(f"{R_}.dtype", "the engine's compute dtype (here the policy's model.params_dtype); numerics only"),
+    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="bfloat16 / float32; float16 refused"),
+    M(f"{R_}.enforce_eager", "actor_rollout.enforce_eager", why="vLLM only; speed only"),
+    M(f"{R_}.max_num_seqs", "actor_rollout.max_num_seqs", why="vLLM only; memory and speed only"),
     I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO),
     I(f"{R_}.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO),
     I(f"{R_}.log_prob_use_dynamic_bsz", FORWARD_MICRO),
@@ -913,9 +1042,9 @@ RULES: tuple[Rule, ...] = (
     I(f"{R_}.calculate_log_probs", "the engine's log-probs are always kept here"),
     I(f"{R_}.logprobs_mode", "the engine's log-probs feed only logged statistics and off-policy weights here"),
     *(I(f"{R_}.{k}", "a serving-engine setting; " + SPEED)
-      for k in ("enforce_eager", "cudagraph_capture_sizes", "free_cache_engine", "data_parallel_size",
+      for k in ("cudagraph_capture_sizes", "free_cache_engine", "data_parallel_size",
                 "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len",
-                "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+                "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
                 "load_format", "disable_log_stats", "multi_stage_wake_up", "layered_summon", "skip_dump_dir",
                 "skip_tokenizer_init", "enable_rollout_routing_replay", "mtp")),
     I(f"{R_}.engine_kwargs.**", "a serving-engine setting; " + SPEED),
@@ -962,10 +1091,12 @@ RULES: tuple[Rule, ...] = (
     M("data.max_response_length", "algorithm.max_response_length"),
     M("data.train_batch_size", "training.rollout_batch_size",
       why="prompts per step in both trees"),
-    M("data.gen_batch_size", "(prompts generated per step)", _gen_batch, why='must equal data.train_batch_size (dynamic sampling refused)'),
+    M("data.gen_batch_size", "algorithm.filter_groups.gen_batch_size", _gen_batch,
+      why="prompts per round of DAPO's dynamic sampling (needs algorithm.filter_groups.enable; >= train_batch_size)"),
     M("data.shuffle", "data.shuffle"),
     M("data.filter_overlong_prompts", "data.overlong_prompts", _overlong, why='true: filter'),
-    M("data.truncation", "data.overlong_prompts", _truncation, why='error (without filtering): error; left / right / middle refused'),
+    M("data.truncation", "data.overlong_prompts", _truncation,
+      why="error / left / right / middle (without filtering): the same name; prompts cut as verl does"),
     R("data.tokenizer", "a tokenizer apart from the checkpoint's", ok=(None,)),
     R("data.train_max_samples", "training on a subset of the rows", ok=(-1, None)),
     I("data.val_max_samples", "validation only: here the first data.eval_size rows are scored"),
@@ -1013,16 +1144,16 @@ RULES: tuple[Rule, ...] = (
     I("critic.checkpoint.**", "checkpoints here always hold the models, optimizers and the data position"),
     I("critic.nccl_timeout", "collectives' timeout"),
     R("critic.load_weight", "a critic from random weights", ok=(True,)),
-    R("critic.optim.lr_warmup_steps", "critic learning-rate warmup: constant here", ok=(-1, 0, None)),
-    R("critic.optim.lr_warmup_steps_ratio", "critic learning-rate warmup: constant here", ok=(0, 0.0)),
-    R("critic.optim.warmup_style", "critic learning-rate warmup: constant here", ok=(None, "constant")),
-    R("critic.optim.lr_decay_style", "a critic learning-rate schedule: constant here", ok=("constant",)),
-    R("critic.optim.lr_scheduler_type", "a critic learning-rate schedule: constant here", ok=("constant",)),
+    M("critic.optim.lr_warmup_steps_ratio", "training.critic_lr_warmup_ratio", _critic_warmup_ratio,
+      why="the critic's own warm-up fraction (read when critic.optim.lr_warmup_steps is -1, as verl)"),
+    *(M(f"critic.optim.{k}", f"(= {A}.optim.{k})", _critic_optim(k), why="one schedule for actor and critic: must equal the actor's")
+      for k in ("lr_warmup_steps", "warmup_style", "lr_scheduler_type", "lr_decay_style",
+                "min_lr_ratio", "min_lr", "lr_warmup_init", "num_cycles", "lr_decay_steps")),
     R("critic.optim.weight_decay_incr_style", "a weight-decay schedule: constant here", ok=("constant",)),
     M("critic.optim.betas", "(AdamW betas)", _betas, why='(0.9, 0.999) accepted; others refused'), M("critic.optim.optimizer", "(AdamW)", _optimizer, why='adam / AdamW accepted; others refused'),
-    I("critic.optim.**", NOT_MEGATRON_SCHED,
-      ("lr_decay_steps", "lr_warmup_init", "lr_wsd_decay_steps", "lr_wsd_decay_style", "min_lr", "min_lr_ratio",
-       "num_cycles", "optimizer_impl", "total_training_steps", "use_checkpoint_opt_param_scheduler")),
+    I("critic.optim.**", "WSD schedule, optimizer implementation or bookkeeping",
+      ("lr_wsd_decay_steps", "lr_wsd_decay_style", "optimizer_impl", "total_training_steps",
+       "use_checkpoint_opt_param_scheduler")),
     I("critic.optim.override_optimizer_config.**", SPEED),
     I("critic.optim.override_optimizer_config", SPEED),
     R("critic.model.lora_rank", "LoRA training: not implemented here", ok=(0, None)),
@@ -1040,7 +1171,9 @@ RULES: tuple[Rule, ...] = (
                                               "use_remove_padding", "use_shm", "tiled_mlp.enabled",
                                               "tiled_mlp.num_shards")),
     # ---------------------------------------------------------------- reward
-    M("reward_model.enable", "reward.model_path, reward.rule_weight", _reward_model, why="legacy path (use_reward_loop false): the model's score alone; verl's reward loop refused"),
+    M("reward_model.enable", "reward.model_path, reward.rule_weight", _reward_model,
+      why="the model's score alone (verl's legacy path, and its reward loop without custom_reward_function); "
+          "the reward loop with a custom_reward_function refused"),
     I("reward_model.use_reward_loop", "read with reward_model.enable"),
     I("reward_model.model.path", "read with reward_model.enable"),
     I("reward_model.model.input_tokenizer", "here the reward model must share the policy's vocabulary "
@@ -1056,6 +1189,14 @@ RULES: tuple[Rule, ...] = (
     M(f"{OVERLONG}.penalty_factor", "reward.overlong_buffer.penalty_factor",
       _overlong_param("reward.overlong_buffer.penalty_factor")),
     I(f"{OVERLONG}.log", "logging of the overlong penalty"),
+    M(f"{OVERLONG_RECIPE}.enable", "reward.overlong_buffer.enable",
+      _when_ours("reward.overlong_buffer.enable", (False, None)), why="DAPO's overlong penalty (verl's recipe/dapo "
+      "spelling; it ends at data.max_response_length)"),
+    M(f"{OVERLONG_RECIPE}.len", "reward.overlong_buffer.len",
+      _overlong_param("reward.overlong_buffer.len", OVERLONG_RECIPE)),
+    M(f"{OVERLONG_RECIPE}.penalty_factor", "reward.overlong_buffer.penalty_factor",
+      _overlong_param("reward.overlong_buffer.penalty_factor", OVERLONG_RECIPE)),
+    I(f"{OVERLONG_RECIPE}.log", "logging of the overlong penalty"),
     M("reward_model.reward_kwargs.max_resp_len", "(algorithm.max_response_length)", _overlong_max_len,
       why="the overlong penalty's length: must equal data.max_response_length"),
     R("reward_model.reward_kwargs.**", "arguments of a verl reward manager"),

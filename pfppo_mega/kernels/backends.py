@@ -238,13 +238,13 @@ class FusedBackend:
         cast = [t.to(dtype).contiguous() for _, t in named]
         kernel_mode, norm_scale = loss_agg_mode, 1.0
         if loss_agg_mode == "seq-mean-token-sum-norm":
-            # sum / C = seq-mean-token-sum x rows / C (rows with >= 1 token): the kernel's own mode,
-            # times a constant (a host sync for the row count)
+            # verl 0.9.1's Dr.GRPO: sum / (rows with >= 1 token) / C = the kernel's seq-mean-token-sum
+            # over the constant C (no host sync)
             c = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
             if not c > 0:
                 raise ValueError(f"FusedBackend.policy_loss: loss_scale_factor={loss_scale_factor} must be > 0")
             kernel_mode = "seq-mean-token-sum"
-            norm_scale = float((mask.sum(-1) > 0).sum()) / c
+            norm_scale = 1.0 / c
         out = ops.policy_loss(
             cast[0], cast[1].detach(), cast[2].detach(), _as_mask(mask),
             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,

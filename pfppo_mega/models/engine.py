@@ -33,9 +33,10 @@ Loss normalisation (the rule that makes micro-batching and data parallelism invi
 For an aggregate over tokens or rows, the share is the micro-batch aggregate times
 ``share_scale(mask, norm, mode=)`` (its tokens or rows over the global count across all
 micro-batches and DP ranks, which ``MicroBatch.norm`` carries for the response mask and
-``global_normalizers`` computes for any other mask). Then token-mean, seq-mean-token-sum and
-seq-mean-token-mean of the whole global batch come out exactly, whatever the micro-batch size and
-the DP degree. megatron's schedule divides a returned loss by the number of micro-batches and
+``global_normalizers`` computes for any other mask). Then token-mean, seq-mean-token-sum,
+seq-mean-token-mean and seq-mean-token-sum-norm (verl 0.9.1's Dr.GRPO: the token sum over the
+global rows times a constant) of the whole global batch come out exactly, whatever the
+micro-batch size and the DP degree. megatron's schedule divides a returned loss by the number of micro-batches and
 megatron DDP averages gradients over DP ranks; the engine multiplies the share by both first.
 With one micro-batch on one rank the share is the plain aggregate (scale 1.0): the computation is
 the single-rank one of the trainer.
@@ -136,14 +137,12 @@ def global_normalizers(mask: Tensor) -> Normalizers:
 def share_scale(mask: Tensor, norm: Normalizers, *, mode: str, like: Optional[Tensor] = None) -> Union[Tensor, float]:
     """Factor turning ppo.agg_loss(loss_mat, mask, mode=mode) over a micro-batch into its share of
     the same aggregate over the global batch: local tokens / global tokens (token-mean) or local
-    rows with tokens / global rows (seq-mean-*). 1.0 when the micro-batch is the global batch, and
-    for seq-mean-token-sum-norm (sum / constant: the shares add up to the global sum / constant).
-    A 0-dim tensor on the mask's device, in ``like``'s dtype (the loss it scales; float64 without
-    one), the ratio taken in float64 and rounded once, as a Python float multiplied into the loss
-    would be: no host sync per micro-batch (the global counts are host numbers already); x / x is
-    exactly 1.0."""
-    if mode == "seq-mean-token-sum-norm":  # a sum over a constant: each micro-batch's is its share
-        return 1.0
+    rows with tokens / global rows (seq-mean-*, seq-mean-token-sum-norm included: verl 0.9.1 divides
+    Dr.GRPO's token sum by the optimizer step's rows, global_batch_size, as well as by its constant).
+    1.0 when the micro-batch is the global batch. A 0-dim tensor on the mask's device, in
+    ``like``'s dtype (the loss it scales; float64 without one), the ratio taken in float64 and
+    rounded once, as a Python float multiplied into the loss would be: no host sync per
+    micro-batch (the global counts are host numbers already); x / x is exactly 1.0."""
     if mode == "token-mean":
         local, total = mask.sum(dtype=torch.float64), norm.tokens                   # 0-dim, on the device
     elif mode in ppo.LOSS_AGG_MODES:

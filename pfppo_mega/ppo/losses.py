@@ -11,14 +11,22 @@ from pfppo_mega.constants import LOSS_AGG_MODES, LOG_RATIO_LIMIT as _LOG_RATIO_L
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str,
              loss_scale_factor: float | None = None) -> torch.Tensor:
-    """Reduce a per-token loss [B, T] to a scalar over the real tokens.
+    """Reduce a per-token loss [B, T] to a scalar over the real tokens, as verl 0.9.1's agg_loss
+    (verl/trainer/ppo/core_algos.py) with dp_size = 1 and this batch as the global batch:
 
         token-mean              = sum_{b,t} l*m / sum_{b,t} m
         seq-mean-token-sum      = mean over rows with >= 1 token of sum_t l*m
         seq-mean-token-mean     = mean over rows with >= 1 token of (sum_t l*m / sum_t m)
-        seq-mean-token-sum-norm = sum_{b,t} l*m / loss_scale_factor   (Dr.GRPO; verl's definition:
-                                  a sum over the rows, no row mean; loss_scale_factor None = T,
-                                  the padded length, as verl; the trainer passes a constant)
+        seq-mean-token-sum-norm = sum_{b,t} l*m / global_batch_size / loss_scale_factor   (Dr.GRPO)
+                                  global_batch_size = rows with >= 1 token (verl's default),
+                                  loss_scale_factor None = T, the padded length (verl's default;
+                                  the trainer passes a constant, max_response_length)
+
+    verl 0.9.1 computes the last one per data-parallel rank as sum / global_batch_size * dp_size
+    / loss_scale_factor with global_batch_size the optimizer step's rows over all ranks, and DDP
+    averages the ranks' gradients: the step minimises (sum over all its rows of sum_t l*m) /
+    (its rows x loss_scale_factor). The engine's share_scale (local rows / global rows) turns this
+    local aggregate into its share of that (pfppo_mega.models.engine).
 
     An all-masked batch gives 0, still connected to loss_mat (its gradient is 0, not missing).
     The normalisers are local to this batch; a data-parallel caller rescales if it wants a
@@ -29,19 +37,20 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str,
         return masked_mean(loss_mat, mask)
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"agg_loss: mode={mode!r} is not one of {LOSS_AGG_MODES}")
+    c = 1.0
     if mode == "seq-mean-token-sum-norm":
         c = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
         if not c > 0:
             raise ValueError(f"agg_loss: loss_scale_factor={loss_scale_factor} must be > 0")
-        return masked_sum(loss_mat, mask) / c
     row_sum = masked_sum(loss_mat, mask, dim=1)  # [B]
     row_count = masked_sum(torch.ones_like(loss_mat), mask, dim=1)  # [B]
     row_has_tokens = row_count > 0  # [B]
-    if mode == "seq-mean-token-sum":
-        per_row = row_sum
-    else:
+    if mode == "seq-mean-token-mean":
         per_row = row_sum / row_count.clamp(min=1.0)
-    return masked_mean(per_row, row_has_tokens)
+    else:  # seq-mean-token-sum(-norm): rows without a token add 0 to the sum, so the row mean is it
+        per_row = row_sum
+    loss = masked_mean(per_row, row_has_tokens)
+    return loss if c == 1.0 else loss / c
 
 
 @dataclass

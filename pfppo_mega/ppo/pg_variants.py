@@ -1,6 +1,7 @@
 """Policy-gradient losses beyond the clipped PPO surrogate, as verl defines them
 (verl/trainer/ppo/core_algos.py, register_policy_loss): GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO
-(geo_mean) and CISPO.
+(geo_mean) and CISPO. GSPO and the aggregation (ppo.agg_loss) follow verl 0.9.1; the others
+follow the verl snapshot they were written from (docs/verl.md, "Losses").
 
 Every function takes the current log-probs ``logp`` [B, T] (with gradient), the proximal ones
 ``old_logp`` [B, T], the advantages [B, T], the mask the loss is over [B, T] and keyword scalars,
@@ -11,8 +12,10 @@ rollout_is_weights do. ``AGG_MODE`` says which aggregation a loss uses when it d
 ``loss_agg_mode`` (the trainer scales a micro-batch's share by it).
 
 Differences from verl, all at the edges: the token log-ratio is clamped to +-LOG_RATIO_LIMIT in
-every loss (verl leaves clip_cov / kl_cov / geo_mean unclamped: exp overflows first there), and
-geo_mean averages over rows with at least one token (verl's torch.mean counts empty rows too).
+every loss but GSPO (verl leaves clip_cov / kl_cov / geo_mean unclamped: exp overflows first there;
+GSPO takes exp only of the sequence log-ratio, clamped at 10 as verl does, so it needs no token
+clamp), and geo_mean averages over rows with at least one token (verl's torch.mean counts empty
+rows too).
 
 Imports only torch and pfppo_mega.constants.
 """
@@ -27,8 +30,9 @@ from pfppo_mega.ppo.masked import check_same_shape, masked_mean, zero_padding
 
 Stats = dict[str, torch.Tensor]
 
-# the aggregation of the losses that fix their own (verl ignores loss_agg_mode for them)
-AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+# the aggregation of the losses that fix their own (verl ignores loss_agg_mode for them; verl 0.9.1's
+# GSPO takes loss_agg_mode, so it is not here)
+AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 
 def _log_ratio(logp, old_logp, mask):
@@ -53,11 +57,15 @@ def _stats(log_ratio, mask, clipfrac, clipfrac_lower=None) -> Stats:
                 "pg_clipfrac_lower": zero if clipfrac_lower is None else clipfrac_lower.detach()}
 
 
-def gspo_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_high, is_weights=None):
-    """GSPO (Zheng et al. 2025): the sequence ratio s_i = exp(mean_t log_ratio_it), applied per token
-    as sg[s_i] * pi / sg[pi] (the gradient is the sequence one, spread over the tokens);
-    pg = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)), seq-mean-token-mean."""
-    lr = _log_ratio(logp, old_logp, mask)
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_high, loss_agg_mode="token-mean",
+              loss_scale_factor=None, is_weights=None):
+    """GSPO (Zheng et al. 2025) as verl 0.9.1: the sequence ratio s_i = exp(mean_t log_ratio_it), applied
+    per token as sg[s_i] * pi / sg[pi] (the gradient is the sequence one, spread over the tokens);
+    pg = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)), aggregated with loss_agg_mode (verl's
+    default token-mean). The token log-ratios are not clamped (as verl): exp is taken only of the
+    sequence log-ratio, clamped at 10 (verl's clamp), and a very negative one underflows to 0."""
+    check_same_shape("policy loss", logp=logp, old_logp=old_logp, mask=mask)
+    lr = zero_padding(logp - old_logp.detach(), mask)                        # [B, T], 0 on padding
     m = mask.to(lr.dtype)
     seq = (lr * m).sum(-1) / m.sum(-1).clamp(min=1)                           # [B] mean token log-ratio
     log_s = (logp - logp.detach() + seq.detach()[:, None]).clamp(max=10.0)   # verl's clamp
@@ -66,7 +74,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_ratio_low, clip_ratio_hi
     pg1 = -adv * s
     pg2 = -adv * s.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     pg = _weighted(torch.maximum(pg1, pg2), is_weights)
-    loss = agg_loss(pg, mask, mode=AGG_MODE["gspo"])
+    loss = agg_loss(pg, mask, mode=loss_agg_mode, loss_scale_factor=loss_scale_factor)
     return loss, _stats(lr, mask, masked_mean((pg2 > pg1).to(lr.dtype), mask))
 
 

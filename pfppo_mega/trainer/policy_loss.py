@@ -69,7 +69,7 @@ class PolicyLossResult:
     loss: torch.Tensor                  # 0-dim aggregate over `mask` (loss_agg_mode)
     mask: torch.Tensor                  # [b, T] the mask the aggregate is over
     stats: dict[str, torch.Tensor]      # this variant's own stats (detached scalars)
-    agg_mode: Optional[str] = None      # the aggregation `loss` used when not loss_agg_mode (gspo, ...)
+    agg_mode: Optional[str] = None      # the aggregation `loss` used when not loss_agg_mode (sapo, geo_mean)
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], PolicyLossResult]
@@ -131,7 +131,7 @@ def _register_variant(name: str, compute) -> None:
 _clip = lambda p: dict(clip_ratio_low=p.clip_ratio_low, clip_ratio_high=p.clip_ratio_high)  # noqa: E731
 _agg = lambda p: dict(loss_agg_mode=p.loss_agg_mode, loss_scale_factor=p.loss_scale_factor)  # noqa: E731
 _register_variant("gspo", lambda x, p: pgv.gspo_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, **_clip(p),
-                                                     is_weights=x.is_weights))
+                                                     **_agg(p), is_weights=x.is_weights))
 _register_variant("sapo", lambda x, p: pgv.sapo_loss(x.logp, x.old_logp, x.advantages, x.pg_mask, tau_pos=p.tau_pos,
                                                      tau_neg=p.tau_neg, is_weights=x.is_weights))
 _register_variant("gpg", lambda x, p: pgv.gpg_loss(x.logp, x.advantages, x.pg_mask, **_agg(p), is_weights=x.is_weights))
