@@ -147,13 +147,31 @@ class Encoded:
     samples: list[Sample]
     overlong: int                  # rows dropped for > max_prompt_length tokens
     longest: int                   # longest prompt kept, in tokens
+    truncated: int = 0             # rows cut to max_prompt_length tokens (overlong left / right / middle)
+
+
+def truncate(ids: list[int], max_length: int, *, side: str) -> list[int]:
+    """verl's data.truncation (verl/utils/torch_functional.py postprocess_data), on one prompt's
+    token ids: left keeps the last max_length, right the first max_length, middle the first
+    max_length // 2 and the last max_length - max_length // 2."""
+    if len(ids) <= max_length:
+        return list(ids)
+    if side == "left":
+        return list(ids[-max_length:])
+    if side == "right":
+        return list(ids[:max_length])
+    if side == "middle":
+        head = max_length // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
+    raise ValueError(f"side={side!r}: must be one of 'left', 'right', 'middle'")
 
 
 def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, tokenizer,
                 template: ChatTemplate | None, max_prompt_length: int, overlong: str) -> Encoded:
     """Rows -> Samples: chat template applied (a string prompt is one user message), tokenized,
-    over-long prompts dropped and counted ("filter") or refused ("error")."""
-    out, dropped, longest = [], 0, 0
+    over-long prompts dropped and counted ("filter"), refused ("error") or cut ("left", "right",
+    "middle": truncate(); the sample's prompt_text is then the decoded cut ids)."""
+    out, dropped, truncated, longest = [], 0, 0, 0
     where = f"{key} {file!r}"
     bos = tokenizer.token(tokenizer.bos_id)
     for i, row in enumerate(rows):
@@ -186,9 +204,14 @@ def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, 
         if len(ids) > max_prompt_length:
             if overlong == "error":
                 raise DataError(f"{at}: the prompt has {len(ids)} tokens > data.max_prompt_length "
-                                f"({max_prompt_length}) (data.overlong_prompts = error; 'filter' drops such rows)")
-            dropped += 1
-            continue
+                                f"({max_prompt_length}) (data.overlong_prompts = error; 'filter' drops such rows, "
+                                f"'left' / 'right' / 'middle' cut them as verl's data.truncation)")
+            if overlong == "filter":
+                dropped += 1
+                continue
+            ids = truncate(ids, max_prompt_length, side=overlong)
+            text = tokenizer.decode(ids)
+            truncated += 1
         longest = max(longest, len(ids))
         source = get_path(row, keys.data_source)
         gt = get_path(row, keys.ground_truth)
@@ -197,7 +220,7 @@ def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, 
                           ground_truth=None if gt is _MISSING else gt,
                           extra_info={} if extra is _MISSING or extra is None else extra,
                           prompt_text=text, row=f"{file}:{i}"))
-    return Encoded(out, dropped, longest)
+    return Encoded(out, dropped, longest, truncated)
 
 
 def load_samples(files: list[str], *, key: str, keys: Keys, tokenizer, template: ChatTemplate | None,
@@ -207,6 +230,9 @@ def load_samples(files: list[str], *, key: str, keys: Keys, tokenizer, template:
     for f in files:
         enc = encode_rows(read_rows(f, key), key=key, file=f, keys=keys, tokenizer=tokenizer,
                           template=template, max_prompt_length=max_prompt_length, overlong=overlong)
+        if enc.truncated:
+            log(f"[pfppo] {key} {f!r}: cut {enc.truncated} prompt(s) longer than data.max_prompt_length "
+                f"({max_prompt_length} tokens) at the {overlong} (data.overlong_prompts = {overlong})")
         if enc.overlong:
             log(f"[pfppo] {key} {f!r}: dropped {enc.overlong} prompt(s) longer than data.max_prompt_length "
                 f"({max_prompt_length} tokens); kept {len(enc.samples)}")

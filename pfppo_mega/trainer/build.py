@@ -61,6 +61,7 @@ class TrainState:
     consecutive_skips: dict[str, int] = field(default_factory=lambda: {"actor": 0, "critic": 0})
     running_reward: ppo.RunningMoments = field(default_factory=ppo.RunningMoments)
     saved_step: Optional[int] = None  # the step last checkpointed (a second save at it writes nothing)
+    run_id: str = ""  # the run's identity (resume.py: made at its first start, kept across resumes)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,9 @@ def check_lengths(cfg: Config, model_cfg, tokenizer: Tokenizer) -> None:
 def check_batch_split(cfg: Config, dp: int) -> None:
     t = cfg.training
     samples = t.rollout_batch_size * cfg.actor_rollout.n_samples_per_prompt
-    for key, value in (("training.rollout_batch_size", t.rollout_batch_size), ("training.batch_size", t.batch_size)):
+    gen = cfg.algorithm.filter_groups.gen_batch_size
+    for key, value in (("training.rollout_batch_size", t.rollout_batch_size), ("training.batch_size", t.batch_size),
+                       *((("algorithm.filter_groups.gen_batch_size", gen),) if gen is not None else ())):
         if value % dp:
             raise SetupError(f"{key} ({value}) must be divisible by the data-parallel size dp ({dp}) "
                              f"= WORLD_SIZE / (tp * pp)")
@@ -315,7 +318,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
-               behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log),
+               behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log, dp=par.dp),
                estimator=estimator, proximal=choose_proximal(a),
                policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

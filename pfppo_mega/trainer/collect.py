@@ -2,7 +2,9 @@
 
     OneRound          rollout then score the step's prompts (every run without dynamic sampling);
     DynamicSampling   DAPO: drop prompt groups whose rewards all agree (no advantage for a group
-                      estimator), draw more prompts and generate again until the batch is full,
+                      estimator), draw more prompts and generate again until the batch is full
+                      (each round generates gen_batch_size prompts, verl's data.gen_batch_size;
+                      the first rollout_batch_size groups kept are trained on),
                       at most max_num_gen_batches rounds; short after that, the batch is filled with
                       dropped groups (counted). Every rank takes part in every round (generation is
                       collective), until every rank is full. Unbounded (max_num_gen_batches = 0), a
@@ -49,8 +51,10 @@ IDLE_ROUNDS_GENERATED = 100
 
 
 class DynamicSampling:
-    def __init__(self, *, max_rounds: int, next_batch, log, rows_per_pass: int | None = None) -> None:
+    def __init__(self, *, max_rounds: int, next_batch, log, rows_per_pass: int | None = None,
+                 gen_rows: int | None = None) -> None:
         self.max_rounds, self.next_batch, self.log = max_rounds, next_batch, log
+        self.gen_rows = gen_rows  # prompts this rank generates per round; None: the step's own count
         self.rows_per_pass = rows_per_pass  # prompts this rank sees in one pass over the data; None: generated
 
     def idle_limit(self, need: int) -> int:
@@ -62,7 +66,7 @@ class DynamicSampling:
     def halt_if_stuck(self, *, need: int, have: int, idle: int, rounds: int) -> None:
         """Collective (every rank calls it every unbounded round): SamplingStalled on every rank when any
         rank still short has kept no group for a full pass."""
-        limit = self.idle_limit(need)
+        limit = self.idle_limit(max(need, self.gen_rows or need))  # prompts per round
         if parallel.world_min(int(not (have < need and idle >= limit))) == 1:
             return
         span = ("the bound for a generated task (IDLE_ROUNDS_GENERATED: it has no pass over data to wait for)"
@@ -82,7 +86,8 @@ class DynamicSampling:
         stats: dict[str, float] = {}
         rounds = have = dropped = idle = 0               # idle: rounds in a row without a kept group
         counts = [0, 0, 0]  # bad rewards, reward errors, timeouts over every round
-        batch = samples
+        gen = max(need, self.gen_rows or need)
+        batch = samples + (self.next_batch(gen - need) if gen > need else [])  # round 1: the step's prompts first
         while True:
             rounds += 1
             with timer("rollout"):
@@ -107,7 +112,7 @@ class DynamicSampling:
                 break
             if not self.max_rounds:
                 self.halt_if_stuck(need=need, have=have, idle=idle, rounds=rounds)
-            batch = self.next_batch(need)
+            batch = self.next_batch(gen)
         filled = max(0, need - have)
         if filled:
             self.log(f"[pfppo] dynamic sampling: {filled} of {need} prompt groups still agree after {rounds} rounds "
@@ -121,9 +126,10 @@ class DynamicSampling:
         return out, stats
 
 
-def build_collector(cfg, *, prompts, log):
+def build_collector(cfg, *, prompts, log, dp: int = 1):
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return OneRound()
+    gen_rows = None if fg.gen_batch_size is None else fg.gen_batch_size // dp  # divisible: build.check_batch_split
     return DynamicSampling(max_rounds=fg.max_num_gen_batches, next_batch=prompts.next_batch, log=log,
-                           rows_per_pass=prompts.rows_per_pass)
+                           rows_per_pass=prompts.rows_per_pass, gen_rows=gen_rows)

@@ -14,6 +14,7 @@ from pfppo_mega.models import engine as mengine
 from pfppo_mega.trainer import devicecheck, passes
 from pfppo_mega.trainer.batch import ExperienceBatch
 from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps
 from pfppo_mega.trainer.policy_loss import PolicyLossInputs
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import pre_update_value_loss
@@ -50,6 +51,7 @@ def update(run: Run, eb: ExperienceBatch, *, observe: bool = False) -> tuple[dic
         if not train_critic:
             st.guards["value_loss_spikes"] += 1
         stats["critic/value_loss_pre"] = [vl_pre]
+    stats.update({f"optim/{k}": [v] for k, v in set_learning_rates(run, train_actor=train_actor).items()})
     g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=st.step))
     seen = _Observer(eb) if observe and train_actor else None
     for epoch in range(a.ppo_epochs):
@@ -62,6 +64,28 @@ def update(run: Run, eb: ExperienceBatch, *, observe: bool = False) -> tuple[dic
                 for k, v in actor_step(run, mb, sink=sink).items():
                     stats.setdefault(k, []).append(v)
     return {k: sum(v) / len(v) for k, v in stats.items()}, None if seen is None else seen.result(run.device)
+
+
+def set_learning_rates(run: Run, *, train_actor: bool) -> dict[str, float]:
+    """The one place the lr changes during training (trainer/lr_schedule.py): before this step's
+    updates, each optimizer's param groups get base lr * lambda(k) (* the group's lr_mult, as
+    megatron's scheduler), k = the updates that optimizer has made before: the critic's = the step,
+    the actor's = the step - critic_warmup_steps (verl steps the actor's scheduler only when it updates)."""
+    t, step = run.cfg.training, run.state.step
+    actor_warm = warmup_steps(steps=t.lr_warmup_steps, ratio=t.lr_warmup_ratio, total_steps=t.total_training_steps)
+    critic_warm = actor_warm if t.critic_lr_warmup_ratio is None else \
+        warmup_steps(steps=None, ratio=t.critic_lr_warmup_ratio, total_steps=t.total_training_steps)
+    out = {}
+    for name, opt, base, k, warm in (("actor_lr", run.actor_opt, t.lr, step - t.critic_warmup_steps, actor_warm),
+                                     ("critic_lr", run.critic_opt, t.critic_lr, step, critic_warm)):
+        if opt is None or (name == "actor_lr" and not train_actor):
+            continue
+        lr = base * lr_factor(k, warmup=warm, total_steps=t.total_training_steps, schedule=t.lr_schedule,
+                              min_lr_ratio=t.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        out[name] = lr
+    return out
 
 
 class _Observer:
