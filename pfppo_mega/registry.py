@@ -78,4 +78,5 @@ ADV_ESTIMATORS = Registry("algorithm.adv_estimator", {
     "gpg": "pfppo_mega.trainer.estimators:GPG",
     "reinforce_plus_plus": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS",
     "reinforce_plus_plus_baseline": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS_BASELINE",
+    "remax": "pfppo_mega.trainer.estimators:REMAX",
 })

@@ -204,7 +204,7 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn / tool-calling rollouts",
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": "agent loops",
     "actor_rollout_ref.rollout.over_sample_rate": "over-sampling",
-    "algorithm.adv_estimator": "has no counterpart here",  # optimal_token_baseline, remax
+    "algorithm.adv_estimator": "has no counterpart here",  # optimal_token_baseline
     "algorithm.rollout_correction.rollout_is": "rollout importance weights",
     "algorithm.rollout_correction.rollout_rs": "rollout rejection sampling",
     "algorithm.rollout_correction.loss_type": "rollout-correction loss",
@@ -248,10 +248,6 @@ REFUSED_SCRIPTS = {
         ('algorithm.adv_estimator',),
     'examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh':
         ('reward_model.sandbox_fusion.url',),
-    'examples/remax_trainer/run_qwen2.5-3b_seq_balance.sh':
-        ('algorithm.adv_estimator',),
-    'examples/remax_trainer/run_qwen2.5-7b_seq_balance.sh':
-        ('algorithm.adv_estimator',),
     'examples/rollout_correction/run_with_rollout_corr.sh':
         ('algorithm.rollout_correction.loss_type', 'algorithm.rollout_correction.rollout_is', 'algorithm.rollout_correction.rollout_is_batch_normalize'),
     'examples/rollout_correction/run_with_rollout_corr_multi_rs.sh':
@@ -315,7 +311,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 112
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 114
 
 
 def survey():
@@ -348,7 +344,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 112 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 114 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():

@@ -420,7 +420,8 @@ class AlgorithmConfig(Section):
                              "gae (needs the critic; an estimator that needs none builds no critic), "
                              "grpo, grpo_passk, rloo, opo, gpg, reinforce_plus_plus_baseline (group "
                              "baselines over each prompt's n_samples_per_prompt >= 2 samples), "
-                             "reinforce_plus_plus (whitened discounted returns).")
+                             "reinforce_plus_plus (whitened discounted returns), remax (the baseline is "
+                             "the reward of one extra greedy response per prompt, same engine and weights).")
     norm_adv_by_std_in_grpo: bool = opt(True, "grpo / grpo_passk: divide by the group's std + 1e-6 "
                                               "(false: Dr.GRPO, the mean is subtracted only).")
     lmbda: float = opt(0.95, "GAE lambda, in [0, 1].")
@@ -484,10 +485,6 @@ class AlgorithmConfig(Section):
     }
 
     def __post_init__(self) -> None:
-        if self.adv_estimator == "remax":  # before the choice check, so the reason is the message
-            raise ConfigError([Problem("adv_estimator", "remax", "is not supported: ReMax's baseline "
-                                       "is the reward of one extra greedy response per prompt, which this "
-                                       "trainer does not generate; use grpo or rloo")])
         self.kl_estimator = self.KL_VALUE_ALIASES.get(self.kl_estimator, self.kl_estimator)
         self.policy_loss = C.POLICY_LOSS_ALIASES.get(self.policy_loss, self.policy_loss)
         if self.clip_ratio_low is None:

@@ -150,3 +150,20 @@ def reinforce_plus_plus_baseline_advantages(token_rewards, mask, group_ids, *, r
     mean, _, _ = group_mean_std(s, group_ids)
     adv = masked_whiten(_broadcast(s - mean, mask), mask, reduce_sum=reduce_sum)
     return adv, adv
+
+
+def remax_advantages(token_rewards, mask, baselines):
+    """ReMax (Li et al. 2023, arXiv 2310.10505), as verl's compute_remax_outcome_advantage: the
+    baseline b_i is the reward of the greedy response to row i's prompt (same weights, scored by the
+    same reward function), so no critic and no group are needed.
+
+        returns_t = sum_{t' >= t} r_t'          (the reversed cumulative sum within the response)
+        A_t       = returns_t - b               on every response token
+
+    With an outcome reward alone (on the last token) A_t = score - b on every token; a per-token KL
+    penalty in the reward makes the returns vary along the response. token_rewards, mask: [B, T];
+    baselines: [B] -> (advantages, returns), both [B, T], zero on padding. No whitening (verl)."""
+    r = zero_padding(token_rewards, mask)                                  # [B, T]
+    returns = r.flip(-1).cumsum(-1).flip(-1)                               # [B, T], 0 past the response
+    adv = zero_padding(returns - baselines.to(r.dtype)[:, None], mask)
+    return adv, zero_padding(returns, mask)

@@ -9,12 +9,35 @@ Python lists and moves them in one copy. Only lists (prompt ids, texts, samples)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pfppo_mega.pool.correction import ISStats
 # The model layer's input type lives below the trainer (pfppo_mega.types); re-exported here.
 from pfppo_mega.types import PackedInputs, Sample, pack  # noqa: F401
+
+
+@dataclass
+class GreedyRows:
+    """The greedy response to each row's prompt (ReMax's baseline; rows of one prompt share it)."""
+
+    texts: list[str]                   # [B] decoded
+    finished: torch.Tensor             # [B] bool, ended with EOS
+    lengths: torch.Tensor              # [B] long, response tokens
+    versions: torch.Tensor             # [B] long, weight version that generated it (the current one)
+
+    def to(self, device: torch.device) -> "GreedyRows":
+        return GreedyRows(self.texts, self.finished.to(device), self.lengths.to(device), self.versions.to(device))
+
+    def select(self, idx: list[int]) -> "GreedyRows":
+        t = torch.tensor(idx, dtype=torch.long, device=self.finished.device)
+        return GreedyRows([self.texts[i] for i in idx], self.finished[t], self.lengths[t], self.versions[t])
+
+    @staticmethod
+    def cat(parts: list["GreedyRows"]) -> "GreedyRows":
+        return GreedyRows([x for p in parts for x in p.texts], torch.cat([p.finished for p in parts]),
+                          torch.cat([p.lengths for p in parts]), torch.cat([p.versions for p in parts]))
 
 
 @dataclass
@@ -30,6 +53,9 @@ class RolloutBatch:
     versions: torch.Tensor             # [B] long, weight version (training step) of the behaviour policy
     texts: list[str]                   # [B] decoded responses
     group_ids: torch.Tensor            # [B] long, the prompt (index in this rank's step) each row answers
+    # the greedy response to each row's prompt (same engine and weights; never trained on), when the
+    # advantage estimator needs_greedy_baseline (ReMax); None otherwise
+    baseline: Optional["GreedyRows"] = None
 
     def to(self, device: torch.device) -> "RolloutBatch":
         """The same rows with every tensor on ``device`` (one copy each; none when already there)."""
@@ -37,7 +63,8 @@ class RolloutBatch:
                             responses=self.responses.to(device), response_mask=self.response_mask.to(device),
                             behav_logp=self.behav_logp.to(device), finished=self.finished.to(device),
                             versions=self.versions.to(device), texts=self.texts,
-                            group_ids=self.group_ids.to(device))
+                            group_ids=self.group_ids.to(device),
+                            baseline=None if self.baseline is None else self.baseline.to(device))
 
     def select(self, idx: list[int]) -> "RolloutBatch":
         t = torch.tensor(idx, dtype=torch.long, device=self.responses.device)
@@ -46,7 +73,8 @@ class RolloutBatch:
                             responses=self.responses[t], response_mask=self.response_mask[t],
                             behav_logp=self.behav_logp[t], finished=self.finished[t],
                             versions=self.versions[t], texts=[self.texts[i] for i in idx],
-                            group_ids=self.group_ids[t])
+                            group_ids=self.group_ids[t],
+                            baseline=None if self.baseline is None else self.baseline.select(idx))
 
 
 def concat_rollouts(parts: list[RolloutBatch], order: list[int], *, pad_id: int) -> RolloutBatch:
@@ -67,7 +95,9 @@ def concat_rollouts(parts: list[RolloutBatch], order: list[int], *, pad_id: int)
         finished=torch.cat([p.finished for p in parts]),
         versions=torch.cat([p.versions for p in parts]),
         texts=[x for p in parts for x in p.texts],
-        group_ids=torch.cat([p.group_ids for p in parts]))
+        group_ids=torch.cat([p.group_ids for p in parts]),
+        baseline=None if any(p.baseline is None for p in parts)
+        else GreedyRows.cat([p.baseline for p in parts]))
     inverse = [0] * len(order)
     for j, i in enumerate(order):
         inverse[i] = j
@@ -86,13 +116,15 @@ class ScoredBatch:
     n_reward_timeouts: int = 0         # reward calls past reward.timeout_s, scored 0 (counted)
     honest: torch.Tensor | None = None  # [B] the honest metric when reward.shaping wraps it (else None)
     hacked: torch.Tensor | None = None  # [B] bool, the shaping's exploit paid beyond the honest score
+    baselines: torch.Tensor | None = None  # [B] the greedy response's score (rollout.baseline_texts scored)
 
     def select(self, idx: list[int]) -> "ScoredBatch":
         t = torch.tensor(idx, dtype=torch.long, device=self.scores.device)
         return ScoredBatch(self.rollout.select(idx), self.raw_scores[t], self.scores[t], self.n_bad_rewards,
                            self.n_reward_errors, self.n_reward_timeouts,
                            None if self.honest is None else self.honest[t],
-                           None if self.hacked is None else self.hacked[t])
+                           None if self.hacked is None else self.hacked[t],
+                           None if self.baselines is None else self.baselines[t])
 
 
 @dataclass
@@ -161,4 +193,4 @@ def concat_scored(parts: list[ScoredBatch], *, pad_id: int) -> ScoredBatch:
                        n_bad_rewards=sum(p.n_bad_rewards for p in parts),
                        n_reward_errors=sum(p.n_reward_errors for p in parts),
                        n_reward_timeouts=sum(p.n_reward_timeouts for p in parts),
-                       honest=cat("honest"), hacked=cat("hacked"))
+                       honest=cat("honest"), hacked=cat("hacked"), baselines=cat("baselines"))

@@ -180,6 +180,13 @@ def check_groups(cfg: Config, estimator: AdvantageEstimator) -> None:
         raise SetupError(f"algorithm.adv_estimator = {estimator.name!r} takes its baseline over each prompt's "
                          f"samples, but actor_rollout.n_samples_per_prompt = {n}: every group would be a single "
                          f"row (set it to >= 2, or use gae / reinforce_plus_plus)")
+    r = cfg.reward
+    if estimator.needs_greedy_baseline and (r.scaling != "none" or r.quantile_clip is not None):
+        # the sampled scores' batch statistics would put the sample and its baseline on other scales
+        raise SetupError(f"algorithm.adv_estimator = {estimator.name!r} compares each score with its prompt's "
+                         f"greedy response's score, but reward.scaling = {r.scaling!r} / reward.quantile_clip = "
+                         f"{r.quantile_clip!r} rescale the sampled scores by their batch statistics only; set "
+                         f"reward.scaling none and reward.quantile_clip null")
 
 
 def seed_everything(seed: int) -> None:

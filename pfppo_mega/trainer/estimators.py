@@ -3,7 +3,10 @@
 An estimator declares what it needs: ``needs_critic`` (GAE bootstraps from the critic's values;
 an estimator without it gets no critic, no critic optimizer and no value pass, and the planner
 counts none) and ``needs_groups`` (a baseline over each prompt's n samples: the run must
-sample n >= 2 per prompt, checked at start in trainer/build.py). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
+sample n >= 2 per prompt, checked at start in trainer/build.py) and ``needs_greedy_baseline`` (one
+extra greedy response per prompt from the same engine and weights, scored by the same reward
+function: the rollout phase generates it, the score phase scores it, and its reward reaches the
+estimator as ``baselines``; its tokens are never trained on). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
 The arithmetic lives in ``pfppo_mega.ppo`` / the kernels backend; this module only binds the
 run's settings to it.
 
@@ -28,6 +31,8 @@ class AdvantageInputs:
     mask: torch.Tensor                    # [B, T] 1 on real response tokens
     values: Optional[torch.Tensor]        # [B, T] critic values (None unless needs_critic)
     group_ids: torch.Tensor               # [B] long, rows answering the same prompt share one
+    baselines: Optional[torch.Tensor] = None  # [B] greedy response's score of each row's prompt
+    #                                           (None unless needs_greedy_baseline)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class AdvantageEstimator:
     needs_critic: bool
     compute: Callable[[AdvantageInputs, EstimatorContext], tuple[torch.Tensor, torch.Tensor]]
     needs_groups: bool = False            # its baseline is a statistic of each prompt's n samples
+    needs_greedy_baseline: bool = False   # its baseline is the reward of a greedy response per prompt
 
 
 def _gae(x: AdvantageInputs, ctx: EstimatorContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,3 +109,13 @@ GPG = AdvantageEstimator("gpg", needs_critic=False, compute=_gpg, needs_groups=T
 REINFORCE_PLUS_PLUS = AdvantageEstimator("reinforce_plus_plus", needs_critic=False, compute=_rpp)
 REINFORCE_PLUS_PLUS_BASELINE = AdvantageEstimator("reinforce_plus_plus_baseline", needs_critic=False,
                                                   compute=_rpp_baseline, needs_groups=True)
+
+
+def _remax(x: AdvantageInputs, ctx: EstimatorContext):
+    if x.baselines is None:
+        raise ValueError("remax: the rows carry no greedy baselines (the rollout generates them when the "
+                         "estimator declares needs_greedy_baseline)")
+    return outcome.remax_advantages(x.token_rewards, x.mask, x.baselines)
+
+
+REMAX = AdvantageEstimator("remax", needs_critic=False, compute=_remax, needs_greedy_baseline=True)

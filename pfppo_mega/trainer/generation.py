@@ -25,7 +25,7 @@ from pfppo_mega.rollout.base import RolloutOutput
 from pfppo_mega.rollout.refit import held_slot_bytes
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer import devicecheck
-from pfppo_mega.trainer.batch import RolloutBatch
+from pfppo_mega.trainer.batch import GreedyRows, RolloutBatch
 from pfppo_mega.trainer.engine_sync import EngineSync
 from pfppo_mega.trainer.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
                                       reward_model_shape)
@@ -367,6 +367,31 @@ class Generation:
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
                             versions=torch.full((len(samples),), out.weight_version), texts=texts,
                             group_ids=group_ids).to(self.device)
+
+    def greedy_baseline(self, rb: RolloutBatch, samples: list[Sample], *, step: int) -> RolloutBatch:
+        """``rb`` with the greedy response to each of ``samples`` (rb.group_ids index them), one per
+        prompt, generated through the same engine call with the current weights (version == step: the
+        engine may hold a behaviour snapshot). Its rows are only scored (ReMax's baseline), never
+        trained on. Called inside the rollout's colocated frame."""
+        cfg = self.cfg
+        self.ensure_current(step)
+        prompt_ids = [list(s.prompt_ids) for s in samples]
+        self._check_prompts(prompt_ids)
+        params = SamplingParams(temperature=cfg.actor_rollout.temperature, top_p=cfg.actor_rollout.top_p, greedy=True,
+                                max_new_tokens=cfg.algorithm.max_response_length,
+                                eos_token_id=self.tokenizer.eos_id, seed=0)  # greedy: the seed is unused
+        with devicecheck.paused():  # the engine's own device world; its rows are host until moved
+            out = self.run_engine(prompt_ids, params, step=step, what=f"greedy baseline at step {step}")
+        devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
+        self.sync.check_versions(f"greedy baseline at step {step}")
+        if out.weight_version != step:
+            raise RuntimeError(f"greedy baseline at step {step}: the engine generated with weight version "
+                               f"{out.weight_version}, not the current weights ({step})")
+        texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
+        g = rb.group_ids.tolist()                                                               # [B] -> prompt
+        rows = GreedyRows(texts, out.finished, out.lengths.long(),
+                          torch.full((len(texts),), out.weight_version)).select(g)          # [prompts] -> [B]
+        return dataclasses.replace(rb, baseline=rows.to(rb.group_ids.device))
 
     def run_engine(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int, pool=None,
                    what: str, replicated: bool = False) -> RolloutOutput:

@@ -130,6 +130,8 @@ class PPOTrainer:
         probe = {"kl/probe_k1": kl_probe(run)} if run.cfg.logging.kl_probe_size else {}
         metrics = step_metrics(run, scored, eb, upd, timer.seconds, step_s, seen=seen)
         metrics.update(rollout_stats)
+        if scored.baselines is not None:  # ReMax: the greedy responses' mean score (every row's prompt)
+            metrics["remax/baseline_mean"] = float(scored.baselines.double().mean())
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
         metrics.update(run.gen.take_work(getattr(run.behaviour, "pool", None)).metrics())  # since the last record
@@ -145,6 +147,8 @@ class PPOTrainer:
         run = self.run
         with run.gen.colocated(run.state.step, refit=run.behaviour.refits_current):
             rb, stats = run.behaviour.rollout(samples, run.state.step)
+            if run.estimator.needs_greedy_baseline:  # ReMax: one greedy response per prompt, current weights
+                rb = run.gen.greedy_baseline(rb, samples, step=run.state.step)
         return rb, {**stats, **run.gen.offload_stats()}
 
     def score(self, rb: RolloutBatch) -> ScoredBatch:
@@ -170,10 +174,42 @@ class PPOTrainer:
                                    reduce_sum=run.dp.sum)
         scores = ppo.quantile_clip(scores, quantile=cfg.quantile_clip, gather=run.dp.gather)
         scores = ppo.clip_rewards(scores, clip_range=cfg.clip_range)
-        return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite,
-                           n_reward_errors=guarded.errors, n_reward_timeouts=guarded.timeouts,
+        baselines, (bad, errors, timeouts) = self.score_baselines(rb)
+        return ScoredBatch(rollout=rb, raw_scores=raw, scores=scores, n_bad_rewards=guarded.nonfinite + bad,
+                           n_reward_errors=guarded.errors + errors, n_reward_timeouts=guarded.timeouts + timeouts,
                            honest=None if guarded.honest is None else guarded.honest.to(run.device),
-                           hacked=None if guarded.hacked is None else guarded.hacked.to(run.device))
+                           hacked=None if guarded.hacked is None else guarded.hacked.to(run.device),
+                           baselines=baselines)
+
+    def score_baselines(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
+        """[B] the greedy responses' scores (rb.baseline; None without one): the same guarded
+        reward function, once per prompt, and the same per-row shaping as the sampled scores (the
+        batch-statistic transforms are refused with a greedy baseline, trainer/build.py); and the
+        guard's (non-finite, errors, timeouts) counts of those calls."""
+        if rb.baseline is None:
+            return None, (0, 0, 0)
+        run, cfg, greedy = self.run, self.run.cfg.reward, rb.baseline
+        g = rb.group_ids.tolist()
+        first: dict[int, int] = {}                                                      # prompt -> its first row
+        for i, gid in enumerate(g):
+            first.setdefault(gid, i)
+        rows = list(first.values())
+        with devicecheck.paused():  # reward functions run on the host
+            guarded = run.reward_fn([rb.samples[i] for i in rows], [greedy.texts[i] for i in rows],
+                                    greedy.finished[rows].tolist())
+        per_prompt = guarded.scores.to(run.device)                                      # [prompts]
+        lengths = greedy.lengths[rows].to(run.device)                                   # [prompts]
+        if cfg.length_penalty:
+            per_prompt = ppo.length_penalty(per_prompt, lengths, coef=cfg.length_penalty,
+                                            max_length=run.cfg.algorithm.max_response_length)
+        if cfg.overlong_buffer.enable:
+            ob = cfg.overlong_buffer
+            per_prompt = ppo.overlong_penalty(per_prompt, lengths, max_length=run.cfg.algorithm.max_response_length,
+                                              buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+        per_prompt = ppo.clip_rewards(per_prompt, clip_range=cfg.clip_range)
+        slot = {gid: k for k, gid in enumerate(first)}
+        baselines = per_prompt[torch.tensor([slot[x] for x in g], dtype=torch.long, device=run.device)]  # [B]
+        return baselines, (guarded.nonfinite, guarded.errors, guarded.timeouts)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
         """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
@@ -213,7 +249,8 @@ class PPOTrainer:
                                                          kl_coeff=a.kl_coeff, estimator=a.kl_estimator)
         else:
             kl_ref = ppo.kl_estimate(old_logp, ref_logp, estimator=a.kl_estimator) * m
-        rows = AdvantageInputs(token_rewards=token_rewards, mask=m, values=prep.values, group_ids=sb.rollout.group_ids)
+        rows = AdvantageInputs(token_rewards=token_rewards, mask=m, values=prep.values, group_ids=sb.rollout.group_ids,
+                               baselines=sb.baselines)
         ctx = EstimatorContext(algorithm=a, gae=run.kernels.gae, reduce_sum=run.dp.sum)
         adv, returns = run.estimator.compute(rows, ctx)                                # [B, T] each
         behav_logp = sb.rollout.behav_logp * m
