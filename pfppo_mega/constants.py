@@ -8,7 +8,8 @@ and tests/test_config.py checks that the C++ kernels hard-code the same LOG_RATI
 # ----------------------------------------------------------------------------- enum tuples
 
 PARAMS_DTYPES = ("float32", "bfloat16")  # model.params_dtype
-LAYER_SPECS = ("local", "transformer_engine")  # model.layer_spec: megatron's torch layers or TE's fused ones
+LAYER_SPECS = ("auto", "local", "transformer_engine")  # model.layer_spec: TE where installed, else local;
+# megatron's torch layers (fused by training.fused_layers); TE's
 RECOMPUTE_MODES = ("none", "selective", "full")  # training.recompute: activation recomputation
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels

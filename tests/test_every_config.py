@@ -131,9 +131,9 @@ def test_the_build_catches_what_megatron_asserts(monkeypatch):
     with pytest.raises(gpt.FeatureError, match=r"parallel\.sequence_parallel"):
         build_every_stage(cfg, sp)
     monkeypatch.setattr(gpt, "check_features", lambda *a, **k: None)
-    # the local spec's norm (ours, PlacedRMSNorm, made on the device as megatron's WrappedTorchNorm is not)
+    # the local spec's norm (ours, Placed- or FusedRMSNorm, made on the device as megatron's WrappedTorchNorm is not)
     # refuses it as WrappedTorchNorm's assertion did
-    with pytest.raises(ValueError, match="PlacedRMSNorm: needs normalization RMSNorm without sequence parallelism"):
+    with pytest.raises(ValueError, match="(Placed|Fused)RMSNorm: needs normalization RMSNorm without sequence parallelism"):
         build_every_stage(cfg, sp)
 
 

@@ -32,7 +32,7 @@ def test_bad_feature_values_are_refused_by_key():
                   "training.recompute=some", "model.layer_spec=te")
     assert "tensor_model_parallel_size > 1" in p["parallel.sequence_parallel"]
     assert p["training.recompute"] == "must be one of 'none', 'selective', 'full'"
-    assert p["model.layer_spec"] == "must be one of 'local', 'transformer_engine'"
+    assert p["model.layer_spec"] == "must be one of 'auto', 'local', 'transformer_engine'"
     p = _problems(REPO / "configs" / "tiny_cpu.yaml", "parallel.virtual_pipeline_size=2")
     assert "pipeline_model_parallel_size >= 2" in p["parallel.virtual_pipeline_size"]
     # 2 layers cannot make pp 2 x vpp 2 = 4 chunks; vpp 1 is not interleaving (null is)
@@ -65,7 +65,7 @@ def test_plan_script_and_trainer_read_one_value(overrides, tmp_path, capsys):
     feats = gpt.features_from_config(cfg)
     assert (knobs["recompute"], knobs["sequence_parallel"], knobs["distributed_optimizer"]) == \
         (feats.recompute, feats.sequence_parallel, feats.use_distributed_optimizer)
-    assert knobs["layer"] == {"local": "local", "transformer_engine": "fused"}[cfg.model.layer_spec]
+    assert knobs["layer"] == ("fused" if cfg.training.fused_layers or cfg.model.layer_spec == "transformer_engine" else "local")
     out = capsys.readouterr().out
     assert f"{feats.recompute} recompute, sequence parallel {'on' if feats.sequence_parallel else 'off'}" in out
     # The Slurm script passes the same config and overrides to both, and no feature flag of its own.

@@ -226,9 +226,11 @@ def test_fused_kernels_run_in_the_model(world, monkeypatch):
 
 
 def test_not_used_for_bf16_or_when_off(world):
+    """CPU bf16 and off: megatron's layers (on GPUs the fused path runs in any dtype:
+    tests/test_gpu_layers.py)."""
     cfg, arch = common.model_config(world["llama"])
     assert gpt.fused_layers_active(cfg, gpt.Features(), "cpu")
-    assert not gpt.fused_layers_active(cfg, gpt.Features(), "cuda")
+    assert gpt.fused_layers_active(dataclasses.replace(cfg, params_dtype="bfloat16"), gpt.Features(), "cuda")
     assert not gpt.fused_layers_active(dataclasses.replace(cfg, params_dtype="bfloat16"), gpt.Features(), "cpu")
     assert not gpt.fused_layers_active(cfg, gpt.Features(fused_layers=False), "cpu")
     bf16 = gpt.build_actor(dataclasses.replace(cfg, params_dtype="bfloat16"), arch=arch)

@@ -192,9 +192,11 @@ def test_h100_training_phase_matches_a_float64_recount():
     n = 20 * ((h * h + 2 * kv * h + h * h + 3 * f * h) / 8 + 2 * h) + V / 8 * h
     states = 2 * (2 * n + 4 * n + 12 * n / 2) + 2 * n  # actor, critic (bf16 w, fp32 g, Adam / dp), reference
     s, sbh, a = 4096.0, 4096.0 * 8192, 64.0
-    # no SP: the norm / QKV / fc1 inputs (8 sbh) are whole on each tp rank; the rest is split over tp 8
-    layer_local = 8 * sbh + (2 * sbh + 2 * sbh + 4 * sbh + 10 * s * f) / 8 + 6 * a * s * s / 8
-    acts = 4 * 20 * 2 * sbh + layer_local  # 4 micro-batches in flight x 20 layers x input, + one layer
+    # no SP: the norm / QKV / fc1 inputs (8 sbh) are whole on each tp rank; the rest is split over tp 8.
+    # training.fused_layers (default on): SDPA keeps K, V at the KV heads' width and an fp32 log-sum-exp,
+    # no s^2 scores; the fused SwiGLU keeps its input and fc2's (6 sf), not megatron's 10 sf
+    layer_fused = 8 * sbh + (2 * sbh + 2 * sbh + 2 * 2 * s * kv + 4 * a * s + 6 * s * f) / 8
+    acts = 4 * 20 * 2 * sbh + layer_fused  # 4 micro-batches in flight x 20 layers x input, + one layer
     # the refit stream's ring (2 slots of the largest bucket, the bf16 embedding V x h, larger than
     # refit_bucket_mb and never split, + a 32-byte trailer each) is on the GPU while the engine is
     # awake and freed when it sleeps: in the rollout budget, not in the update's
@@ -389,7 +391,7 @@ def test_llama33_checkpoint_config_matches_and_dry_run_builds_it(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(LLAMA33_CONFIG_JSON))
     cfg = load_config(LLAMA33_H200)
     assert hf_io.model_config_from_hf(LLAMA33_CONFIG_JSON, cfg.model) == cfg.model
-    assert hf_io.model_config_from_hf(LLAMA33_CONFIG_JSON, ModelConfig(params_dtype="bfloat16")) == cfg.model
+    assert hf_io.model_config_from_hf(LLAMA33_CONFIG_JSON, ModelConfig(params_dtype="bfloat16", layer_spec="local")) == cfg.model
     assert architecture_from_hf(LLAMA33_CONFIG_JSON).rope.rope_type == "llama3"
     out = subprocess.run([sys.executable, "-m", "pfppo_mega.planning", str(LLAMA33_H200), f"actor_rollout.model_path={ckpt}",
                           "--gpu", "h200", "--dry-run-rank", "0,63"],

@@ -164,9 +164,12 @@ class ModelConfig(Section):
         "float32", "Parameter and compute dtype of the trainer models. bfloat16: bf16 weights and compute, "
                    "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer.")
     layer_spec: str = opt(
-        "local", "Transformer layer implementation: local (megatron's pure-torch layers, any machine) or "
-                 "transformer_engine (fused TE layers and flash attention; GPUs with transformer-engine "
-                 "installed, refused at start otherwise).")
+        "auto", "Transformer layer implementation: local (megatron's layers in pure torch, any machine; with "
+                "training.fused_layers their fused version: SDPA / flash attention, fused RMSNorm, SwiGLU and "
+                "RoPE), transformer_engine (TE's layers and attention; GPUs with transformer-engine installed, "
+                "refused at start otherwise) or auto (transformer_engine on GPUs where it is installed, local "
+                "elsewhere). All three have the same parameters and checkpoint layout "
+                "(pfppo_mega/models/fused_layers.py).")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "num_hidden_layers": "num_layers",
@@ -688,12 +691,14 @@ class TrainingConfig(Section):
               "(pfppo_mega/models/vocab_grads.py). Gradients change only by the order of floating-point sums; "
               "false: megatron's own backward.")
     fused_layers: bool = opt(
-        True, "On CPU fp32 models (the local spec): each decoder layer's RMSNorms, SwiGLU and RoPE run as one "
-              "fused kernel each (csrc/cpu/layers.cpp, forward and backward) and its attention through torch's "
-              "scaled_dot_product_attention, instead of megatron's chains of element-wise ops "
-              "(pfppo_mega/models/fused_layers.py). Results change only by floating-point rounding; the "
-              "parameters and their names do not change. Not read on GPUs or for bf16 (megatron's layers); "
-              "false: megatron's layers everywhere.")
+        True, "With the local layers (model.layer_spec local, or auto without transformer-engine), on GPUs in "
+              "any dtype and on CPU fp32 models: each decoder layer's attention runs through torch's "
+              "scaled_dot_product_attention (causal, GQA, no mask tensor: flash / cuDNN on Hopper, no "
+              "[b, heads, s, s] buffer) and its RMSNorms, SwiGLU and RoPE as fused pieces (CPU fp32: "
+              "csrc/cpu/layers.cpp; GPU: torch's rms_norm and autograd functions that save less), instead of "
+              "megatron's chains of element-wise ops (pfppo_mega/models/fused_layers.py). The default path on "
+              "GPUs without TE. Results change only by floating-point rounding; the parameters and their names "
+              "do not change. Not read for CPU bf16 models; false: megatron's own local layers.")
     critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
     lr_warmup_steps: Optional[int] = opt(
         None, "Linear learning-rate warm-up: the lr of an optimizer's k-th update step (k = 0, 1, ...; one per "

@@ -118,8 +118,8 @@ class Features:
     ``parallel.sequence_parallel``, ``parallel.use_distributed_optimizer``,
     ``parallel.virtual_pipeline_size``, ``training.recompute``, ``training.sparse_vocab_grads`` and
     ``training.fused_layers``. Defaults: everything off but sparse_vocab_grads and fused_layers
-    (implementations of the same math; fused_layers takes effect on CPU fp32 models only, see
-    fused_layers_active)."""
+    (implementations of the same math; fused_layers takes effect on GPUs and on CPU fp32 models,
+    see layer_path)."""
 
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
@@ -129,11 +129,20 @@ class Features:
     fused_layers: bool = True
 
 
+def layer_path(model: ModelConfig, features: Features, device_type: str,
+               te_available: Optional[bool] = None) -> str:
+    """The decoder layers the models get: "transformer_engine", "fused" (pfppo_mega.models.fused_layers)
+    or "local" (megatron's own), from model.layer_spec, training.fused_layers, the device and whether
+    TE is installed (default: looked up without importing it); see fused_layers.choose_layer_path."""
+    te = fused_layers.te_importable() if te_available is None else te_available
+    return fused_layers.choose_layer_path(model.layer_spec, fused_layers=features.fused_layers,
+                                          device_type=device_type, params_dtype=model.params_dtype,
+                                          te_available=te)
+
+
 def fused_layers_active(model: ModelConfig, features: Features, device_type: str) -> bool:
-    """Whether the models get pfppo_mega.models.fused_layers' spec: asked for, on the CPU, fp32, the
-    local spec. Elsewhere megatron's own layers (on GPUs its fused layers come with transformer-engine)."""
-    return (features.fused_layers and device_type == "cpu" and model.params_dtype == "float32"
-            and model.layer_spec == "local")
+    """Whether the models get pfppo_mega.models.fused_layers' spec (layer_path "fused")."""
+    return layer_path(model, features, device_type) == "fused"
 
 
 def features_from_config(cfg) -> Features:
@@ -156,36 +165,33 @@ def check_features(model: ModelConfig, features: Features, *, device_type: Optio
     Refused on every device: sequence parallelism with the local layer spec (its WrappedTorchNorm
     asserts it off), and without TP. GPU only: selective / full recompute (megatron's recompute
     makes CUDA tensors inside the backward pass), the transformer_engine layer spec (and so
-    sequence parallelism); bf16 parameters need a GPU with bf16. Not wired into the trainer: the
-    interleaved pipeline."""
+    sequence parallelism: layer_spec auto resolves to it where TE is installed); bf16 parameters
+    need a GPU with bf16. Not wired into the trainer: the interleaved pipeline. TE is looked up,
+    never imported, here."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     tp = _layout(tp, None)[0]
     problems = []
+    path = layer_path(model, features, device_type)
     if features.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1 (TP is 1)")
-    elif features.sequence_parallel and model.layer_spec == "local":
+    elif features.sequence_parallel and path != "transformer_engine":
         # On every device: the local spec's norm is megatron's WrappedTorchNorm, whose constructor
         # asserts `not config.sequence_parallel` (GPU or CPU alike).
-        problems.append("parallel.sequence_parallel = true with model.layer_spec = 'local' (any device): megatron's "
-                        "local spec norms (WrappedTorchNorm) refuse sequence parallelism; set "
-                        "parallel.sequence_parallel false, or use model.layer_spec transformer_engine where "
-                        "transformer-engine is installed")
+        problems.append(f"parallel.sequence_parallel = true with model.layer_spec = {model.layer_spec!r} resolved to "
+                        f"the {path!r} layers (any device): megatron's local spec norms (WrappedTorchNorm) and "
+                        f"the fused layers' refuse sequence parallelism; set parallel.sequence_parallel false, or "
+                        f"use model.layer_spec transformer_engine where transformer-engine is installed")
     elif features.sequence_parallel and device_type != "cuda":
         problems.append(f"parallel.sequence_parallel = true needs CUDA devices (device {device_type!r}); set it "
                         f"false on CPU")
     if model.layer_spec == "transformer_engine":
-        try:
-            with _quiet_megatron():
-                import transformer_engine  # noqa: F401
-            te = None
-        except ImportError as e:
-            te = f"transformer_engine is not installed ({e})"
-        if te is None and device_type != "cuda":
+        te = None
+        if not fused_layers.te_importable():
+            te = "transformer_engine is not installed"
+        elif device_type != "cuda":
             te = f"transformer_engine runs on CUDA devices only (device {device_type!r})"
-        if te is None:  # installed, on a GPU: the HF name mapping is still the local spec's
-            te = ("TE's fused-norm parameter names (linear_qkv.layer_norm_weight, ...) are not converted by "
-                  "pfppo_mega.models.hf_io yet")
-        problems.append(f"model.layer_spec = 'transformer_engine': {te}; use 'local'")
+        if te is not None:
+            problems.append(f"model.layer_spec = 'transformer_engine': {te}; use 'auto' or 'local'")
     if model.params_dtype == "bfloat16" and device_type == "cuda" and torch.cuda.is_available() \
             and not torch.cuda.is_bf16_supported():
         problems.append(f"model.params_dtype = 'bfloat16': this GPU ({torch.cuda.get_device_name()}) has no bf16 "
@@ -231,7 +237,8 @@ def transformer_config(
     features = features or Features()
     check_features(model, features, device_type=device_type, tp=tp)
     dtype = _DTYPES[model.params_dtype]
-    fused = fused_layers_active(model, features, device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = layer_path(model, features, device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fused = path == "fused"
     config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -248,16 +255,16 @@ def transformer_config(
         qk_layernorm=shape.arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        attention_backend=AttnBackend.local,
+        attention_backend=AttnBackend.auto if path == "transformer_engine" else AttnBackend.local,
         attention_softmax_in_fp32=True,
         # Fusions need apex / TE / CUDA kernels; off everywhere for identical numerics.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=path == "transformer_engine",  # TE's fused RoPE; the fused path hooks its own
         gradient_accumulation_fusion=False,
-        use_te_activation_func=fused,  # the MLP hands fc1's output to the spec's FusedSwiGLU (fused_layers)
+        use_te_activation_func=path != "local",  # the MLP hands fc1's output to the spec's FusedSwiGLU
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -267,7 +274,8 @@ def transformer_config(
         **_recompute_kwargs(features.recompute),
         cuda_graph_scope=[],
     )
-    config.pfppo_fused_layers = fused  # read by _gpt (the spec) and fused_layers' RoPE hook
+    config.pfppo_fused_layers = fused  # read by fused_layers' RoPE hook
+    config.pfppo_layer_path = path     # read by _gpt (the spec)
     return config
 
 
@@ -329,14 +337,7 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
     if config.qk_layernorm != arch.qk_norm or config.add_qkv_bias != arch.qkv_bias:
         raise ValueError(f"transformer config (qk_layernorm={config.qk_layernorm}, add_qkv_bias="
                          f"{config.add_qkv_bias}) was not made for {arch}")
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
-    if getattr(config, "pfppo_fused_layers", False):
-        if not config.use_te_activation_func:  # the MLP would apply silu to [gate | up] whole
-            raise ValueError("a config with pfppo_fused_layers must set use_te_activation_func")
-        fused_layers.install_rope()
-        spec = fused_layers.layer_spec(spec)
-    else:
-        spec = fused_layers.placed_norms(spec)
+    spec = _layer_spec(config, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm))
     with _quiet_megatron():
         module = cls(
             config=config,
@@ -358,6 +359,19 @@ def _gpt(cls: type, shape: DecoderShape, config: TransformerConfig, *, tie: bool
     if module.post_process:
         _selectable(module.output_layer)
     return module
+
+
+def _layer_spec(config: TransformerConfig, local):
+    """The layer spec of config.pfppo_layer_path (transformer_config) from megatron's local one."""
+    path = getattr(config, "pfppo_layer_path", "local")
+    if path != "local" and not config.use_te_activation_func:  # the MLP would apply silu to [gate | up] whole
+        raise ValueError(f"a config with layer path {path!r} must set use_te_activation_func")
+    if path == "fused":
+        fused_layers.install_rope()
+        return fused_layers.layer_spec(local)
+    if path == "transformer_engine":
+        return fused_layers.te_layer_spec(local)
+    return fused_layers.placed_norms(local)
 
 
 def _block(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
         return int(e.code)
     moved = {"recompute": "training.recompute=none|selective|full",
              "no_sequence_parallel": "parallel.sequence_parallel=false",
-             "layer": "model.layer_spec=local|transformer_engine",
+             "layer": "model.layer_spec=auto|local|transformer_engine",
              "no_distributed_optimizer": "parallel.use_distributed_optimizer=false"}
     used = [f"--{k.replace('_', '-')}: use the override {v}" for k, v in moved.items()
             if getattr(args, "moved_" + k) is not None]

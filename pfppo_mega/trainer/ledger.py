@@ -66,7 +66,10 @@ SwiGLU MLP of width f, no dropout), bytes of bf16 values unless marked fp32:
                          fc2 input 2sbf = 10sbf (megatron 0.16.1's unfused glu)
           layer "fused": [gate; up] 4sbf, fc2 input 2sbf = 6sbf (fused SwiGLU keeps its input)
 
-Layer "local" is what pfppo_mega.models builds; tests/test_plan.py measures megatron's own
+Layer "local" is megatron's local spec as pfppo_mega.models builds it with training.fused_layers
+off; layer "fused" is what it builds with training.fused_layers on (scaled_dot_product_attention:
+no s^2 scores; SwiGLU saving its input) and TE's layers (pfppo_mega.models.fused_layers,
+Knobs.from_config); tests/test_plan.py measures megatron's own
 TransformerLayer on the CPU with autograd's saved-tensor hooks, without recompute and with
 selective recompute (forward only: its backward needs CUDA), and finds these terms (the CPU
 build of torch keeps fp32 RMSNorm intermediates, 8sbh per norm, not 2sbh; on GPUs the norms are
@@ -301,7 +304,7 @@ class Knobs:
     micro_batch: Optional[int] = None   # None: the config's training.micro_batch_size
     recompute: str = "selective"
     sequence_parallel: bool = False
-    layer: str = "local"                # local: as pfppo_mega.models builds it; fused: flash + fused SwiGLU
+    layer: str = "local"                # local: megatron's local layers; fused: SDPA / flash + fused SwiGLU
     distributed_optimizer: bool = True
     offload_during_rollout: bool = True  # training.offload_during_rollout (offload_from_config)
     rollout_tp: Optional[int] = None    # an explicit --rollout-tp override; None: the config's (RunShape)
@@ -313,14 +316,22 @@ class Knobs:
     @classmethod
     def from_config(cls, cfg, **flags) -> "Knobs":
         """The features as the trainer reads them (training.recompute, parallel.sequence_parallel,
-        model.layer_spec, parallel.use_distributed_optimizer, training.offload_during_rollout);
+        model.layer_spec with training.fused_layers, parallel.use_distributed_optimizer,
+        training.offload_during_rollout); the layer is "fused" (no s^2 attention buffer) for TE's layers
+        and for the fused local layers, "local" only with fused_layers off and TE not asked for (auto:
+        TE's where installed, counted as local, the larger);
         ``flags``: the runtime choices (micro_batch, rollout_tp override, reserves, pool placement)."""
         requested = flags.pop("offload_during_rollout", True)  # popped whatever the config says
         offload = offload_from_config(cfg) and requested
         return cls(recompute=cfg.training.recompute, sequence_parallel=cfg.parallel.sequence_parallel,
-                   layer="fused" if cfg.model.layer_spec == "transformer_engine" else "local",
+                   layer=layer_of(cfg.model.layer_spec, cfg.training.fused_layers),
                    distributed_optimizer=cfg.parallel.use_distributed_optimizer, offload_during_rollout=offload,
                    **flags)
+
+
+def layer_of(layer_spec: str, fused_layers: bool) -> str:
+    """The ledger's layer ("local" / "fused") of model.layer_spec and training.fused_layers on a GPU."""
+    return "fused" if fused_layers or layer_spec == "transformer_engine" else "local"
 
 
 def offload_from_config(cfg) -> bool:
