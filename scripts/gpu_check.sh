@@ -9,6 +9,10 @@
 #                reference, critic and engine on the device; an offload round trip (bit-identical;
 #                memory_allocated and the pinned host bytes against the ledger)
 #   matmul       the device's bf16 matmul rate (8192^3), which the update's model FLOP/s is read against
+#   speed        the update's tokens/s and MFU at a ~1B Llama shape (Llama-3.2-1B's, vocabulary 128k) with
+#                4k-token rows, bf16, the default layers (TE's where installed, else the fused SDPA path)
+#                and LM head; then 4 of its layers fused vs megatron's local ones, interleaved, with their
+#                peak memory (pfppo_mega.bench.model_speed)
 #   ppo          PPO of the ~300M config (32k vocabulary, PF-PPO, engine on the GPU, fused kernels,
 #                distributed optimizer, selective recompute, offload during rollout): step 1 in the
 #                device-check session, then an evaluation and a KL probe at one version, the step after
@@ -19,8 +23,8 @@
 #                placement)
 #   kernels      the kernel targets (inputs made on the device), reported
 # Files back (<= 8, under $OUT): summary.txt (one line a step + the summary table), steps.jsonl (one JSON
-# record a step), log.txt (every step's output), and the parts' own JSON: audit.json, ppo.json,
-# grpo.json, kernels.json, matmul.json. No weights.
+# record a step), log.txt (every step's output), and the parts' own JSON: audit.json, speed.json (with the
+# matmul rate), ppo.json, grpo.json, kernels.json. No weights.
 # Exit status: 0 every step passed, 1 some step failed (summary.txt), 2 not a GPU machine.
 #
 # What the GPU machine lacks: megatron-core (python 3.12, torch 2.11+cu130 there). Fetch its cp312
@@ -104,8 +108,9 @@ step kernel_tests 100 bash -c "${PYTEST[*]} tests/test_kernels_cuda.py tests/tes
 step sft 60 "$PY" -m pfppo_mega sft "$CFG" sft.output_dir="$POLICY"
 step audit 60 "$PY" -m pfppo_mega.bench.gpu_check audit --config "$CFG" --model-dir "$POLICY" \
   --out-dir "$WORK/audit" --json "$OUT/audit.json"
-step matmul 20 "$PY" -m pfppo_mega.bench.gpu_check matmul --json "$OUT/matmul.json"
-TFLOPS=$("$PY" -c "import json; print(json.load(open('$OUT/matmul.json'))['tflops'])" 2>/dev/null || echo "")
+step matmul 20 "$PY" -m pfppo_mega.bench.gpu_check matmul --json "$WORK/matmul.json"
+TFLOPS=$("$PY" -c "import json; print(json.load(open('$WORK/matmul.json'))['tflops'])" 2>/dev/null || echo "")
+step speed 60 "$PY" -m pfppo_mega.bench.gpu_check speed ${TFLOPS:+--matmul-tflops "$TFLOPS"} --json "$OUT/speed.json"
 step ppo 120 "$PY" -m pfppo_mega.bench.gpu_check ppo --config "$CFG" --model-dir "$POLICY" --steps 4 --eval-save \
   ${TFLOPS:+--matmul-tflops "$TFLOPS"} --out-dir "$WORK/ppo" --json "$OUT/ppo.json"
 step resume 90 "$PY" -m pfppo_mega.bench.gpu_check ppo --config "$CFG" --model-dir "$POLICY" --steps 1 \

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 
-STEPS = ["build", "kernel_tests", "sft", "audit", "matmul", "ppo", "resume", "grpo", "contracts", "kernels"]
+STEPS = ["build", "kernel_tests", "sft", "audit", "matmul", "speed", "ppo", "resume", "grpo", "contracts", "kernels"]
 
 
 def _steps(text: str) -> list[tuple[str, int]]:
@@ -183,3 +183,74 @@ def test_phase_timers_synchronize_the_gpu(monkeypatch):
     with PhaseTimer(torch.device("cpu"))("update"):
         pass
     assert len(calls) == 2
+
+
+# ----------------------------------------------------------------------------- the speed step (bench.model_speed)
+
+
+def test_speed_flops_are_6n_plus_attention():
+    """Llama-3.2-1B's shape at 4k: 6 x (decoder matmul weights + the head at the response tokens) plus
+    12 x heads x head_dim x layers per causal pair, per token (recounted here from the dimensions)."""
+    from pfppo_mega.bench import model_speed as ms
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.families import DecoderShape
+
+    shape = DecoderShape.from_model_config(ModelConfig(**ms.LLAMA_1B))
+    L, h, f, a, g, d, V, s, r = 16, 2048, 8192, 32, 8, 64, 128256, 4096, 4096 - ms.PROMPT
+    layer = h * a * d + 2 * h * g * d + a * d * h + 3 * h * f
+    want = 6 * L * layer + 6 * h * V * r / s + 12 * a * d * L * (s * (s + 1) / 2) / s
+    assert ms.train_flops_per_token(shape, seq=s, head_tokens=r) == pytest.approx(want, rel=1e-12)
+    assert 6 * (L * layer + h * V) / 1e9 == pytest.approx(7.4, abs=0.05)  # ~1.24 B parameters in matmuls
+    with pytest.raises(ValueError, match=r"head_tokens\(5\) within \[0, seq\]"):
+        ms.train_flops_per_token(shape, seq=4, head_tokens=5)
+
+
+def test_speed_mfu_and_peaks():
+    from pfppo_mega.bench import model_speed as ms
+
+    assert ms.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert ms.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert ms.peak_tflops("NVIDIA H200") == 989.4
+    assert ms.peak_tflops("cpu") is None
+    # 20,000 tokens/s x 10 GFLOP a token = 200 TFLOP/s of 1000
+    assert ms.mfu(20_000.0, 1e10, 1000.0) == pytest.approx(0.2)
+    assert ms.mfu(20_000.0, 1e10, None) is None
+    with pytest.raises(ValueError, match=r"tokens_per_s\(-1.0\)"):
+        ms.mfu(-1.0, 1.0, 1.0)
+
+
+def test_speed_arguments():
+    a = gpu_check.parse_args(["speed", "--json", "s.json", "--matmul-tflops", "700"])
+    assert (a.part, a.json, a.matmul_tflops, a.rows, a.seq, a.steps, a.compare_layers, a.tiny) == \
+        ("speed", Path("s.json"), 700.0, 4, 4096, 3, 4, False)
+    for bad, msg in ((["speed", "--rows", "0"], "--rows (0) must be >= 1"),
+                     (["speed", "--seq", "64"], "--seq (64) must exceed the 64-token prompt")):
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            gpu_check.parse_args(bad)
+
+
+def test_speed_tiny_runs_on_the_cpu(tmp_path):
+    """The speed step's code end to end on a two-layer fp32 shape: the update's rates and both layer paths
+    (the fused one and megatron's), in the JSON the GPU check sends back."""
+    from pfppo_mega.bench import model_speed as ms
+
+    report = tmp_path / "speed.json"
+    out = subprocess.run([sys.executable, "-m", "pfppo_mega.bench.gpu_check", "speed", "--tiny", "--rows", "2",
+                          "--steps", "1", "--compare-layers", "1", "--json", str(report)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["layer_path"] == "fused" and r["tokens_per_step"] == 2 * r["seq"]
+    u = r["update"]
+    assert u["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / u["median_s"])
+    assert u["model_tflops"] == pytest.approx(u["tokens_per_s"] * r["flops_per_token"] / 1e12)
+    assert u["mfu"] is None and r["device"] == "cpu"
+    assert {r["layers"][k]["layer_path"] for k in ("fused", "local")} == {"fused", "local"}
+    assert r["layers"]["local_over_fused"] > 0 and r["layers"]["num_layers"] == 1
+    assert set(r["head_keys"]) == set(ms.head_keys())
+    assert "tokens/s" in out.stdout and "local / fused step time" in out.stdout
+
+
+def test_the_check_sends_back_at_most_8_files():
+    text = SCRIPT.read_text()
+    assert len(set(re.findall(r"\$OUT/([\w.]+)", text))) <= 8

@@ -22,10 +22,14 @@
         after, torch's pinned-host allocator counters and the exactly pinned bytes next to the ledger).
     python -m pfppo_mega.bench.gpu_check matmul [--json PATH]
         The bf16 matmul rate of the device (8192^3), which the ppo part's model FLOP/s is read against.
+    python -m pfppo_mega.bench.gpu_check speed [--json PATH] [--matmul-tflops X] [--tiny]
+        The update's tokens/s and MFU at a ~1B Llama shape with 4k-token rows (bf16, the default layers:
+        TE's or the fused SDPA path), and the fused vs megatron's local layers (pfppo_mega.bench.model_speed).
 
 Exit status: 0 every target met / the run finished; 1 a target missed or the run failed; 2 bad
-arguments (also: no CUDA device). Nothing here runs without a GPU; the CPU tests check only that
-the entry points exist and parse their arguments (tests/test_gpu_check.py).
+arguments (also: no CUDA device). Nothing here runs without a GPU but ``speed --tiny``; the CPU
+tests check that the entry points exist and parse their arguments, the speed part's FLOP / MFU
+arithmetic, and run ``speed --tiny`` (tests/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from pfppo_mega.bench import model_speed
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_1B = REPO / "configs" / "gpu_check_1b.yaml"
@@ -76,10 +82,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.add_argument("overrides", nargs="*")
     m = sub.add_parser("matmul", help="the device's bf16 matmul rate")
     m.add_argument("--json", type=Path, default=None)
+    model_speed.add_arguments(sub.add_parser("speed", help="the update's tokens/s and MFU at 1B / 4k; fused vs "
+                                                        "local layers"))
     args = ap.parse_args(argv)
     if getattr(args, "reps", 1) < 1 or getattr(args, "steps", 1) < 1:
         ap.error("--reps and --steps must be >= 1")
-    return args
+    return model_speed.check_args(args) if args.part == "speed" else args
 
 
 def _need_cuda() -> None:
@@ -397,9 +405,16 @@ def run_matmul(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_speed(args: argparse.Namespace) -> int:
+    """bench.model_speed: the update's tokens/s and MFU, the layer paths side by side (GPU; --tiny anywhere)."""
+    if not args.tiny:
+        _need_cuda()
+    return model_speed.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    parts = {"kernels": run_kernels, "ppo": run_ppo, "audit": run_audit, "matmul": run_matmul}
+    parts = {"kernels": run_kernels, "ppo": run_ppo, "audit": run_audit, "matmul": run_matmul, "speed": run_speed}
     try:
         return parts[args.part](args)
     except SystemExit as e:
