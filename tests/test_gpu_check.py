@@ -219,14 +219,15 @@ def test_speed_mfu_and_peaks():
         ms.mfu(-1.0, 1.0, 1.0)
 
 
-def test_speed_arguments():
+def test_speed_arguments(capsys):
     a = gpu_check.parse_args(["speed", "--json", "s.json", "--matmul-tflops", "700"])
     assert (a.part, a.json, a.matmul_tflops, a.rows, a.seq, a.steps, a.compare_layers, a.tiny) == \
         ("speed", Path("s.json"), 700.0, 4, 4096, 3, 4, False)
     for bad, msg in ((["speed", "--rows", "0"], "--rows (0) must be >= 1"),
                      (["speed", "--seq", "64"], "--seq (64) must exceed the 64-token prompt")):
-        with pytest.raises(SystemExit, match=re.escape(msg)):
+        with pytest.raises(SystemExit) as e:
             gpu_check.parse_args(bad)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_speed_tiny_runs_on_the_cpu(tmp_path):
@@ -254,3 +255,18 @@ def test_speed_tiny_runs_on_the_cpu(tmp_path):
 def test_the_check_sends_back_at_most_8_files():
     text = SCRIPT.read_text()
     assert len(set(re.findall(r"\$OUT/([\w.]+)", text))) <= 8
+
+
+def test_sdpa_backend_probe_names_each_backend():
+    """The speed step's probe, on the CPU: torch's CPU flash kernel takes the layers' causal GQA call;
+    the CUDA-only backends are refused with torch's message, not skipped."""
+    import torch
+
+    from pfppo_mega.bench import model_speed as ms
+    from pfppo_mega.config.tree import ModelConfig
+    from pfppo_mega.families import DecoderShape
+
+    shape = DecoderShape.from_model_config(ModelConfig(**ms.TINY))
+    got = ms.sdpa_backends(shape, 16, torch.device("cpu"))
+    assert set(got) == {"flash_attention", "cudnn_attention", "efficient_attention"}
+    assert got["flash_attention"] == "ok" and got["cudnn_attention"] != "ok"

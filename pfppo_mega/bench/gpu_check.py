@@ -87,7 +87,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if getattr(args, "reps", 1) < 1 or getattr(args, "steps", 1) < 1:
         ap.error("--reps and --steps must be >= 1")
-    return model_speed.check_args(args) if args.part == "speed" else args
+    if args.part == "speed":
+        try:
+            model_speed.check_args(args)
+        except ValueError as e:
+            ap.error(str(e))
+    return args
 
 
 def _need_cuda() -> None:

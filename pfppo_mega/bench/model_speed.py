@@ -16,6 +16,8 @@ Two parts, one process:
     layers   the same shape cut to ``--compare-layers`` layers, built twice: the fused layers and
              megatron's local ones (training.fused_layers false: its DotProductAttention holds the
              [b, heads, s, s] scores); their steps interleaved, each arm's median and peak memory.
+    sdpa     which fused SDPA backends (flash, cuDNN, memory-efficient) take the layers' call at this
+             shape (GPU only): the layers fall back to the math backend, with its s^2 scores, where none does.
 
 Model FLOPs (``train_flops_per_token``): 3 x trainer.perf.forward_flops, i.e. 6 x the decoder's
 matmul weights per token, 12 x heads x head_dim x layers per causal (query, key) pair, and 6 x
@@ -87,7 +89,11 @@ def head_keys() -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m pfppo_mega.bench.gpu_check speed", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
-    return check_args(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    try:
+        return check_args(args)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -101,11 +107,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` when every value is in range, else ValueError naming the first that is not."""
     for name in ("rows", "steps", "compare_layers"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if args.seq <= PROMPT:
-        raise SystemExit(f"--seq ({args.seq}) must exceed the {PROMPT}-token prompt")
+        raise ValueError(f"--seq ({args.seq}) must exceed the {PROMPT}-token prompt")
     return args
 
 
@@ -152,6 +159,28 @@ def _timed(step, device: torch.device) -> tuple[float, float]:
     return time.perf_counter() - t0, float(loss)
 
 
+def sdpa_backends(shape: DecoderShape, seq: int, device: torch.device) -> dict:
+    """Which of torch's fused SDPA backends take the layers' call at this shape (causal, GQA through
+    enable_gqa, bf16, forward + backward): "ok" or the first line of the refusal. The math backend
+    (which would hold the s^2 scores) is left out, so a row of refusals means the layers fall to it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pfppo_mega.models import fused_layers
+
+    a, g, d = shape.num_attention_heads, shape.num_query_groups, shape.head_dim
+    q = torch.randn(seq, 1, a, d, device=device, dtype=torch.bfloat16, requires_grad=True)   # [s, b, n, d]
+    kv = torch.randn(seq, 1, g, d, device=device, dtype=torch.bfloat16, requires_grad=True)  # [s, b, g, d]
+    out = {}
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                fused_layers.sdpa(q, kv, kv, None).float().sum().backward()
+            out[name.lower()] = "ok"
+        except (RuntimeError, AttributeError) as e:
+            out[name.lower()] = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return out
+
+
 def _peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -179,6 +208,8 @@ def run(args: argparse.Namespace) -> dict:
            "rows": args.rows, "seq": seq, "tokens_per_step": args.rows * seq, "flops_per_token": per_token,
            "peak_bf16_tflops": peak, "matmul_tflops": args.matmul_tflops, "head_keys": head_keys()}
 
+    if device.type == "cuda":
+        out["sdpa_backends"] = sdpa_backends(shape, seq, device)
     features = gpt.Features()
     out["layer_path"] = gpt.layer_path(mc, features, device.type)
     _peak_reset(device)
@@ -233,7 +264,8 @@ def summary(result: dict) -> str:
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
-    lines = [f"update ({result['layer_path']} layers, {result['rows']} x {result['seq']} tokens): "
+    lines = [f"SDPA backends at this shape: {result['sdpa_backends']}"] if "sdpa_backends" in result else []
+    lines += [f"update ({result['layer_path']} layers, {result['rows']} x {result['seq']} tokens): "
              f"{u['tokens_per_s']:,.0f} tokens/s, {u['model_tflops']:.1f} TFLOP/s, MFU {pct(u['mfu'])} of "
              f"{result['peak_bf16_tflops']} TFLOP/s, {pct(u['frac_of_measured_matmul'])} of the measured matmul"]
     for label in ("fused", "local"):

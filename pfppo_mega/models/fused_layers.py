@@ -135,6 +135,8 @@ class RopeFn(torch.autograd.Function):
 
 def swiglu(h: Tensor) -> Tensor:  # [..., 2F] -> [..., F]
     """The C++ kernel on CPU fp32, SwiGLUFn elsewhere."""
+    if h.dim() < 1 or h.shape[-1] % 2:
+        raise ValueError(f"swiglu: h [..., 2F] must have an even last dimension, got shape {tuple(h.shape)}")
     if usable(h):
         return kl.SwiGLUFn.apply(h.contiguous())
     return SwiGLUFn.apply(h)
@@ -165,6 +167,9 @@ def rope(t: Tensor, freqs: Tensor) -> Tensor:
     """t [S, B, H, D] rotated by the angles freqs [S, 1, 1, D]: the C++ kernel on CPU fp32, RopeFn
     elsewhere."""
     S, D = t.shape[0], t.shape[-1]
+    if t.dim() != 4 or D % 2 or tuple(freqs.shape) != (S, 1, 1, D):
+        raise ValueError(f"rope: t must be [S, B, H, D] with D even and freqs [S, 1, 1, D]; got t "
+                         f"{tuple(t.shape)}, freqs {tuple(freqs.shape)}")
     if usable(t, freqs):
         angles = freqs.reshape(S, D)
         return kl.RopeFn.apply(t.contiguous(), angles.cos(), angles.sin())
@@ -228,6 +233,10 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float]) -> T
     """Causal attention of q [s, b, n, d] over k, v [s, b, g, d] (g divides n) -> [s, b, n d].
     No mask tensor (is_causal): the flash / cuDNN / CPU flash backends take it without an s^2
     buffer; GQA without repeating k and v (enable_gqa)."""
+    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4 or key.shape[:2] != query.shape[:2] \
+            or key.shape[3] != query.shape[3] or key.shape[2] < 1 or query.shape[2] % key.shape[2]:
+        raise ValueError(f"sdpa: query must be [s, b, n, d] and key / value [s, b, g, d] with g dividing n; got "
+                         f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))       # [b, n|g, s, d], last dim contiguous
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])  # [b, n, s, d]
