@@ -233,17 +233,24 @@ def test_te_is_absent_here_and_never_imported(world):
         gpt.check_features(cfg, gpt.Features(sequence_parallel=True), device_type="cuda", tp=2)
 
 
-def test_te_spec_keeps_the_local_names(monkeypatch):
-    """te_layer_spec swaps modules under the local spec's names (TE's own spec renames the input norm
-    into linear_qkv): checked with stand-ins for megatron's TE wrappers, TE being absent."""
+@pytest.fixture
+def fake_te(monkeypatch):
+    """Stand-ins for megatron's TE wrappers (TE is absent here), where fused_layers imports them."""
     import types
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     fake = types.ModuleType("megatron.core.extensions.transformer_engine")
     for name in ("TEColumnParallelLinear", "TEDotProductAttention", "TENorm", "TERowParallelLinear"):
         setattr(fake, name, type(name, (), {}))
     monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", fake)
+    return fake
+
+
+def test_te_spec_keeps_the_local_names(fake_te):
+    """te_layer_spec swaps modules under the local spec's names (TE's own spec renames the input norm
+    into linear_qkv)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    fake = fake_te
     for qk in (False, True):
         local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk)
         spec = fl.te_layer_spec(local)
@@ -256,6 +263,26 @@ def test_te_spec_keeps_the_local_names(monkeypatch):
         assert (attn.q_layernorm is fake.TENorm) == qk
         assert set(vars(sub)) == set(vars(local.submodules))  # the same module names, so the same parameters
     assert "transformer_engine" not in sys.modules
+
+
+def test_where_te_is_installed_the_gpu_build_takes_it(fake_te, monkeypatch):
+    """TE installed (pretended): auto picks it on CUDA and the builder asks for TE's attention backend,
+    fused RoPE and the spec of te_layer_spec; on the CPU it never does."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    monkeypatch.setattr(fl, "te_importable", lambda: True)
+    model = dataclasses.replace(common_model(), params_dtype="bfloat16", layer_spec="auto")
+    assert gpt.layer_path(model, gpt.Features(), "cuda") == "transformer_engine"
+    assert gpt.layer_path(dataclasses.replace(model, params_dtype="float32"), gpt.Features(), "cpu") == "fused"
+    gpt.check_features(model, gpt.Features(sequence_parallel=True), device_type="cuda", tp=2)  # TE's norms take SP
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):  # megatron: TE's RoPE, without TE
+        gpt.transformer_config(model, tp=1, pp=1, device_type="cuda")
+    config = SimpleNamespace(pfppo_layer_path="transformer_engine", use_te_activation_func=True)
+    spec = gpt._layer_spec(config, get_gpt_layer_local_spec(normalization="RMSNorm"))
+    assert spec.submodules.input_layernorm is fake_te.TENorm
+    assert spec.submodules.self_attention.submodules.core_attention is fake_te.TEDotProductAttention
 
 
 def test_ledger_counts_what_the_path_holds():
