@@ -296,6 +296,49 @@ def test_ledger_counts_what_the_path_holds():
     assert fused.core == 0 and local.core == 6 * a * s * s * b
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_fused_layer_saves_what_the_ledger_counts(world, gpu_code_path, b):
+    """One decoder layer on the GPU's code path (fp32 on the CPU), the bytes autograd saves for its
+    backward, parameters and the layer input excluded: the ledger's layer "fused" in fp32 (every term
+    doubled but the fp32 log-sum-exp). As in tests/test_plan.py, torch's CPU rms_norm keeps fp32
+    intermediates (counted apart, with the norm inputs) where the formula assumes a fused norm. No
+    [b, heads, s, s] scores, no GQA repeat, and SDPA's output is the out-proj's input (a view)."""
+    import traceback
+
+    from pfppo_mega.config.tree import ModelConfig
+
+    s, h, a, g, f = 64, 128, 4, 2, 256
+    model = ModelConfig(num_layers=1, hidden_size=h, ffn_hidden_size=f, num_attention_heads=a, num_query_groups=g,
+                        vocab_size=64, max_position_embeddings=s, rope_theta=10000.0, norm_epsilon=1e-5,
+                        tie_word_embeddings=False)
+    actor = gpt.build_actor(model)
+    assert isinstance(actor.decoder.layers[0].self_attention.core_attention, fl.sdpa_attention_class())
+    params = {p.untyped_storage().data_ptr() for p in actor.parameters()}
+    x = torch.randn(s, b, h, requires_grad=True)
+    saved, norm = {}, {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key != x.untyped_storage().data_ptr():
+            in_norm = any(fr.filename.endswith("normalization.py") for fr in traceback.extract_stack())
+            (norm if in_norm else saved)[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        actor.decoder.layers[0](x, attention_mask=None, rotary_pos_emb=actor.rotary_pos_emb(s))
+    terms = ledger.layer_terms_for("fused", s=s, b=b, h=h, a=a, g=g, f=f)
+    lse = 4 * a * s * b
+    bf16 = ledger.layer_bytes(terms, tp=1, sp=False, recompute="none", s=s, b=b, h=h)[0]
+    expected = 2 * (bf16 - lse - 2 * 2 * s * b * h) + lse  # fp32; the two norm inputs counted apart
+    rope = 2 * s * (h // a) * 4                            # cos / sin (fp32 [s, 1, 1, d]), shared by every layer
+    measured = sum(saved.values())
+    assert measured == expected + rope, (measured, expected + rope, sorted(saved.values()))
+    assert sum(norm.values()) == 3 * 4 * s * b * h + 2 * 4 * s * b  # norm 2 input; x * rstd and rstd of each
+    local = ledger.layer_terms_for("local", s=s, b=b, h=h, a=a, g=g, f=f)
+    assert local.core == 6 * a * s * s * b and measured < 2 * ledger.layer_bytes(local, tp=1, sp=False,
+                                                                               recompute="none", s=s, b=b, h=h)[0]
+
+
 # ----------------------------------------------------------------------------- on the GPU, CUDA mapped to meta
 # (last: the fixture replaces the module's TP1 world)
 

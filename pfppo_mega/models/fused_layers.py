@@ -237,7 +237,9 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float]) -> T
             or key.shape[3] != query.shape[3] or key.shape[2] < 1 or query.shape[2] % key.shape[2]:
         raise ValueError(f"sdpa: query must be [s, b, n, d] and key / value [s, b, g, d] with g dividing n; got "
                          f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))       # [b, n|g, s, d], last dim contiguous
+    # megatron's value is a view of the fused QKV output [s, b, (n + 2g) d]: SDPA would keep all of it
+    # for its backward; a copy of v (s b g d) lets it go
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))  # [b, n|g, s, d]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])  # [b, n, s, d]
     s, b, n, d = query.shape

@@ -68,8 +68,8 @@ SwiGLU MLP of width f, no dropout), bytes of bf16 values unless marked fp32:
 
 Layer "local" is megatron's local spec as pfppo_mega.models builds it with training.fused_layers
 off; layer "fused" is what it builds with training.fused_layers on (scaled_dot_product_attention:
-no s^2 scores; SwiGLU saving its input) and TE's layers (pfppo_mega.models.fused_layers,
-Knobs.from_config); tests/test_plan.py measures megatron's own
+no s^2 scores; SwiGLU saving its input: measured on the CPU, tests/test_gpu_layers.py) and TE's layers
+(pfppo_mega.models.fused_layers, Knobs.from_config); tests/test_plan.py measures megatron's own
 TransformerLayer on the CPU with autograd's saved-tensor hooks, without recompute and with
 selective recompute (forward only: its backward needs CUDA), and finds these terms (the CPU
 build of torch keeps fp32 RMSNorm intermediates, 8sbh per norm, not 2sbh; on GPUs the norms are
