@@ -241,7 +241,7 @@ def test_speed_tiny_runs_on_the_cpu(tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads(report.read_text())
-    assert r["layer_path"] == "fused" and r["tokens_per_step"] == 2 * r["seq"]
+    assert r["layer_path"] == "fused" and r["tokens_per_step"] == 2 * r["seq"] and r["git"]
     u = r["update"]
     assert u["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / u["median_s"])
     assert u["model_tflops"] == pytest.approx(u["tokens_per_s"] * r["flops_per_token"] / 1e12)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -129,7 +130,7 @@ def _batch(rows: int, seq: int, vocab: int, device: torch.device):
 
 
 def _arm(mc: ModelConfig, features, inp, device: torch.device):
-    """(train one step, ddp) of a fresh random-init actor with ``features``."""
+    """(train one step, the actor) of a fresh random-init actor with ``features``."""
     from pfppo_mega.bench.passes import _losses
     from pfppo_mega.kernels import get_backend
     from pfppo_mega.models import engine, gpt
@@ -192,6 +193,7 @@ def _peak_gib(device: torch.device) -> Optional[float]:
 
 def run(args: argparse.Namespace) -> dict:
     from pfppo_mega import parallel
+    from pfppo_mega.bench.passes import _git_sha
     from pfppo_mega.models import gpt
 
     parallel.init_parallel(tp=1, pp=1, seed=1)
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
     per_token = train_flops_per_token(shape, seq=seq, head_tokens=seq - PROMPT)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = peak_tflops(name)
-    out = {"device": name, "shape": {k: v for k, v in dataclasses.asdict(mc).items() if v is not None},
+    out = {"git": _git_sha(), "device": name, "shape": {k: v for k, v in dataclasses.asdict(mc).items() if v is not None},
            "rows": args.rows, "seq": seq, "tokens_per_step": args.rows * seq, "flops_per_token": per_token,
            "peak_bf16_tflops": peak, "matmul_tflops": args.matmul_tflops, "head_keys": head_keys()}
 
@@ -213,12 +215,15 @@ def run(args: argparse.Namespace) -> dict:
     features = gpt.Features()
     out["layer_path"] = gpt.layer_path(mc, features, device.type)
     _peak_reset(device)
-    step, _ = _arm(mc, features, inp, device)
+    step = _arm(mc, features, inp, device)[0]
     _timed(step, device)  # warm-up: optimizer states, allocator, kernel selection
     times = [_timed(step, device)[0] for _ in range(args.steps)]
     out["update"] = _rates(times, args.rows * seq, per_token, peak, args.matmul_tflops)
     out["update"]["peak_gib"] = _peak_gib(device)
-    del step
+    del step  # the 1B actor, its DDP and optimizer: freed before the comparison's models
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     out["layers"] = _compare(args, mc, inp, device)
     return out
 
@@ -241,7 +246,7 @@ def _compare(args: argparse.Namespace, mc: ModelConfig, inp, device: torch.devic
         features = gpt.Features(fused_layers=fused)
         _peak_reset(device)
         try:
-            step, actor = _arm(small, features, inp, device)
+            step = _arm(small, features, inp, device)[0]
             _timed(step, device)
         except torch.cuda.OutOfMemoryError as e:  # megatron's local attention at long rows
             out[label] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
