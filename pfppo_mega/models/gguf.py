@@ -49,7 +49,9 @@ blk.i.ffn_{gate,up,down}.weight  model.layers.i.mlp.{gate,up,down}_proj.weight
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -188,11 +190,36 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(str(p), meta, list(reader.tensors), arch, size, int(reader.data_offset))
 
 
+_NEEDED = object()
+
+
+def _count(f: GGUFFile, key: str, default: Any = _NEEDED) -> int:
+    """Metadata ``key`` as a positive integer (a count or a width), or GGUFError naming it."""
+    value = f.need(key) if default is _NEEDED else f.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise GGUFError(f"{f.path}: metadata {key} = {value!r}: must be a positive integer; the file's metadata "
+                        f"is damaged, convert the model again")
+    return int(value)
+
+
+def _positive(f: GGUFFile, key: str, default: float) -> float:
+    """Metadata ``key`` as a finite number > 0 (RoPE's base, the norm epsilon), or GGUFError naming it."""
+    value = f.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) \
+            or value <= 0:
+        raise GGUFError(f"{f.path}: metadata {key} = {value!r}: must be a finite number > 0; the file's metadata "
+                        f"is damaged, convert the model again")
+    return float(value)
+
+
 def hf_config(f: GGUFFile) -> dict[str, Any]:
-    """config.json for the file's model; GGUFError naming each unsupported key."""
+    """config.json for the file's model; GGUFError naming each unsupported or damaged key."""
     a = f.arch
-    hidden, heads = int(f.need(f"{a}.embedding_length")), int(f.need(f"{a}.attention.head_count"))
-    head_dim = int(f.get(f"{a}.attention.key_length", hidden // heads))
+    hidden, heads = _count(f, f"{a}.embedding_length"), _count(f, f"{a}.attention.head_count")
+    if f.get(f"{a}.attention.key_length") is None and hidden % heads:
+        raise GGUFError(f"{f.path}: metadata {a}.embedding_length = {hidden} is not divisible by "
+                        f"{a}.attention.head_count = {heads}, and no {a}.attention.key_length gives head_dim")
+    head_dim = _count(f, f"{a}.attention.key_length", hidden // heads)
     problems = []
     rope_dim = f.get(f"{a}.rope.dimension_count", head_dim)
     if int(rope_dim) != head_dim:
@@ -214,13 +241,13 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     cfg = {
         "architectures": [arch_name], "model_type": model_type,
         "hidden_size": hidden, "num_attention_heads": heads,
-        "num_hidden_layers": int(f.need(f"{a}.block_count")),
-        "intermediate_size": int(f.need(f"{a}.feed_forward_length")),
-        "num_key_value_heads": int(f.get(f"{a}.attention.head_count_kv", heads)),
+        "num_hidden_layers": _count(f, f"{a}.block_count"),
+        "intermediate_size": _count(f, f"{a}.feed_forward_length"),
+        "num_key_value_heads": _count(f, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": int(f.get(f"{a}.context_length", 2048)),
-        "rms_norm_eps": float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _count(f, f"{a}.context_length", 2048),
+        "rms_norm_eps": _positive(f, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _positive(f, f"{a}.rope.freq_base", 10000.0),
         "vocab_size": int(f.get(f"{a}.vocab_size", len(tokens) if tokens is not None else 0)),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu", "torch_dtype": "float32",
@@ -381,9 +408,10 @@ def check_layers(f: GGUFFile, cfg: dict[str, Any]) -> None:
     if beyond:
         raise GGUFError(f"{f.path}: the file holds layer(s) {beyond[:5]} but {a}.block_count = {n} (layers 0.."
                         f"{n - 1}): the metadata disagrees with the tensors; fix {a}.block_count or convert again")
-    absent = [i for i in range(n) if i not in layers]
-    if absent:
-        raise GGUFError(f"{f.path}: {a}.block_count = {n}, but layer(s) {absent[:5]}{' ...' if len(absent) > 5 else ''} "
+    present = set(layers)  # all < n (checked above): n - len(present) layers are absent
+    if n > len(present):   # the first few absent ones, without walking a block_count of 10**9
+        absent = list(itertools.islice((i for i in range(n) if i not in present), 5))
+        raise GGUFError(f"{f.path}: {a}.block_count = {n}, but layer(s) {absent}{' ...' if n - len(present) > 5 else ''} "
                         f"have no tensors (the file holds {len(layers)} layers): a truncated or mislabelled file; "
                         f"fix {a}.block_count or convert again")
     per_layer = _LAYER_REQUIRED + _ARCH_LAYER_REQUIRED[a]

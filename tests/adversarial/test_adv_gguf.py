@@ -154,3 +154,26 @@ def test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage
     for fragment in said:
         assert fragment in err, (fragment, err)
     assert not out.exists() and not list(tmp_path.glob(".hf.*")), "something was written"
+
+
+# A hostile user's second round (issue 40's follow-up): metadata numbers that no model has were read
+# with int() / float() as they came: a head count of 0 ended in ZeroDivisionError, a block count of
+# 10**9 in MemoryError (or the OOM killer) while listing the absent layers, and a NaN RoPE base, a
+# negative norm epsilon or a context of 0 were written into config.json with exit 0.
+SECOND = [
+    ("head_count_zero", _set_meta("llama.attention.head_count", 0),
+     ("metadata llama.attention.head_count = 0: must be a positive integer",)),
+    ("block_count_huge", _set_meta("llama.block_count", 10**9),
+     ("llama.block_count = 1000000000", "layer(s) [2, 3, 4, 5, 6] ... have no tensors")),
+    ("rope_base_nan", _set_meta("llama.rope.freq_base", float("nan")),
+     ("metadata llama.rope.freq_base = nan: must be a finite number > 0",)),
+    ("norm_eps_negative", _set_meta("llama.attention.layer_norm_rms_epsilon", -1.0),
+     ("metadata llama.attention.layer_norm_rms_epsilon = -1.0: must be a finite number > 0",)),
+    ("context_length_zero", _set_meta("llama.context_length", 0),
+     ("metadata llama.context_length = 0: must be a positive integer",)),
+]
+
+
+@pytest.mark.parametrize("name,damage,said", SECOND, ids=[c[0] for c in SECOND])
+def test_impossible_metadata_numbers_are_refused_by_key(valid, tmp_path, capsys, name, damage, said):
+    test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage, None, said)
