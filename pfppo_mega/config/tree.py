@@ -694,7 +694,9 @@ class TrainingConfig(Section):
               "(pfppo_mega/models/fused_layers.py). Results change only by floating-point rounding; the "
               "parameters and their names do not change. Not read on GPUs or for bf16 (megatron's layers); "
               "false: megatron's layers everywhere.")
-    critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
+    critic_warmup_steps: int = opt(0, "Steps that update only the critic (an estimator with a critic, gae; "
+                                      "with one that has none, refused at start: those steps would update "
+                                      "nothing).")
     lr_warmup_steps: Optional[int] = opt(
         None, "Linear learning-rate warm-up: the lr of an optimizer's k-th update step (k = 0, 1, ...; one per "
               "training step) is lr * k / lr_warmup_steps until k reaches it (verl's lr_warmup_steps: the first "
