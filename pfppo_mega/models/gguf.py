@@ -29,7 +29,9 @@ Supported (anything else is refused by name before any tensor is read):
 A damaged file is refused by name before anything is written: a tensor's bytes outside the data
 section or shared with another tensor, a tensor missing or a layer beyond ``block_count`` (or one
 short of it), a shape the metadata disagrees with (e.g. the embedding's rows vs the vocabulary
-size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens.
+size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens,
+a metadata count or width that is not a positive integer or a RoPE base / norm epsilon that is not a
+finite number > 0 (``_count``, ``_positive``).
 
 llama.cpp's converter permutes the rows of a Llama file's q/k projections (per head, it
 interleaves the two rotary halves: ``permute`` in convert_hf_to_gguf.py); the import undoes that
