@@ -31,7 +31,7 @@ section or shared with another tensor, a tensor missing or a layer beyond ``bloc
 short of it), a shape the metadata disagrees with (e.g. the embedding's rows vs the vocabulary
 size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens,
 a metadata count or width that is not a positive integer or a RoPE base / norm epsilon that is not a
-finite number > 0 (``_count``, ``_positive``).
+finite number > 0 (``_count``, ``_positive``), a vocabulary token listed twice (``check_tokens``).
 
 llama.cpp's converter permutes the rows of a Llama file's q/k projections (per head, it
 interleaves the two rotary halves: ``permute`` in convert_hf_to_gguf.py); the import undoes that
@@ -184,7 +184,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                             f"{e}): the file is truncated or its tensor offsets are damaged; download or convert "
                             f"it again") from None
         raise GGUFError(f"{p}: not a readable GGUF file: {type(e).__name__}: {e}") from None
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    try:
+        meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    except GGUFError as e:
+        raise GGUFError(f"{p}: {e}") from None
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{p}: general.architecture = {arch!r} is not supported (supported: "
@@ -593,6 +596,24 @@ def sentencepiece_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
 TOKENIZER_MODELS = {"gpt2": byte_level_tokenizer, "llama": sentencepiece_tokenizer}
 
 
+def check_tokens(f: GGUFFile, tokens: Any) -> list[str]:
+    """tokenizer.ggml.tokens as a list of distinct strings: a vocabulary maps each token to one id,
+    so a token listed twice would leave one of its ids unreachable (and, in a byte-level vocabulary,
+    the token it replaced unencodable) without a word."""
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens = {str(tokens)[:80]}: must be a non-empty array of strings")
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            raise GGUFError(f"{f.path}: tokenizer.ggml.tokens entry {i} = {t!r}: must be a string")
+        if t in first:
+            raise GGUFError(f"{f.path}: tokenizer.ggml.tokens lists {t!r} twice (ids {first[t]} and {i}): a "
+                            f"vocabulary maps each token to one id; the file's tokenizer is damaged, convert it "
+                            f"again")
+        first[t] = i
+    return list(tokens)
+
+
 def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
     """(tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary; GGUFError for a
     tokenizer kind or pre-tokenizer the import does not build."""
@@ -602,7 +623,7 @@ def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
     if kind not in TOKENIZER_MODELS:
         raise GGUFError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2' = "
                         f"byte-level BPE, 'llama' = SentencePiece)")
-    tokens = list(f.need("tokenizer.ggml.tokens"))
+    tokens = check_tokens(f, f.need("tokenizer.ggml.tokens"))
     tok = TOKENIZER_MODELS[kind](f, tokens)
     types = list(f.get("tokenizer.ggml.token_type") or [])
     # control tokens (and SentencePiece's unknown token) stay whole and are special

@@ -159,7 +159,8 @@ def test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage
 # A hostile user's second round (issue 40's follow-up): metadata numbers that no model has were read
 # with int() / float() as they came: a head count of 0 ended in ZeroDivisionError, a block count of
 # 10**9 in MemoryError (or the OOM killer) while listing the absent layers, and a NaN RoPE base, a
-# negative norm epsilon or a context of 0 were written into config.json with exit 0.
+# negative norm epsilon or a context of 0 were written into config.json with exit 0; a token listed
+# twice was imported (exit 0) and a token that is not UTF-8 refused without the file's name.
 SECOND = [
     ("head_count_zero", _set_meta("llama.attention.head_count", 0),
      ("metadata llama.attention.head_count = 0: must be a positive integer",)),
@@ -171,9 +172,15 @@ SECOND = [
      ("metadata llama.attention.layer_norm_rms_epsilon = -1.0: must be a finite number > 0",)),
     ("context_length_zero", _set_meta("llama.context_length", 0),
      ("metadata llama.context_length = 0: must be a positive integer",)),
+    # a token listed twice: imported with exit 0, "b" gone from the byte-level vocabulary (unencodable)
+    ("token_twice", _replace(b"\x01\x00\x00\x00\x00\x00\x00\x00b", b"\x01\x00\x00\x00\x00\x00\x00\x00a"),
+     ("tokenizer.ggml.tokens lists 'a' twice (ids",)),
+    # a token that is not UTF-8: refused, but without the file's name
+    ("token_not_utf8", _replace(b"\x01\x00\x00\x00\x00\x00\x00\x00b", b"\x01\x00\x00\x00\x00\x00\x00\x00\xff"),
+     ("metadata key 'tokenizer.ggml.tokens' cannot be read", "utf-8")),
 ]
 
 
 @pytest.mark.parametrize("name,damage,said", SECOND, ids=[c[0] for c in SECOND])
-def test_impossible_metadata_numbers_are_refused_by_key(valid, tmp_path, capsys, name, damage, said):
+def test_impossible_metadata_is_refused_by_key(valid, tmp_path, capsys, name, damage, said):
     test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage, None, said)
