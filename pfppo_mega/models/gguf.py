@@ -570,9 +570,11 @@ def sentencepiece_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
                         f"do not have one entry per token of tokenizer.ggml.tokens ({len(tokens)}): the file's "
                         f"tokenizer is damaged, convert it again")
     types = [int(t) for t in types]
-    if len(set(tokens)) != len(tokens):
-        dup = next(t for i, t in enumerate(tokens) if t in tokens[:i])
-        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens holds {dup!r} twice: the file's tokenizer is damaged")
+    bad = next((i for i, x in enumerate(scores) if isinstance(x, bool) or not isinstance(x, (int, float))
+                or not math.isfinite(x)), None)
+    if bad is not None:  # the merge order sorts by score: a NaN would order the merges arbitrarily
+        raise GGUFError(f"{f.path}: tokenizer.ggml.scores entry {bad} (token {tokens[bad]!r}) = {scores[bad]!r}: "
+                        f"must be a finite number; the file's tokenizer is damaged, convert it again")
     unk_id = f.get("tokenizer.ggml.unknown_token_id")
     if unk_id is None and _UNKNOWN in types:
         unk_id = types.index(_UNKNOWN)

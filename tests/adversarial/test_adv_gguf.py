@@ -27,7 +27,7 @@ if importlib.util.find_spec("gguf") is None:
 import gguf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_gguf import VOCAB, _random_llama, write_gguf  # noqa: E402
+from test_gguf import SPM_TOKENS, VOCAB, _random_llama, spm_vocab, write_gguf  # noqa: E402
 
 from pfppo_mega.models import gguf as gg  # noqa: E402
 
@@ -184,3 +184,25 @@ SECOND = [
 @pytest.mark.parametrize("name,damage,said", SECOND, ids=[c[0] for c in SECOND])
 def test_impossible_metadata_is_refused_by_key(valid, tmp_path, capsys, name, damage, said):
     test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage, None, said)
+
+
+def _last_score_nan(path: Path) -> None:
+    """The last entry of tokenizer.ggml.scores (a float32 array) set to NaN in place."""
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.scores"]
+    at = field.offset + sum(int(p.nbytes) for p in field.parts[:field.data[-1]])
+    data = bytearray(path.read_bytes())
+    data[at:at + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_a_sentencepiece_score_nan_is_refused(tmp_path, capsys):
+    """A NaN among a SentencePiece vocabulary's scores (they order the merges) imported with exit 0,
+    the merge order then arbitrary."""
+    src = tmp_path / "spm.gguf"
+    write_gguf(src, _random_llama(False, vocab=len(SPM_TOKENS)), vocab=spm_vocab)
+    _last_score_nan(src)
+    assert gg.main([str(src), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pfppo import-gguf: {src}: tokenizer.ggml.scores entry {len(SPM_TOKENS) - 1} "
+                          f"(token {SPM_TOKENS[-1]!r}) = nan: must be a finite number"), err
+    assert not (tmp_path / "hf").exists()
