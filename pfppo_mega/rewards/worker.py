@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 # verl's custom_reward_function signature, called with these keywords.
 ARG_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
+# verl's BatchRewardManager calls compute_score(data_sources=[...], solution_strs=[...], ...) instead
+BATCH_ARG_NAMES = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
 
 class CustomFunctionError(ValueError):
@@ -63,9 +65,12 @@ def load_function(path: str, name: str) -> Callable[..., Any]:
     try:
         sig.bind(**{k: None for k in ARG_NAMES})
     except TypeError as e:
+        batch = ("; it has the batch reward manager's signature (lists in, a list out: verl's "
+                 "reward_manager batch), but here it is called once per sample"
+                 if set(BATCH_ARG_NAMES) & set(sig.parameters) else "")
         raise CustomFunctionError(
             f"{where}: signature {name}{sig} cannot be called as "
-            f"{name}({', '.join(f'{k}=...' for k in ARG_NAMES)}) ({e}); it must take verl's "
+            f"{name}({', '.join(f'{k}=...' for k in ARG_NAMES)}) ({e}){batch}; it must take verl's "
             f"(data_source, solution_str, ground_truth, extra_info) and return a float or a dict "
             f"with a 'score'") from None
     return fn

@@ -61,3 +61,14 @@ def test_a_worker_spawn_cannot_start_is_not_blamed_on_the_file(tmp_path):
     refused = [x for x in out.stdout.splitlines() if x.startswith("REFUSED")]
     assert refused and "the reward worker process ended (exit code 1) before it ran any of pfppo's worker code" \
         in refused[-1] and "__main__" in refused[-1], (out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_a_batch_reward_managers_function_is_named_as_such(tmp_path):
+    """verl's reward_manager batch passes lists (data_sources, solution_strs, ...) and expects a list;
+    here the function is called per sample: the refusal said only that the signature did not bind."""
+    f = tmp_path / "batch.py"
+    f.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):\n"
+                 "    return [1.0 for _ in solution_strs]\n")
+    with pytest.raises(RewardSetupError, match=r"it has the batch reward manager's signature \(lists in, a list out: "
+                                               r"verl's reward_manager batch\), but here it is called once per sample"):
+        CustomReward(str(f), "compute_score", num_workers=1, timeout_s=5.0, log=lambda *_: None)
