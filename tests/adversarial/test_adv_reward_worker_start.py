@@ -56,7 +56,8 @@ def test_a_worker_spawn_cannot_start_is_not_blamed_on_the_file(tmp_path):
                       f"    CustomReward({str(f)!r}, 'compute_score', num_workers=1, timeout_s=5.0)\n"
                       "except RewardSetupError as e:\n"
                       "    print('REFUSED', e)\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(pfppo_mega.__file__).parents[1]))  # this checkout's package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # this checkout's package first
+        [str(Path(pfppo_mega.__file__).parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     refused = [x for x in out.stdout.splitlines() if x.startswith("REFUSED")]
     assert refused and "the reward worker process ended (exit code 1) before it ran any of pfppo's worker code" \
