@@ -331,6 +331,10 @@ def _hf_dimensions(hf: Mapping[str, Any]) -> dict[str, Any]:
         check = {"norm_epsilon": positive_float, "tie_word_embeddings": boolean}.get(name, positive_int)
         values[name] = check(typed, key)
     values["rope_theta"] = positive_float({"rope_theta": rope_theta_of(hf)}, "rope_theta")
+    heads, groups = values["num_attention_heads"], values["num_query_groups"]
+    if heads % groups:
+        raise CheckpointError(f"config.json: num_key_value_heads = {groups}: must divide num_attention_heads "
+                              f"({heads}); each key/value head serves a whole group of query heads")
     return values
 
 

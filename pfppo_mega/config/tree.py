@@ -699,7 +699,9 @@ class TrainingConfig(Section):
               "megatron's chains of element-wise ops (pfppo_mega/models/fused_layers.py). The default path on "
               "GPUs without TE. Results change only by floating-point rounding; the parameters and their names "
               "do not change. Not read for CPU bf16 models; false: megatron's own local layers.")
-    critic_warmup_steps: int = opt(0, "Steps that update only the critic.")
+    critic_warmup_steps: int = opt(0, "Steps that update only the critic (an estimator with a critic, gae; "
+                                      "with one that has none, refused at start: those steps would update "
+                                      "nothing).")
     lr_warmup_steps: Optional[int] = opt(
         None, "Linear learning-rate warm-up: the lr of an optimizer's k-th update step (k = 0, 1, ...; one per "
               "training step) is lr * k / lr_warmup_steps until k reaches it (verl's lr_warmup_steps: the first "

@@ -7,6 +7,7 @@ tests/test_data.py checks the output against transformers on the example tokeniz
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
 from typing import Any
@@ -50,6 +51,7 @@ def _time_limit(seconds: float, what: str):
 class ChatTemplate:
     def __init__(self, source: str, *, special_tokens: dict[str, str | None], where: str):
         self.where = where
+        self.lines = re.split(r"\r\n|\r|\n", source)  # as Jinja's lexer counts lines
         if len(source) > MAX_TEMPLATE_CHARS:
             raise ChatTemplateError(f"{where}: chat_template is {len(source):,} characters (at most "
                                     f"{MAX_TEMPLATE_CHARS:,}): not a chat template")
@@ -91,14 +93,29 @@ class ChatTemplate:
                 out = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                            **self.special_tokens)
         except ChatTemplateError as e:
-            raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {e}") from None
+            raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {e}"
+                                    f"{self._line_of(e)}") from None
         except Exception as e:  # any template failure (Overflow, Recursion, ZeroDivision, ...) is named
             raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {type(e).__name__}: "
-                                    f"{str(e)[:200]}") from None
+                                    f"{str(e)[:200]}{self._line_of(e)}") from None
         if len(out) > MAX_RENDER_CHARS:
             raise ChatTemplateError(f"{self.where}: chat_template rendered {len(out):,} characters for one prompt "
                                     f"(at most {MAX_RENDER_CHARS:,})")
         return out
+
+    def _line_of(self, e: BaseException) -> str:
+        """' (raised at line N of the template: 'text')' for the line that raised ``e``: Jinja
+        rewrites a render's traceback so that template frames carry the template's own line
+        numbers; the innermost is the line that raised (a `raise_exception(...)`, a 1 // 0)."""
+        line = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<template>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        if line is None or not 1 <= line <= len(self.lines):
+            return ""
+        return f" (raised at line {line} of the template: {self.lines[line - 1].strip()[:120]!r})"
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:

@@ -227,6 +227,7 @@ def load_samples(files: list[str], *, key: str, keys: Keys, tokenizer, template:
                  max_prompt_length: int, overlong: str, log: Callable[[str], None]) -> list[Sample]:
     """Every file's rows, encoded; the overlong count reported per file; an empty result refused."""
     samples: list[Sample] = []
+    dropped = 0
     for f in files:
         enc = encode_rows(read_rows(f, key), key=key, file=f, keys=keys, tokenizer=tokenizer,
                           template=template, max_prompt_length=max_prompt_length, overlong=overlong)
@@ -237,9 +238,14 @@ def load_samples(files: list[str], *, key: str, keys: Keys, tokenizer, template:
             log(f"[pfppo] {key} {f!r}: dropped {enc.overlong} prompt(s) longer than data.max_prompt_length "
                 f"({max_prompt_length} tokens); kept {len(enc.samples)}")
         samples += enc.samples
+        dropped += enc.overlong
+    if not samples and dropped:
+        raise DataError(f"{key} {files}: no usable prompt: all {dropped} row(s) are longer than "
+                        f"data.max_prompt_length = {max_prompt_length} tokens and data.overlong_prompts = filter "
+                        f"dropped them; raise data.max_prompt_length, or cut them with data.overlong_prompts = "
+                        f"left / right / middle")
     if not samples:
-        raise DataError(f"{key} {files}: no usable prompt (every file empty, or every prompt longer than "
-                        f"data.max_prompt_length = {max_prompt_length})")
+        raise DataError(f"{key} {files}: no usable prompt: the file(s) hold no rows")
     return samples
 
 

@@ -29,7 +29,9 @@ Supported (anything else is refused by name before any tensor is read):
 A damaged file is refused by name before anything is written: a tensor's bytes outside the data
 section or shared with another tensor, a tensor missing or a layer beyond ``block_count`` (or one
 short of it), a shape the metadata disagrees with (e.g. the embedding's rows vs the vocabulary
-size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens.
+size), a NaN / Inf weight, a ``tokenizer.ggml.merges`` entry that is not two vocabulary tokens,
+a metadata count or width that is not a positive integer or a RoPE base / norm epsilon that is not a
+finite number > 0 (``_count``, ``_positive``), a vocabulary token listed twice (``check_tokens``).
 
 llama.cpp's converter permutes the rows of a Llama file's q/k projections (per head, it
 interleaves the two rotary halves: ``permute`` in convert_hf_to_gguf.py); the import undoes that
@@ -49,7 +51,9 @@ blk.i.ffn_{gate,up,down}.weight  model.layers.i.mlp.{gate,up,down}_proj.weight
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -180,7 +184,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                             f"{e}): the file is truncated or its tensor offsets are damaged; download or convert "
                             f"it again") from None
         raise GGUFError(f"{p}: not a readable GGUF file: {type(e).__name__}: {e}") from None
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    try:
+        meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    except GGUFError as e:
+        raise GGUFError(f"{p}: {e}") from None
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{p}: general.architecture = {arch!r} is not supported (supported: "
@@ -188,11 +195,36 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(str(p), meta, list(reader.tensors), arch, size, int(reader.data_offset))
 
 
+_NEEDED = object()
+
+
+def _count(f: GGUFFile, key: str, default: Any = _NEEDED) -> int:
+    """Metadata ``key`` as a positive integer (a count or a width), or GGUFError naming it."""
+    value = f.need(key) if default is _NEEDED else f.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise GGUFError(f"{f.path}: metadata {key} = {value!r}: must be a positive integer; the file's metadata "
+                        f"is damaged, convert the model again")
+    return int(value)
+
+
+def _positive(f: GGUFFile, key: str, default: float) -> float:
+    """Metadata ``key`` as a finite number > 0 (RoPE's base, the norm epsilon), or GGUFError naming it."""
+    value = f.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) \
+            or value <= 0:
+        raise GGUFError(f"{f.path}: metadata {key} = {value!r}: must be a finite number > 0; the file's metadata "
+                        f"is damaged, convert the model again")
+    return float(value)
+
+
 def hf_config(f: GGUFFile) -> dict[str, Any]:
-    """config.json for the file's model; GGUFError naming each unsupported key."""
+    """config.json for the file's model; GGUFError naming each unsupported or damaged key."""
     a = f.arch
-    hidden, heads = int(f.need(f"{a}.embedding_length")), int(f.need(f"{a}.attention.head_count"))
-    head_dim = int(f.get(f"{a}.attention.key_length", hidden // heads))
+    hidden, heads = _count(f, f"{a}.embedding_length"), _count(f, f"{a}.attention.head_count")
+    if f.get(f"{a}.attention.key_length") is None and hidden % heads:
+        raise GGUFError(f"{f.path}: metadata {a}.embedding_length = {hidden} is not divisible by "
+                        f"{a}.attention.head_count = {heads}, and no {a}.attention.key_length gives head_dim")
+    head_dim = _count(f, f"{a}.attention.key_length", hidden // heads)
     problems = []
     rope_dim = f.get(f"{a}.rope.dimension_count", head_dim)
     if int(rope_dim) != head_dim:
@@ -214,13 +246,13 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     cfg = {
         "architectures": [arch_name], "model_type": model_type,
         "hidden_size": hidden, "num_attention_heads": heads,
-        "num_hidden_layers": int(f.need(f"{a}.block_count")),
-        "intermediate_size": int(f.need(f"{a}.feed_forward_length")),
-        "num_key_value_heads": int(f.get(f"{a}.attention.head_count_kv", heads)),
+        "num_hidden_layers": _count(f, f"{a}.block_count"),
+        "intermediate_size": _count(f, f"{a}.feed_forward_length"),
+        "num_key_value_heads": _count(f, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": int(f.get(f"{a}.context_length", 2048)),
-        "rms_norm_eps": float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _count(f, f"{a}.context_length", 2048),
+        "rms_norm_eps": _positive(f, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _positive(f, f"{a}.rope.freq_base", 10000.0),
         "vocab_size": int(f.get(f"{a}.vocab_size", len(tokens) if tokens is not None else 0)),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu", "torch_dtype": "float32",
@@ -381,9 +413,10 @@ def check_layers(f: GGUFFile, cfg: dict[str, Any]) -> None:
     if beyond:
         raise GGUFError(f"{f.path}: the file holds layer(s) {beyond[:5]} but {a}.block_count = {n} (layers 0.."
                         f"{n - 1}): the metadata disagrees with the tensors; fix {a}.block_count or convert again")
-    absent = [i for i in range(n) if i not in layers]
-    if absent:
-        raise GGUFError(f"{f.path}: {a}.block_count = {n}, but layer(s) {absent[:5]}{' ...' if len(absent) > 5 else ''} "
+    present = set(layers)  # all < n (checked above): n - len(present) layers are absent
+    if n > len(present):   # the first few absent ones, without walking a block_count of 10**9
+        absent = list(itertools.islice((i for i in range(n) if i not in present), 5))
+        raise GGUFError(f"{f.path}: {a}.block_count = {n}, but layer(s) {absent}{' ...' if n - len(present) > 5 else ''} "
                         f"have no tensors (the file holds {len(layers)} layers): a truncated or mislabelled file; "
                         f"fix {a}.block_count or convert again")
     per_layer = _LAYER_REQUIRED + _ARCH_LAYER_REQUIRED[a]
@@ -537,9 +570,11 @@ def sentencepiece_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
                         f"do not have one entry per token of tokenizer.ggml.tokens ({len(tokens)}): the file's "
                         f"tokenizer is damaged, convert it again")
     types = [int(t) for t in types]
-    if len(set(tokens)) != len(tokens):
-        dup = next(t for i, t in enumerate(tokens) if t in tokens[:i])
-        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens holds {dup!r} twice: the file's tokenizer is damaged")
+    bad = next((i for i, x in enumerate(scores) if isinstance(x, bool) or not isinstance(x, (int, float))
+                or not math.isfinite(x)), None)
+    if bad is not None:  # the merge order sorts by score: a NaN would order the merges arbitrarily
+        raise GGUFError(f"{f.path}: tokenizer.ggml.scores entry {bad} (token {tokens[bad]!r}) = {scores[bad]!r}: "
+                        f"must be a finite number; the file's tokenizer is damaged, convert it again")
     unk_id = f.get("tokenizer.ggml.unknown_token_id")
     if unk_id is None and _UNKNOWN in types:
         unk_id = types.index(_UNKNOWN)
@@ -563,6 +598,24 @@ def sentencepiece_tokenizer(f: GGUFFile, tokens: list[str]) -> Any:
 TOKENIZER_MODELS = {"gpt2": byte_level_tokenizer, "llama": sentencepiece_tokenizer}
 
 
+def check_tokens(f: GGUFFile, tokens: Any) -> list[str]:
+    """tokenizer.ggml.tokens as a list of distinct strings: a vocabulary maps each token to one id,
+    so a token listed twice would leave one of its ids unreachable (and, in a byte-level vocabulary,
+    the token it replaced unencodable) without a word."""
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens = {str(tokens)[:80]}: must be a non-empty array of strings")
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if not isinstance(t, str):
+            raise GGUFError(f"{f.path}: tokenizer.ggml.tokens entry {i} = {t!r}: must be a string")
+        if t in first:
+            raise GGUFError(f"{f.path}: tokenizer.ggml.tokens lists {t!r} twice (ids {first[t]} and {i}): a "
+                            f"vocabulary maps each token to one id; the file's tokenizer is damaged, convert it "
+                            f"again")
+        first[t] = i
+    return list(tokens)
+
+
 def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
     """(tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary; GGUFError for a
     tokenizer kind or pre-tokenizer the import does not build."""
@@ -572,7 +625,7 @@ def build_tokenizer(f: GGUFFile) -> tuple[Any, dict[str, Any]]:
     if kind not in TOKENIZER_MODELS:
         raise GGUFError(f"{f.path}: tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2' = "
                         f"byte-level BPE, 'llama' = SentencePiece)")
-    tokens = list(f.need("tokenizer.ggml.tokens"))
+    tokens = check_tokens(f, f.need("tokenizer.ggml.tokens"))
     tok = TOKENIZER_MODELS[kind](f, tokens)
     types = list(f.get("tokenizer.ggml.token_type") or [])
     # control tokens (and SentencePiece's unknown token) stay whole and are special

@@ -54,7 +54,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pfppo_mega.config.tree import ModelConfig
+from pfppo_mega.config.tree import ConfigError, ModelConfig
 from pfppo_mega.families import (
     Architecture, CheckpointError, CheckpointFileMissing, DecoderShape, Head, architecture_from_hf,
 )
@@ -126,7 +126,12 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
     if mismatched:
         raise CheckpointError("model config differs from the checkpoint's config.json:\n" + "\n".join(mismatched))
     fill = {field: value for field, value in ckpt.items() if getattr(base, field) is None}
-    return dataclasses.replace(base, **fill)
+    try:
+        return dataclasses.replace(base, **fill)
+    except ConfigError as e:  # ModelConfig's own rules, broken by what config.json gave: named by its keys
+        hf_key = {name: key for key, name in ModelConfig.ALIASES.items() if name in fill}
+        raise CheckpointError("config.json: " + "; ".join(
+            f"{hf_key.get(p.key, p.key)} = {p.value!r}: {p.rule}" for p in e.problems)) from None
 
 
 # ----------------------------------------------------------------------------- tensors on disk

@@ -38,9 +38,11 @@ import atexit
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -166,7 +168,10 @@ def changes(before: dict, after: dict) -> list[str]:
 class _Proc:
     def __init__(self, ctx, path: str, name: str, protected: tuple[str, ...], landlock: bool):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker.main, args=(child, path, name, protected, landlock), daemon=True)
+        fd, self.start_log = tempfile.mkstemp(prefix="pfppo-reward-worker-", suffix=".stderr")
+        os.close(fd)
+        self.proc = ctx.Process(target=_worker.main, args=(child, path, name, protected, landlock, self.start_log),
+                                daemon=True)
         self.proc.start()
         child.close()
         self.where = f"reward.custom_function: {name!r} in {path!r}"
@@ -180,23 +185,41 @@ class _Proc:
         return json.loads(self.conn.recv_bytes(MAX_ANSWER_BYTES))
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise RewardSetupError(f"{self.where}: the reward worker did not start within {timeout:.0f} s "
-                                   f"(importing the file hangs?)")
+        deadline = time.monotonic() + timeout
         try:
-            kind, msg = self.recv()
-        except (EOFError, OSError, ValueError, TypeError):
-            self.proc.join(5)
-            code = self.proc.exitcode
-            self.kill()
-            raise RewardSetupError(f"{self.where}: the reward worker exited at start ({_exit_reason(code)}): "
-                                   f"importing the file ended the process (sys.exit, os._exit or a crash at "
-                                   f"import time)") from None
+            self._next_at_start(deadline, timeout, started=False)              # ["started", pid]
+            kind, msg = self._next_at_start(deadline, timeout, started=True)   # ["ready" | "fail", ...]
+        finally:
+            _remove(self.start_log)
         if kind != "ready":
             self.kill()
             raise RewardSetupError(msg)
         self.notes = list(msg)
+
+    def _next_at_start(self, deadline: float, timeout: float, *, started: bool) -> list:
+        """The worker's next message at start; a worker silent until ``deadline``, or one that ends
+        first, is refused with what is known of why (its exit, its last lines on stderr)."""
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+            tail = _tail(self.start_log)
+            self.kill()
+            raise RewardSetupError(f"{self.where}: the reward worker did not start within {timeout:.0f} s "
+                                   f"(importing the file hangs?){tail}")
+        try:
+            return self.recv()
+        except (EOFError, OSError, ValueError, TypeError):
+            self.proc.join(5)
+            code = self.proc.exitcode
+            tail = _tail(self.start_log)
+            self.kill()
+        if not started:
+            raise RewardSetupError(
+                f"{self.where}: the reward worker process ended ({_exit_reason(code)}) before it ran any of "
+                f"pfppo's worker code: Python's multiprocessing (spawn) could not start it and the file was never "
+                f"imported. Spawn re-imports the trainer's main script; one that starts training when imported "
+                f"(no `if __name__ == '__main__':` guard) fails so. Its traceback is on the trainer's stderr above")
+        raise RewardSetupError(f"{self.where}: the reward worker exited at start ({_exit_reason(code)}) while "
+                               f"importing the file (os._exit, a crash or a signal at import time)"
+                               f"{tail or '; it wrote nothing on stderr'}")
 
     def send(self, index: int, request: dict, timeout_s: float) -> None:
         self.nonce = secrets.token_hex(8)
@@ -224,6 +247,34 @@ class _Proc:
         kill_tree(self.proc)
         self.proc.join(5)
         self.conn.close()
+        _remove(self.start_log)
+
+
+TAIL_LINES = 12       # of a worker's stderr at start, quoted when it dies there
+TAIL_BYTES = 4000
+# lines of a faulthandler dump that name no user code (the spawn and import machinery, this worker)
+_NOISE = re.compile(r'^\s*(File "(<string>|<frozen importlib[^"]*|[^"]*/multiprocessing/[^"]*|[^"]*/pfppo_mega/rewards/'
+                    r'worker\.py)"|Extension modules:)')
+
+
+def _tail(path: str) -> str:
+    """'; its last lines on stderr:\n  ...' of what a starting worker wrote ('' if nothing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [x.rstrip() for x in text.splitlines() if x.strip() and not _NOISE.search(x)][-TAIL_LINES:]
+    return "; its last lines on stderr:\n  " + "\n  ".join(lines) if lines else ""
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 _LIVE: "weakref.WeakSet[CustomReward]" = weakref.WeakSet()

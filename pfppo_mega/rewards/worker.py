@@ -5,6 +5,7 @@ First the worker confines itself (pfppo_mega.rewards.sandbox: own session, kille
 the run directory not writable, signals to the trainer refused), then imports the user's file.
 Protocol over one pipe. The trainer sends pickles (its own data); the worker answers only in JSON
 (send_bytes), so nothing the user's code puts on the pipe is ever unpickled in the trainer:
+    ["started", pid] first (a worker that ends before it never ran this module: spawn failed);
     ["ready", [what the sandbox applied]] or ["fail", message], once; then for each request
     (nonce, kwargs) one answer [nonce, worker pid, kind, payload] with kind
     value   a float (a dict's "score" taken; bool / int read as numbers)
@@ -18,6 +19,7 @@ not the one it expects. A request of None ends the worker.
 from __future__ import annotations
 
 import importlib.util
+import faulthandler
 import inspect
 import json
 import numbers
@@ -28,6 +30,8 @@ from typing import Any, Callable
 
 # verl's custom_reward_function signature, called with these keywords.
 ARG_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
+# verl's BatchRewardManager calls compute_score(data_sources=[...], solution_strs=[...], ...) instead
+BATCH_ARG_NAMES = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
 
 class CustomFunctionError(ValueError):
@@ -61,9 +65,12 @@ def load_function(path: str, name: str) -> Callable[..., Any]:
     try:
         sig.bind(**{k: None for k in ARG_NAMES})
     except TypeError as e:
+        batch = ("; it has the batch reward manager's signature (lists in, a list out: verl's "
+                 "reward_manager batch), but here it is called once per sample"
+                 if set(BATCH_ARG_NAMES) & set(sig.parameters) else "")
         raise CustomFunctionError(
             f"{where}: signature {name}{sig} cannot be called as "
-            f"{name}({', '.join(f'{k}=...' for k in ARG_NAMES)}) ({e}); it must take verl's "
+            f"{name}({', '.join(f'{k}=...' for k in ARG_NAMES)}) ({e}){batch}; it must take verl's "
             f"(data_source, solution_str, ground_truth, extra_info) and return a float or a dict "
             f"with a 'score'") from None
     return fn
@@ -88,16 +95,52 @@ def send(conn, message: list) -> None:
     conn.send_bytes(json.dumps(message).encode())
 
 
-def main(conn, path: str, name: str, protected: tuple[str, ...] = (), landlock: bool = True) -> None:
+class _StartLog:
+    """While the worker starts, its stderr (fd 2) goes to the file the trainer named, so that a
+    worker that dies at start (a crash in an extension the user's file imports, os._exit after a
+    message, a traceback in the sandbox) is refused with its last lines; faulthandler dumps the
+    Python stack of a crash (SIGSEGV, SIGABRT, ...) there. Once ready, what was written is passed on
+    to the real stderr and fd 2 restored (faulthandler then writes to the real stderr)."""
+
+    def __init__(self, path: str | None):
+        self.saved = None
+        if path is None:
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self.path = path
+        faulthandler.enable(file=sys.stderr)
+
+    def done(self) -> None:
+        if self.saved is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        with open(self.path, "rb") as f:
+            written = f.read()
+        if written:
+            os.write(2, written)
+
+
+def main(conn, path: str, name: str, protected: tuple[str, ...] = (), landlock: bool = True,
+         start_log: str | None = None) -> None:
     """The worker process's entry point."""
+    send(conn, ["started", os.getpid()])
+    log = _StartLog(start_log)
     from pfppo_mega.rewards import sandbox
 
     notes = sandbox.enter(list(protected), landlock=landlock)
     try:
         fn = load_function(path, name)
     except CustomFunctionError as e:
+        log.done()
         send(conn, ["fail", str(e)])
         return
+    log.done()
     send(conn, ["ready", notes])
     me = os.getpid()
     while True:

@@ -189,6 +189,17 @@ def check_groups(cfg: Config, estimator: AdvantageEstimator) -> None:
                          f"reward.scaling none and reward.quantile_clip null")
 
 
+def check_critic_warmup(cfg: Config, estimator: AdvantageEstimator) -> None:
+    """A critic warm-up updates only the critic; an estimator without one would update nothing in
+    those steps (rollouts and scores spent, the policy unchanged), so the pair is refused."""
+    warm = cfg.training.critic_warmup_steps
+    if warm and not estimator.needs_critic:
+        raise SetupError(f"training.critic_warmup_steps (verl: trainer.critic_warmup) = {warm}, but "
+                         f"algorithm.adv_estimator = {estimator.name!r} trains no critic: its first {warm} step(s) "
+                         f"would update nothing (only the critic trains during a warm-up); set it to 0, or use "
+                         f"gae")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -228,6 +239,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     out_dir.mkdir(parents=True, exist_ok=True)
     estimator: AdvantageEstimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
     check_groups(cfg, estimator)
+    check_critic_warmup(cfg, estimator)
 
     # --- checkpoint, tokenizer, shapes: every check before any work
     try:  # the engine choice (rollout TP, vLLM installed, top_p), before any work

@@ -413,11 +413,14 @@ def reward_model_shape(path):
     if path is None or not (Path(path) / "config.json").is_file():
         return None
     from pfppo_mega.config.tree import ModelConfig
-    from pfppo_mega.families import DecoderShape, architecture_from_hf
+    from pfppo_mega.families import CheckpointError, DecoderShape, architecture_from_hf
     from pfppo_mega.models.hf_io import model_config_from_hf, read_hf_config
 
-    hf = read_hf_config(path)
-    return DecoderShape.from_model_config(model_config_from_hf(hf, ModelConfig()), architecture_from_hf(hf))
+    try:  # its keys' problems are the reward model's, not the policy's: say whose file it is
+        hf = read_hf_config(path)
+        return DecoderShape.from_model_config(model_config_from_hf(hf, ModelConfig()), architecture_from_hf(hf))
+    except CheckpointError as e:
+        raise CheckpointError(f"reward.model_path {str(path)!r}: {e}") from None
 
 
 def micro_batching(run: RunShape, knobs: Knobs, dp: int) -> tuple[int, int]:

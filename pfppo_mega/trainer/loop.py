@@ -31,7 +31,7 @@ from pfppo_mega.trainer.evaluation import evaluate, kl_probe
 from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
-from pfppo_mega.trainer.update import update
+from pfppo_mega.trainer.update import TrainingHalted, update
 
 
 @dataclass
@@ -158,6 +158,7 @@ class PPOTrainer:
         run, cfg = self.run, self.run.cfg.reward
         with devicecheck.paused():  # reward functions run on the host (texts in, scores out)
             guarded = run.reward_fn(rb.samples, rb.texts, rb.finished.tolist())
+        self.halt_if_no_reward(rows=len(rb.samples), errors=guarded.errors)
         devicecheck.mark_host(guarded.scores, guarded.honest, guarded.hacked)
         raw = guarded.scores.to(run.device)                                           # [B] finite
         lengths = rb.response_mask.sum(1)
@@ -180,6 +181,21 @@ class PPOTrainer:
                            honest=None if guarded.honest is None else guarded.honest.to(run.device),
                            hacked=None if guarded.hacked is None else guarded.hacked.to(run.device),
                            baselines=baselines)
+
+    def halt_if_no_reward(self, *, rows: int, errors: int) -> None:
+        """Collective (every rank, every scored round): TrainingHalted on every rank when each reward
+        call of the round, on every data-parallel rank, failed (raised, returned no number -- a list, a
+        tuple, None --, or killed its worker). Each failure scores 0 and is counted, but when all fail
+        no row carries a reward and the run would train on zeros, saying so once."""
+        total_rows, total_errors = parallel.dp_sum(torch.tensor([rows, errors], dtype=torch.long),
+                                                   self.run.dp.group).tolist()
+        if total_rows and total_errors == total_rows:
+            raise TrainingHalted(
+                f"reward: every one of the {total_rows} reward calls of step {self.run.state.step} failed (raised, "
+                f"returned no number, or killed its worker; the first failure of each kind is logged above): no "
+                f"row carries a reward, the update would learn from zeros. Fix the reward function "
+                f"(reward.custom_function, or the scorer of the rows' data_source): it must return a float or a "
+                f"dict with a numeric 'score' for every sample")
 
     def score_baselines(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
         """[B] the greedy responses' scores (rb.baseline; None without one): the same guarded

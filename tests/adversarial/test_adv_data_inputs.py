@@ -68,7 +68,13 @@ CASES = {
                               r"ws.jsonl' row 0: 'prompt' must be a string or a non-empty list"),
     "row not an object": (lambda t: [_jsonl(t / "no.jsonl", [[1, 2]])], r"no.jsonl' row 0: a row must be a JSON object / Parquet record, got list"),
     "empty file": (lambda t: [str((t / "e.jsonl").write_text("") is not None and t / "e.jsonl")],
-                   r"no usable prompt"),
+                   r"no usable prompt: the file\(s\) hold no rows$"),
+    # issue 40's sweep: every row dropped as too long was told as "every file empty, or every prompt
+    # longer" -- which of the two, and what to do, is now said
+    "every prompt too long": (lambda t: [_jsonl(t / "long.jsonl", [_row(prompt="2+2? " * 80)] * 3)],
+                              r"long.jsonl'\]: no usable prompt: all 3 row\(s\) are longer than "
+                              r"data.max_prompt_length = 64 tokens and data.overlong_prompts = filter dropped them; "
+                              r"raise data.max_prompt_length, or cut them"),
     "unknown data_source": (lambda t: [_jsonl(t / "ds.jsonl", [_row(), _row(data_source="my/private_set")])],
                             r"row .*ds.jsonl:1 has data_source 'my/private_set'.*reward.default_scorer"),
 }

@@ -27,7 +27,7 @@ if importlib.util.find_spec("gguf") is None:
 import gguf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_gguf import VOCAB, _random_llama, write_gguf  # noqa: E402
+from test_gguf import SPM_TOKENS, VOCAB, _random_llama, spm_vocab, write_gguf  # noqa: E402
 
 from pfppo_mega.models import gguf as gg  # noqa: E402
 
@@ -154,3 +154,55 @@ def test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage
     for fragment in said:
         assert fragment in err, (fragment, err)
     assert not out.exists() and not list(tmp_path.glob(".hf.*")), "something was written"
+
+
+# A hostile user's second round (issue 40's follow-up): metadata numbers that no model has were read
+# with int() / float() as they came: a head count of 0 ended in ZeroDivisionError, a block count of
+# 10**9 in MemoryError (or the OOM killer) while listing the absent layers, and a NaN RoPE base, a
+# negative norm epsilon or a context of 0 were written into config.json with exit 0; a token listed
+# twice was imported (exit 0) and a token that is not UTF-8 refused without the file's name.
+SECOND = [
+    ("head_count_zero", _set_meta("llama.attention.head_count", 0),
+     ("metadata llama.attention.head_count = 0: must be a positive integer",)),
+    ("block_count_huge", _set_meta("llama.block_count", 10**9),
+     ("llama.block_count = 1000000000", "layer(s) [2, 3, 4, 5, 6] ... have no tensors")),
+    ("rope_base_nan", _set_meta("llama.rope.freq_base", float("nan")),
+     ("metadata llama.rope.freq_base = nan: must be a finite number > 0",)),
+    ("norm_eps_negative", _set_meta("llama.attention.layer_norm_rms_epsilon", -1.0),
+     ("metadata llama.attention.layer_norm_rms_epsilon = -1.0: must be a finite number > 0",)),
+    ("context_length_zero", _set_meta("llama.context_length", 0),
+     ("metadata llama.context_length = 0: must be a positive integer",)),
+    # a token listed twice: imported with exit 0, "b" gone from the byte-level vocabulary (unencodable)
+    ("token_twice", _replace(b"\x01\x00\x00\x00\x00\x00\x00\x00b", b"\x01\x00\x00\x00\x00\x00\x00\x00a"),
+     ("tokenizer.ggml.tokens lists 'a' twice (ids",)),
+    # a token that is not UTF-8: refused, but without the file's name
+    ("token_not_utf8", _replace(b"\x01\x00\x00\x00\x00\x00\x00\x00b", b"\x01\x00\x00\x00\x00\x00\x00\x00\xff"),
+     ("metadata key 'tokenizer.ggml.tokens' cannot be read", "utf-8")),
+]
+
+
+@pytest.mark.parametrize("name,damage,said", SECOND, ids=[c[0] for c in SECOND])
+def test_impossible_metadata_is_refused_by_key(valid, tmp_path, capsys, name, damage, said):
+    test_a_damaged_gguf_is_refused_by_name(valid, tmp_path, capsys, name, damage, None, said)
+
+
+def _last_score_nan(path: Path) -> None:
+    """The last entry of tokenizer.ggml.scores (a float32 array) set to NaN in place."""
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.scores"]
+    at = field.offset + sum(int(p.nbytes) for p in field.parts[:field.data[-1]])
+    data = bytearray(path.read_bytes())
+    data[at:at + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_a_sentencepiece_score_nan_is_refused(tmp_path, capsys):
+    """A NaN among a SentencePiece vocabulary's scores (they order the merges) imported with exit 0,
+    the merge order then arbitrary."""
+    src = tmp_path / "spm.gguf"
+    write_gguf(src, _random_llama(False, vocab=len(SPM_TOKENS)), vocab=spm_vocab)
+    _last_score_nan(src)
+    assert gg.main([str(src), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pfppo import-gguf: {src}: tokenizer.ggml.scores entry {len(SPM_TOKENS) - 1} "
+                          f"(token {SPM_TOKENS[-1]!r}) = nan: must be a finite number"), err
+    assert not (tmp_path / "hf").exists()

@@ -149,6 +149,12 @@ CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
      ("rope_theta", "nan")),
     ("config_tie_text", _edit_config(tie_word_embeddings="no"), ("tie_word_embeddings", "'no'", "true or false")),
     ("config_missing_key", _edit_config(intermediate_size=None), ("config.json", "intermediate_size")),
+    # issue 40: ModelConfig's own rules broken by config.json read as the YAML's model keys
+    ("config_heads_not_dividing_hidden", _edit_config(num_attention_heads=6),
+     ("config.json: hidden_size = 128", "must be divisible by num_attention_heads (6)")),
+    ("config_kv_heads_not_dividing_heads", _edit_config(num_key_value_heads=3),
+     ("config.json: num_key_value_heads = 3", "must divide num_attention_heads (4)")),
+    ("config_ffn_too_wide", _edit_config(intermediate_size=10**9), ("config.json: intermediate_size = 1000000000",)),
     ("config_invalid_json", _write("config.json", b'{"hidden_size": 128,'), ("config.json", "not valid JSON")),
     ("config_not_utf8", _write("config.json", b"\xff\xfe{\x00}"), ("config.json", "not valid JSON")),
     ("config_list", _write("config.json", b"[1, 2]"), ("config.json", "JSON object")),

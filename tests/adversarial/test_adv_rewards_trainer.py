@@ -220,3 +220,28 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.parametrize("bad", ["list", "raises", "none"])
+def test_a_reward_that_fails_on_every_row_halts_by_name(bad, sft_dir, tmp_path):
+    """Issue 40's sweep: a reward function that fails on every row (returns a list or a tuple instead of
+    a number, raises) scored every row 0 with one log line per kind, and the run trained on zeros to
+    the end, exit 0. Now the step halts (pfppo train exits non-zero with the message)."""
+    from pfppo_mega.trainer.update import TrainingHalted
+
+    d = json.loads(json.dumps(TINY))
+    d["actor_rollout"] = {"model_path": str(sft_dir)}
+    d["logging"]["output_dir"] = str(tmp_path)
+    tr = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+    value = next(v for name, v, _ in BAD if name == bad)
+
+    def always_bad(p, text, finished):
+        if isinstance(value, BaseException):
+            raise value
+        return value
+    tr.run.reward_fn.task.reward = always_bad
+    with pytest.raises(TrainingHalted, match=rf"reward: every one of the {ROWS} reward calls of step 0 failed "
+                                             rf"\(raised, returned no number, or killed its worker.*\): no row "
+                                             rf"carries a reward"):
+        tr.train_step()
+    assert tr.run.state.step == 0  # nothing was updated

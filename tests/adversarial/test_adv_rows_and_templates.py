@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -105,3 +106,30 @@ def test_a_template_nested_too_deep_is_refused_by_file(source):
     with pytest.raises(ChatTemplateError, match=r"^/ckpt/chat_template.jinja: chat_template does not compile: its "
                                                 r"blocks or expressions are nested deeper than .* flatten it"):
         ChatTemplate(source, special_tokens={"bos_token": "<s>"}, where="/ckpt/chat_template.jinja")
+
+
+# Issue 40 (vague refusals): a template's own refusal (`raise_exception`, as Mistral's and Gemma's
+# templates refuse a system message) or its arithmetic failing came with the file but not the
+# template line that raised it.
+
+LINES = ["{% for m in messages %}",
+         "{% if m['role'] == 'system' %}",
+         "{{ RAISE }}",
+         "{% endif %}",
+         "{{ m['content'] }}",
+         "{% endfor %}"]
+
+
+@pytest.mark.parametrize("raise_,said", [
+    ("raise_exception('System role not supported')", "System role not supported"),
+    ("(1 // 0)", "ZeroDivisionError: integer division or modulo by zero"),
+], ids=["raise_exception", "zero_division"])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
+def test_a_template_refusal_names_the_template_line(raise_, said, newline):
+    source = newline.join(LINES).replace("RAISE", raise_)
+    t = ChatTemplate(source, special_tokens={"bos_token": "<s>"}, where="/ckpt/chat_template.jinja")
+    t.render([{"role": "user", "content": "hi"}])  # a user message passes
+    line = re.escape("{{ " + raise_ + " }}")
+    with pytest.raises(ChatTemplateError, match=rf"^/ckpt/chat_template.jinja: chat_template refused the prompt: "
+                                                rf"{said} \(raised at line 3 of the template: [\"']{line}[\"']\)$"):
+        t.render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
