@@ -231,6 +231,7 @@ class Rule:
     convert: Callable[[Any, View], Any] | None = None
     ok: tuple = ()
     keys: tuple[str, ...] = ()  # a closed subtree `prefix.**`: the keys under it verl has (others are unknown)
+    fix: str = ""  # refuse: what a verl user changes to run here (default: the value that asks for nothing)
 
     def matches(self, key: str) -> bool:
         if self.keys:
@@ -260,11 +261,27 @@ def I(pattern: str, why: str, keys: tuple[str, ...] = ()) -> Rule:  # noqa: E743
     return Rule(pattern, "ignore", why=why, keys=keys)
 
 
-def R(pattern: str, why: str, ok: tuple = ()) -> Rule:
-    return Rule(pattern, "refuse", why=why, ok=ok)
+def R(pattern: str, why: str, ok: tuple = (), fix: str = "") -> Rule:
+    return Rule(pattern, "refuse", why=why, ok=ok, fix=fix)
 
 
-# Reasons shared by many rules.
+def refusal(rule: Rule) -> str:
+    """A refusal's text: why, then what to change (the rule's fix, else the value that turns it off)."""
+    why = rule.why if "here" in rule.why else f"{rule.why}: not available here"
+    if rule.fix:
+        return f"{why}; {rule.fix}"
+    off = next((v for v in rule.ok if v is not None), None)
+    if off is None:
+        return f"{why}; remove the key to run without it"
+    return f"{why}; remove the key or set it to {off!r} to run without it"
+
+
+# Reasons and fixes shared by many rules.
+MERGE_ADAPTER = ("merge the adapter into its base model (PEFT's merge_and_unload, then save_pretrained) and set "
+                 "model.path to the merged checkpoint")
+SINGLE_TURN = "remove it for single-turn generation (one response per prompt, no tool calls)"
+NO_CORRECTION = ("remove the rollout_correction keys to train with the clipped loss on the trainer's recomputed "
+                 "old log-probs (algorithm.recompute_old_logp), without a rollout-to-trainer correction")
 FSDP = "FSDP-only (this trainer is megatron: its layout is parallel.*)"
 RAY = "Ray placement (here the launcher, torchrun or slurm, sets the world size)"
 SPEED = "speed or memory only; the result is unchanged"
@@ -535,7 +552,8 @@ def _dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
     names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
     if name not in names:
-        raise Refuse(f"{name!r} training: this trainer trains in float32 or bfloat16 (model.params_dtype)")
+        raise Refuse(f"{name!r} training: this trainer trains in float32 or bfloat16 (model.params_dtype); set "
+                     f"it to bfloat16")
     return names[name]
 
 
@@ -543,7 +561,8 @@ def _rollout_dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
     names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto"}
     if name not in names:
-        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype)")
+        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype); "
+                     f"set it to bfloat16")
     return names[name]
 
 
@@ -725,7 +744,7 @@ def _reward_manager(value: Any, v: View) -> Any:
     if name in same:
         raise Ignore(same[name])
     raise Refuse(f"reward manager {name!r}: only verl's naive scoring (and dapo / prime / batch, which score "
-                 "the same) exists here")
+                 "the same) exists here; remove it and write the scoring as custom_reward_function.path")
 
 
 OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg"  # verl's examples (main_ppo, dapo reward manager)
@@ -776,6 +795,16 @@ def _resume(value: Any, v: View) -> Any:
         return Out({"checkpoint.resume": False})
     raise Refuse(f"resume_mode {mode!r}: here a run resumes from the latest checkpoint in logging.output_dir "
                  "(auto) or not at all (disable)")
+
+
+def _resume_from_path(value: Any, v: View) -> Any:
+    """verl's _load_checkpoint reads resume_from_path only with resume_mode resume_path (auto: the latest
+    checkpoint under default_local_dir; disable: none)."""
+    mode = v.get("trainer.resume_mode")
+    if mode != "resume_path":
+        raise Ignore(f"read only with trainer.resume_mode=resume_path (verl too ignores it with {mode!r})")
+    raise Refuse("resuming from another directory: here a run resumes from the latest checkpoint in "
+                 "logging.output_dir; copy or link that checkpoint there and set trainer.resume_mode=auto")
 
 
 def _keep(value: Any, v: View) -> Any:
@@ -855,10 +884,12 @@ RULES: tuple[Rule, ...] = (
     I(f"{M_}.use_liger", SPEED), I(f"{M_}.use_fused_kernels", SPEED), I(f"{M_}.fused_kernel_options.**", SPEED, ("impl_backend",)),
     I(f"{M_}.tiled_mlp.**", SPEED, ("enabled", "num_shards")),
     I(f"{M_}.torch_dtype", FSDP),
-    R(f"{M_}.lora_rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None)),
-    R(f"{M_}.lora.rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None)),
-    R(f"{M_}.lora_adapter_path", "LoRA adapters: not implemented here", ok=(None,)),
-    R(f"{M_}.lora.adapter_path", "LoRA adapters: not implemented here", ok=(None,)),
+    R(f"{M_}.lora_rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None),
+      fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
+    R(f"{M_}.lora.rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None),
+      fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
+    R(f"{M_}.lora_adapter_path", "LoRA adapters: not implemented here", ok=(None,), fix=MERGE_ADAPTER),
+    R(f"{M_}.lora.adapter_path", "LoRA adapters: not implemented here", ok=(None,), fix=MERGE_ADAPTER),
     I(f"{M_}.lora_alpha", "LoRA only (lora_rank > 0 is refused)"),
     I(f"{M_}.target_modules", "LoRA only (lora_rank > 0 is refused)"),
     I(f"{M_}.exclude_modules", "LoRA only (lora_rank > 0 is refused)"),
@@ -1020,7 +1051,8 @@ RULES: tuple[Rule, ...] = (
     R(f"{R_}.skip_rollout", "replaying dumped rollouts", ok=(False,)),
     R(f"{R_}.quantization", "quantised rollouts", ok=(None,)),
     R(f"{R_}.quantization_config_file", "quantised rollouts", ok=(None,)),
-    R(f"{R_}.multi_turn.enable", "multi-turn / tool-calling rollouts: not implemented here", ok=(False,)),
+    R(f"{R_}.multi_turn.enable", "multi-turn / tool-calling rollouts: not implemented here", ok=(False,),
+      fix=SINGLE_TURN),
     I(f"{R_}.multi_turn.**", "multi-turn only (multi_turn.enable=True is refused)",
       ("format", "interaction_config_path", "max_assistant_turns", "max_parallel_calls", "max_tool_response_length",
        "max_user_turns", "num_repeat_rollouts", "tokenization_sanity_check_mode", "tool_config_path",
@@ -1073,13 +1105,14 @@ RULES: tuple[Rule, ...] = (
           "(counted in dapo/filled_groups)"),
     R("algorithm.filter_groups.metric", "groups are compared on their raw rewards (verl's 'acc', 'score' and "
       "'seq_reward' for rule-based rewards); a KL-shaped metric is another rule", ok=("acc", "score", "seq_reward")),
-    R("algorithm.rollout_correction.rollout_is", "verl's rollout importance weights", ok=(None,)),
-    R("algorithm.rollout_correction.rollout_rs", "verl's rollout rejection sampling", ok=(None,)),
+    R("algorithm.rollout_correction.rollout_is", "verl's rollout importance weights", ok=(None,), fix=NO_CORRECTION),
+    R("algorithm.rollout_correction.rollout_rs", "verl's rollout rejection sampling", ok=(None,), fix=NO_CORRECTION),
     M("algorithm.rollout_correction.bypass_mode", "algorithm.recompute_old_logp", _bypass_mode,
       why="true: recompute_old_logp false (the engine's log-probs are the proximal policy); only with "
           "loss_type ppo_clip, no rollout_is / rollout_rs, and loss_mode vanilla (what verl's bypass trains)"),
-    R("algorithm.rollout_correction.loss_type", "verl's rollout-correction loss", ok=("ppo_clip",)),
-    R("algorithm.rollout_correction.rollout_is_batch_normalize", "verl's rollout importance weights", ok=(False,)),
+    R("algorithm.rollout_correction.loss_type", "verl's rollout-correction loss", ok=("ppo_clip",), fix=NO_CORRECTION),
+    R("algorithm.rollout_correction.rollout_is_batch_normalize", "verl's rollout importance weights", ok=(False,),
+      fix=NO_CORRECTION),
     I("algorithm.rollout_correction.**", "rollout correction only (refused when on)",
       ("rollout_is_threshold", "rollout_rs_threshold")),
     # ---------------------------------------------------------------- data
@@ -1111,12 +1144,17 @@ RULES: tuple[Rule, ...] = (
     *(I(f"data.{k}", MULTIMODAL) for k in ("image_key", "video_key", "image_patch_size",
                                            "return_multi_modal_inputs")),
     I("data.tool_config_path", "multi-turn tools only (multi_turn.enable=True is refused)"),
-    R("data.custom_cls.path", "a user's dataset class", ok=(None,)), I("data.custom_cls.name", "custom_cls.path only"),
-    R("data.sampler.class_path", "a user's curriculum sampler", ok=(None,)),
+    R("data.custom_cls.path", "a user's dataset class", ok=(None,),
+      fix="write the rows as parquet or jsonl in verl's columns (prompt, data_source, reward_model.ground_truth) "
+          "and remove data.custom_cls"), I("data.custom_cls.name", "custom_cls.path only"),
+    R("data.sampler.class_path", "a user's curriculum sampler", ok=(None,),
+      fix="remove it to draw the prompts in the data loader's order, without a curriculum"),
     I("data.sampler.class_name", "sampler.class_path only"),
     R("data.datagen.path", "a user's data generator", ok=(None,)), I("data.datagen.name", "datagen.path only"),
     R("data.apply_chat_template_kwargs", "extra chat-template arguments change the prompts", ok=({},)),
-    R("data.apply_chat_template_kwargs.**", "extra chat-template arguments change the prompts"),
+    R("data.apply_chat_template_kwargs.**", "extra chat-template arguments change the prompts",
+      fix="remove it (the template's defaults apply), or make the value the default in the checkpoint's chat "
+          "template"),
     # ---------------------------------------------------------------- critic
     M("critic.enable", "(critic)", _critic_enable, why='false with gae refused'),
     M("critic.model.path", "(the actor's checkpoint)", _critic_path, why="must be the actor's checkpoint"),
@@ -1156,9 +1194,9 @@ RULES: tuple[Rule, ...] = (
        "use_checkpoint_opt_param_scheduler")),
     I("critic.optim.override_optimizer_config.**", SPEED),
     I("critic.optim.override_optimizer_config", SPEED),
-    R("critic.model.lora_rank", "LoRA training: not implemented here", ok=(0, None)),
-    R("critic.model.lora.rank", "LoRA training: not implemented here", ok=(0, None)),
-    R("critic.model.lora.adapter_path", "LoRA adapters: not implemented here", ok=(None,)),
+    R("critic.model.lora_rank", "LoRA training: not implemented here", ok=(0, None), fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
+    R("critic.model.lora.rank", "LoRA training: not implemented here", ok=(0, None), fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
+    R("critic.model.lora.adapter_path", "LoRA adapters: not implemented here", ok=(None,), fix=MERGE_ADAPTER),
     I("critic.model.lora.**", "LoRA only (refused)", LORA_KEYS),
     *(I(f"critic.model.{k}", "LoRA only (refused)") for k in ("lora_alpha", "target_modules")),
     R("critic.model.override_config", "overrides of the checkpoint's config.json", ok=({},)),
@@ -1199,11 +1237,13 @@ RULES: tuple[Rule, ...] = (
     I(f"{OVERLONG_RECIPE}.log", "logging of the overlong penalty"),
     M("reward_model.reward_kwargs.max_resp_len", "(algorithm.max_response_length)", _overlong_max_len,
       why="the overlong penalty's length: must equal data.max_response_length"),
-    R("reward_model.reward_kwargs.**", "arguments of a verl reward manager"),
+    R("reward_model.reward_kwargs.**", "arguments of a verl reward manager",
+      fix="remove them with the reward manager that reads them; write its scoring as custom_reward_function.path"),
     R("reward_model.reward_loop_source", "a user's reward loop", ok=("register",)),
     R("reward_model.reward_loop_module_path", "a user's reward loop", ok=(None,)),
     R("reward_model.reward_loop_class_name", "a user's reward loop", ok=(None,)),
-    R("reward_model.sandbox_fusion.url", "code execution rewards (sandbox fusion)", ok=(None,)),
+    R("reward_model.sandbox_fusion.url", "code execution rewards (sandbox fusion)", ok=(None,),
+      fix="remove it and run the code check in your own custom_reward_function.path"),
     I("reward_model.sandbox_fusion.**", "sandbox fusion only (refused)", ("max_concurrent", "memory_limit_mb")),
     I("reward_model.launch_reward_fn_async", SPEED),
     I("reward_model.rollout.**", "a generative reward model's server (refused with reward_model.enable)"),
@@ -1227,8 +1267,8 @@ RULES: tuple[Rule, ...] = (
     M("trainer.save_freq", "checkpoint.save_interval", _save_freq, why='-1: only the final checkpoint'),
     M("trainer.test_freq", "logging.eval_interval", _test_freq, why='-1: only at start and end'),
     M("trainer.resume_mode", "checkpoint.resume", _resume, why='auto: resume; disable: not; resume_path refused'),
-    R("trainer.resume_from_path", "resuming from another directory (here: the latest checkpoint in "
-                                  "logging.output_dir)", ok=(None,)),
+    M("trainer.resume_from_path", "checkpoint.resume", _resume_from_path,
+      why="read only with resume_mode resume_path (refused), as verl"),
     M("trainer.default_local_dir", "logging.output_dir", why="checkpoints go under it here"),
     M("trainer.max_actor_ckpt_to_keep", "checkpoint.keep_last", _keep, why='null: our default'),
     I("trainer.max_critic_ckpt_to_keep", "one checkpoint holds actor and critic here (checkpoint.keep_last)"),
@@ -1433,7 +1473,7 @@ def _apply(key: str, value: Any, source: str, view: View, out: Translation, *, e
         if rule.action == "refuse":
             if any(_same_value(value, ok) for ok in rule.ok):
                 raise Ignore(f"nothing to honour at this value (others are refused: {rule.why})")
-            raise Refuse(rule.why if "here" in rule.why else f"{rule.why}: not available here")
+            raise Refuse(refusal(rule))
         if isinstance(value, str) and "${" in value:
             raise Bad("an interpolation that cannot be resolved here (an environment variable, a cycle, or a key "
                       "that is not set); give the value")
