@@ -37,6 +37,15 @@ def test_both_arms_are_timed_between_step_ends():
     assert got["tokens"] == [310.0, 320.0, 330.0] and got["phases"] == {"time/update_s": 2}
 
 
+def test_trl_rounds_end_at_their_last_optimizer_step():
+    from pfppo_mega.bench.trl_worker import round_ends
+
+    stamps = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # 2 optimizer steps a round; the 7th starts a 4th round
+    assert round_ends(stamps, 2) == [2.0, 4.0, 6.0]
+    assert round_ends(stamps, 1) == stamps
+    assert trl.between_step_ends(round_ends(stamps, 2), 1) == [2.0, 2.0]
+
+
 def test_every_arm_runs_on_the_same_pinned_cpus():
     import os
 

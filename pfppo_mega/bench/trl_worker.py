@@ -33,6 +33,12 @@ def _rows(path: str, n: int) -> list[dict]:
     return out
 
 
+def round_ends(stamps: list[float], opt_steps: int) -> list[float]:
+    """The clock at each round's end: a round is opt_steps optimizer steps; ``stamps`` holds one
+    time per optimizer step's end (a partial last round has no end)."""
+    return stamps[opt_steps - 1::opt_steps]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pfppo_mega.bench.trl_worker")
     ap.add_argument("--model", required=True)
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                               processing_class=tok, callbacks=[Stamp()])
         start_s = time.perf_counter() - t0
         trainer.train()
-    ends = stamps[args.opt_steps - 1::args.opt_steps]  # a round = opt_steps optimizer steps
+    ends = round_ends(stamps, args.opt_steps)
     rec = {"arm": "trl_grpo", "round_end_s": ends, "tokens": tokens[:len(ends)], "import_s": import_s,
            "start_s": start_s, "settings": vars(args), "trl": __import__("trl").__version__}
     Path(args.out).write_text(json.dumps(rec, indent=2))
