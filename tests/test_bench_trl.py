@@ -81,7 +81,8 @@ def test_demo_llm_breakdown_reads_the_medians(tmp_path):
 
     recs = [{"step": 0, "eval/accuracy": 0.1}] + [
         {"step": i, "perf/step_s": 10.0 * i, "time/rollout_s": 1.0 * i, "time/update_s": 5.0 * i,
-         "time/rollout_weights_s": 0.5 * i, "time/rollout_engine_s": 0.4 * i, "perf/padding_frac": 0.05} for i in (1, 2, 3)]
+         "time/rollout_weights_s": 0.5 * i, "time/rollout_engine_s": 0.4 * i, "perf/padding_frac": 0.05,
+         "perf/step_end_s": 1000.0 + 20 * i} for i in (1, 2, 3)]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     lines = breakdown(tmp_path / "m.jsonl")
     assert lines[0] == "3 steps, median step 20.0 s:"
@@ -90,3 +91,4 @@ def test_demo_llm_breakdown_reads_the_medians(tmp_path):
     assert any("rollout_weights" in line and "1.00 s (5%) of rollout: refits" in line for line in lines)
     assert any("rollout_engine" in line and "0.80 s (4%) of rollout: the engine's" in line for line in lines)
     assert any(line.strip().startswith("perf/padding_frac") and "0.05" in line for line in lines)
+    assert not any("perf/step_end_s" in line for line in lines)  # a clock, not a figure
