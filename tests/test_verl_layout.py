@@ -222,7 +222,7 @@ EXPECTED_REFUSED = {
                             "Drop custom_reward_function"),
     "reward_model.reward_manager": ("reward manager 'collabllm'", "write the scoring as custom_reward_function"),
     "reward_model.sandbox_fusion.url": ("code execution rewards", "run the code check in your own"),
-    "trainer.device": ("only CUDA GPUs", "remove the key or set it to 'cuda'"),
+    "trainer.device": ("only CUDA GPUs", "set it to cuda (or remove it)"),
     **{f"reward_model.reward_kwargs.{k}": ("arguments of a verl reward manager", MANAGER_FIX)
        for k in ("llm_judge_kwargs.max_tokens", "llm_judge_kwargs.model", "llm_judge_kwargs.temperature",
                  "metric_weights.accuracy", "metric_weights.interactivity", "metric_weights.token_amount")},

@@ -279,6 +279,7 @@ def refusal(rule: Rule) -> str:
 # Reasons and fixes shared by many rules.
 MERGE_ADAPTER = ("merge the adapter into its base model (PEFT's merge_and_unload, then save_pretrained) and set "
                  "model.path to the merged checkpoint")
+COPY_TOKENIZER = "copy that tokenizer's files (tokenizer.json, tokenizer_config.json) into the checkpoint directory"
 SINGLE_TURN = "remove it for single-turn generation (one response per prompt, no tool calls)"
 NO_CORRECTION = ("remove the rollout_correction keys to train with the clipped loss on the trainer's recomputed "
                  "old log-probs (algorithm.recompute_old_logp), without a rollout-to-trainer correction")
@@ -869,10 +870,12 @@ RULES: tuple[Rule, ...] = (
     R("transfer_queue.enable", "verl's TransferQueue data path", ok=(False,)),
     # ---------------------------------------------------------------- model
     M(f"{M_}.path", "actor_rollout.model_path"),
-    R(f"{M_}.hf_config_path", "a config.json apart from the checkpoint's", ok=(None,)),
-    R(f"{M_}.tokenizer_path", "a tokenizer apart from the checkpoint's (here read from model_path)", ok=(None,)),
+    R(f"{M_}.hf_config_path", "a config.json apart from the checkpoint's", ok=(None,),
+      fix="copy that config.json into the checkpoint directory (model.path)"),
+    R(f"{M_}.tokenizer_path", "a tokenizer apart from the checkpoint's (here read from model_path)", ok=(None,),
+      fix=COPY_TOKENIZER),
     R(f"{M_}.custom_chat_template", "a chat template apart from the checkpoint's tokenizer_config.json",
-      ok=(None,)),
+      ok=(None,), fix="save the template as chat_template.jinja in the checkpoint directory (model.path)"),
     R(f"{M_}.external_lib", "importing a user's model library", ok=(None,)),
     I(f"{M_}.trust_remote_code", "no checkpoint code is run here (the families are built in)"),
     I(f"{M_}.use_shm", SPEED),
@@ -1130,7 +1133,7 @@ RULES: tuple[Rule, ...] = (
     M("data.filter_overlong_prompts", "data.overlong_prompts", _overlong, why='true: filter'),
     M("data.truncation", "data.overlong_prompts", _truncation,
       why="error / left / right / middle (without filtering): the same name; prompts cut as verl does"),
-    R("data.tokenizer", "a tokenizer apart from the checkpoint's", ok=(None,)),
+    R("data.tokenizer", "a tokenizer apart from the checkpoint's", ok=(None,), fix=COPY_TOKENIZER),
     R("data.train_max_samples", "training on a subset of the rows", ok=(-1, None)),
     I("data.val_max_samples", "validation only: here the first data.eval_size rows are scored"),
     I("data.val_batch_size", "validation batching; " + SPEED),
@@ -1280,7 +1283,8 @@ RULES: tuple[Rule, ...] = (
     I("trainer.tensorboard_dir", LOGS), I("trainer.rl_logging_board_dir", LOGS),
     I("trainer.nnodes", RAY), I("trainer.n_gpus_per_node", RAY),
     I("trainer.ray_wait_register_center_timeout", RAY),
-    R("trainer.device", "only CUDA GPUs (or the CPU for tests) here", ok=("cuda",)),
+    R("trainer.device", "only CUDA GPUs (or the CPU for tests) here", ok=("cuda",),
+      fix="set it to cuda (or remove it) and run on NVIDIA GPUs"),
     I("trainer.balance_batch", "reorders rows over data-parallel ranks by length; " + SPEED),
     I("trainer.esi_redundant_time", "checkpointing before a preemption deadline"),
     I("trainer.del_local_ckpt_after_load", "checkpoint housekeeping"),
