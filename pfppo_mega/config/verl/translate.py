@@ -12,7 +12,7 @@ from pfppo_mega.config.tree import Problem
 from pfppo_mega.config.verl.interpolation import resolve_interpolations
 from pfppo_mega.config.verl.keys import VERL_DEFAULTS, VERL_FIXED
 from pfppo_mega.config.verl.layout import strip_hydra
-from pfppo_mega.config.verl.rule import (Bad, Ignore, Out, Refuse, View, _native_type, _same_value, _typed,
+from pfppo_mega.config.verl.rule import (Bad, Ignore, Out, Refuse, Rule, View, _native_type, _same_value, _typed,
                                          _Unreadable, refusal)
 from pfppo_mega.config.verl.table import rule_for, suggest
 
@@ -65,19 +65,7 @@ def translate(items: Sequence[tuple[str, Any, str]], native: Mapping[str, Any] |
     """Translate verl keys: `items` are (dotted verl key, value, source) in order (file first, then
     overrides: a later one replaces an earlier one of the same key; `~key` deletes it). `native`:
     our own keys the config sets (dotted key -> value), read where a verl key depends on one."""
-    given: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    deleted: list[tuple[str, str]] = []
-    for key, value, source in items:
-        if key.startswith("~"):
-            name = strip_hydra(key)
-            given = {k: v for k, v in given.items() if k != name and not k.startswith(name + ".")}
-            deleted.append((name, source))
-            continue
-        name = strip_hydra(key)
-        given.pop(name, None)  # re-insert: order of last setting
-        given[name] = value
-        sources[name] = source
+    given, sources, deleted = _merge(items)
     given = resolve_interpolations(given)
     view = View(given, native)
     out = Translation()
@@ -96,24 +84,33 @@ def translate(items: Sequence[tuple[str, Any, str]], native: Mapping[str, Any] |
     return out
 
 
+def _merge(items: Sequence[tuple[str, Any, str]]) -> tuple[dict[str, Any], dict[str, str], list[tuple[str, str]]]:
+    """Hydra's reading of the items in order: `+key` / `++key` set as `key` (a later setting replaces an
+    earlier one and moves to the end), `~key` deletes the key and its subtree. Returns (key -> value,
+    key -> source, the deleted (key, source))."""
+    given: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    deleted: list[tuple[str, str]] = []
+    for key, value, source in items:
+        name = strip_hydra(key)
+        if key.startswith("~"):
+            given = {k: v for k, v in given.items() if k != name and not k.startswith(name + ".")}
+            deleted.append((name, source))
+            continue
+        given.pop(name, None)  # re-insert: order of last setting
+        given[name] = value
+        sources[name] = source
+    return given, sources, deleted
+
+
 def _apply(key: str, value: Any, source: str, view: View, out: Translation, *, explicit: bool) -> None:
+    """One verl key through its row, into `out`: a record, our values, or a problem naming the key."""
     rule = rule_for(key)
     if rule is None:
         out.problems.append(Problem(key, value, "unknown key (verl layout); " + suggest(key)))
         return
     try:
-        if rule.action == "ignore":
-            raise Ignore(rule.why)
-        if rule.action == "refuse":
-            if any(_same_value(value, ok) for ok in rule.ok):
-                raise Ignore(f"nothing to honour at this value (others are refused: {rule.why})")
-            raise Refuse(refusal(rule))
-        if isinstance(value, str) and "${" in value:
-            raise Bad("an interpolation that cannot be resolved here (an environment variable, a cycle, or a key "
-                      "that is not set); give the value")
-        result = rule.convert(value, view) if rule.convert else _typed(value, _native_type(rule.target))
-        if not isinstance(result, Out):
-            result = Out({rule.target: result}, rule.why)
+        result = _convert(rule, value, view)
     except Ignore as e:
         if explicit:
             out.uses.append(VerlUse(key, value, "ignored", str(e), source))
@@ -127,6 +124,27 @@ def _apply(key: str, value: Any, source: str, view: View, out: Translation, *, e
         return
     except _Unreadable:
         return  # the key it consults reports its own problem
+    _set(key, value, source, result, out, explicit=explicit)
+
+
+def _convert(rule: Rule, value: Any, view: View) -> Out:
+    """What `rule` makes of `value`: our keys and values, or Ignore / Refuse / Bad / _Unreadable raised."""
+    if rule.action == "ignore":
+        raise Ignore(rule.why)
+    if rule.action == "refuse":
+        if any(_same_value(value, ok) for ok in rule.ok):
+            raise Ignore(f"nothing to honour at this value (others are refused: {rule.why})")
+        raise Refuse(refusal(rule))
+    if isinstance(value, str) and "${" in value:
+        raise Bad("an interpolation that cannot be resolved here (an environment variable, a cycle, or a key "
+                  "that is not set); give the value")
+    result = rule.convert(value, view) if rule.convert else _typed(value, _native_type(rule.target))
+    return result if isinstance(result, Out) else Out({rule.target: result}, rule.why)
+
+
+def _set(key: str, value: Any, source: str, result: Out, out: Translation, *, explicit: bool) -> None:
+    """A mapped key's values into `out`: an explicit verl key wins over verl's defaults; two explicit
+    verl keys that set one of ours to different values are a problem naming both."""
     for target, v in result.values.items():
         earlier = out.origin.get(target)
         if earlier and earlier[2] and explicit and not _same_value(earlier[1], v):
