@@ -1,4 +1,4 @@
-"""verl's config layout (pfppo_mega/config/verl.py), tested on verl's own inputs: the key=value
+"""verl's config layout (pfppo_mega/config/verl/), tested on verl's own inputs: the key=value
 overrides of every launch script of verl's examples/ and recipe/ that runs verl.trainer.main_ppo
 (tests/data/verl_overrides.json) and the composed ppo_megatron_trainer.yaml
 (tests/data/verl_megatron_defaults.json), both extracted by scripts/extract_verl_inputs.py at the

@@ -22,7 +22,7 @@ def generate_doc() -> str:
     lines = [
         "# verl's config layout",
         "",
-        f"<!-- Generated from pfppo_mega/config/verl.py by `{COMMAND}`.",
+        f"<!-- Generated from pfppo_mega/config/verl/ by `{COMMAND}`.",
         "     Do not edit by hand: tests/test_verl_layout.py fails when this file is out of date. -->",
         "",
         "A config or a launch script's `key=value` overrides written in verl's tree (any of "
@@ -208,7 +208,7 @@ def _first_line(fn: Callable) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return write_or_check(argv, prog="python -m pfppo_mega.config.verl_doc", description="Generate or check docs/verl.md.",
-                          generate=generate_doc, default_path=DEFAULT_PATH, source="pfppo_mega/config/verl.py",
+                          generate=generate_doc, default_path=DEFAULT_PATH, source="pfppo_mega/config/verl/",
                           command=COMMAND)
 
 

@@ -16,7 +16,7 @@ _INTERP_RE = re.compile(r"\$\{((?:[^${}]|\{\})*)\}")  # ${...}; an empty {} insi
 
 class _Resolver:
     """The values of one config's verl keys with their interpolations resolved, each key once. A
-    chain longer than _MAX_INTERPOLATION_DEPTH keys is left as it is written."""
+    chain of more than _MAX_INTERPOLATION_DEPTH keys stops there: that key is taken as it is written."""
 
     def __init__(self, given: dict[str, Any]):
         self.given = given
