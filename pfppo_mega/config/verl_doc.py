@@ -19,7 +19,13 @@ COMMAND = "python -m pfppo_mega.config.verl_doc --write docs/verl.md"
 
 
 def generate_doc() -> str:
-    lines = [
+    rows = [_row(r) for r in RULES]
+    return "\n".join(_intro() + rows + ["", MAPPING, "", LOSSES]) + "\n"
+
+
+def _intro() -> list[str]:
+    """The doc's lines before the table's rows: what the table is, verl's defaults, the table's head."""
+    return [
         "# verl's config layout",
         "",
         f"<!-- Generated from pfppo_mega/config/verl/ by `{COMMAND}`.",
@@ -49,18 +55,20 @@ def generate_doc() -> str:
         "| verl key | becomes | why / notes |",
         "|---|---|---|",
     ]
-    for r in RULES:
-        if r.action == "map":
-            converted = r.convert is not None and r.convert is not _float
-            becomes = f"`{r.target}`" + (" (converted)" if converted else "")
-            why = r.why or (_first_line(r.convert) if r.convert else "")
-        elif r.action == "ignore":
-            becomes, why = "ignored", r.why
-        else:
-            ok = ", ".join(f"`{o!r}`" for o in r.ok)
-            becomes, why = "refused" + (f" unless {ok}" if ok else ""), refusal(r)
-        lines.append(f"| `{shown(r)}` | {becomes} | {why.replace('|', '/')} |")
-    return "\n".join(lines + ["", MAPPING, "", LOSSES]) + "\n"
+
+
+def _row(r: Rule) -> str:
+    """One row of the table: the key pattern, what it becomes, why."""
+    if r.action == "map":
+        converted = r.convert is not None and r.convert is not _float
+        becomes = f"`{r.target}`" + (" (converted)" if converted else "")
+        why = r.why or (_first_line(r.convert) if r.convert else "")
+    elif r.action == "ignore":
+        becomes, why = "ignored", r.why
+    else:
+        ok = ", ".join(f"`{o!r}`" for o in r.ok)
+        becomes, why = "refused" + (f" unless {ok}" if ok else ""), refusal(r)
+    return f"| `{shown(r)}` | {becomes} | {why.replace('|', '/')} |"
 
 
 # What verl's DAPO recipe, warm-up, truncation and serving keys become (by hand: the code is
