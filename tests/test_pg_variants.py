@@ -1,6 +1,6 @@
 """verl's policy losses (pfppo_mega.ppo.pg_variants, registered in trainer/policy_loss.py) against
-float64 references written from the formulas (verl/trainer/ppo/core_algos.py at b178a3c; GSPO's
-aggregation and seq-mean-token-sum-norm as verl 0.9.1), token by token in plain Python, on ragged masks with NaN padding; with and without behaviour IS
+float64 references written from the formulas (verl 0.9.1's verl/trainer/ppo/core_algos.py; GSPO's
+aggregation and seq-mean-token-sum-norm new in 0.9.1), token by token in plain Python, on ragged masks with NaN padding; with and without behaviour IS
 weights (PF-PPO), through the registry as the trainer calls them; seq-mean-token-sum-norm."""
 
 import math

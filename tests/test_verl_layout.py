@@ -1,4 +1,4 @@
-"""verl's config layout (pfppo_mega/config/verl.py), tested on verl's own inputs: the key=value
+"""verl's config layout (pfppo_mega/config/verl/), tested on verl's own inputs: the key=value
 overrides of every launch script of verl's examples/ and recipe/ that runs verl.trainer.main_ppo
 (tests/data/verl_overrides.json) and the composed ppo_megatron_trainer.yaml
 (tests/data/verl_megatron_defaults.json), both extracted by scripts/extract_verl_inputs.py at the
@@ -191,38 +191,45 @@ def test_verl_defaults_used_here_are_verls():
 
 # ----------------------------------------------------------------------------- verl's own scripts
 
-# Keys the table refuses by name in verl's scripts, with a phrase of the reason each refusal gives.
+# Keys the table refuses by name in verl's scripts: a phrase of the reason each refusal gives, and a
+# phrase of the fix it names (what a verl user changes to run the script here).
+LORA_FIX = "remove it to train every weight instead (full fine-tuning"
+CORRECTION_FIX = "remove the rollout_correction keys to train with the clipped loss"
+MANAGER_FIX = "remove them with the reward manager that reads them"
 EXPECTED_REFUSED = {
-    "actor_rollout_ref.actor.megatron.dtype": "'float16' training",
-    "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": "fp8 training",
-    "actor_rollout_ref.actor.router_replay.mode": "MoE settings",
-    "actor_rollout_ref.model.lora_rank": "LoRA training",
-    "actor_rollout_ref.model.lora.rank": "LoRA training",
-    "actor_rollout_ref.model.lora_adapter_path": "LoRA adapters",
-    "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
-    "actor_rollout_ref.rollout.dtype": "a 'float16' rollout engine",
-    "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn / tool-calling rollouts",
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": "agent loops",
-    "actor_rollout_ref.rollout.over_sample_rate": "over-sampling",
-    "algorithm.adv_estimator": "has no counterpart here",  # optimal_token_baseline
-    "algorithm.rollout_correction.rollout_is": "rollout importance weights",
-    "algorithm.rollout_correction.rollout_rs": "rollout rejection sampling",
-    "algorithm.rollout_correction.loss_type": "rollout-correction loss",
-    "algorithm.rollout_correction.rollout_is_batch_normalize": "rollout importance weights",
-    "data.apply_chat_template_kwargs.reasoning_effort": "chat-template arguments",
-    "data.custom_cls.path": "a user's dataset class",
-    "data.sampler.class_path": "curriculum sampler",
-    "reward_model.enable": "a reward function here cannot query the model",  # FAPO's generative RM
-    "reward_model.reward_manager": "reward manager 'collabllm'",
-    "reward_model.sandbox_fusion.url": "code execution rewards",
-    "trainer.device": "only CUDA GPUs",
-    "trainer.resume_from_path": "resuming from another directory",
-    **{f"reward_model.reward_kwargs.{k}": "arguments of a verl reward manager"
+    "actor_rollout_ref.actor.megatron.dtype": ("'float16' training", "set it to bfloat16"),
+    "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": ("fp8 training",
+                                                                         "remove the key or set it to False"),
+    "actor_rollout_ref.actor.router_replay.mode": ("MoE settings", "remove the key or set it to 'disabled'"),
+    "actor_rollout_ref.model.lora_rank": ("LoRA training", LORA_FIX),
+    "actor_rollout_ref.model.lora.rank": ("LoRA training", LORA_FIX),
+    "actor_rollout_ref.model.lora_adapter_path": ("LoRA adapters", "merge the adapter into its base model"),
+    "actor_rollout_ref.model.mtp.enable": ("multi-token prediction", "remove the key or set it to False"),
+    "actor_rollout_ref.rollout.dtype": ("a 'float16' rollout engine", "set it to bfloat16"),
+    "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
+                                                    "remove it for single-turn generation"),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
+    "actor_rollout_ref.rollout.over_sample_rate": ("over-sampling", "remove the key or set it to 0"),
+    "algorithm.adv_estimator": ("has no counterpart here", "is one of 'gae', 'grpo'"),  # optimal_token_baseline
+    "algorithm.rollout_correction.rollout_is": ("rollout importance weights", CORRECTION_FIX),
+    "algorithm.rollout_correction.rollout_rs": ("rollout rejection sampling", CORRECTION_FIX),
+    "algorithm.rollout_correction.loss_type": ("rollout-correction loss", CORRECTION_FIX),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": ("rollout importance weights", CORRECTION_FIX),
+    "data.apply_chat_template_kwargs.reasoning_effort": ("chat-template arguments", "the template's defaults apply"),
+    "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
+    "data.sampler.class_path": ("curriculum sampler", "remove it to draw the prompts"),
+    "reward_model.enable": ("a reward function here cannot query the model",  # FAPO's generative RM
+                            "Drop custom_reward_function"),
+    "reward_model.reward_manager": ("reward manager 'collabllm'", "write the scoring as custom_reward_function"),
+    "reward_model.sandbox_fusion.url": ("code execution rewards", "run the code check in your own"),
+    "trainer.device": ("only CUDA GPUs", "set it to cuda (or remove it)"),
+    **{f"reward_model.reward_kwargs.{k}": ("arguments of a verl reward manager", MANAGER_FIX)
        for k in ("llm_judge_kwargs.max_tokens", "llm_judge_kwargs.model", "llm_judge_kwargs.temperature",
                  "metric_weights.accuracy", "metric_weights.interactivity", "metric_weights.token_amount")},
 }
 # Every script that does not load, with the keys refused there (nothing else fails). Before issue 36's
-# mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded.
+# mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
+# remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_gptoss_20b.sh':
         ('data.apply_chat_template_kwargs.reasoning_effort',),
@@ -236,8 +243,6 @@ REFUSED_SCRIPTS = {
         ('actor_rollout_ref.model.lora_adapter_path',),
     'examples/grpo_trainer/run_qwen2_5_vl-7b_lora.sh':
         ('actor_rollout_ref.model.lora_rank',),
-    'examples/grpo_trainer/run_qwen3-32b_npu.sh':
-        ('trainer.resume_from_path',),
     'examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh':
         ('actor_rollout_ref.model.lora.rank',),
     'examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh':
@@ -311,7 +316,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 114
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 115
 
 
 def survey():
@@ -344,7 +349,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 114 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 115 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():
@@ -352,7 +357,8 @@ def test_each_refusal_gives_its_reason():
         with pytest.raises(ConfigError) as e:
             resolve_config_dict({}, overrides_of(path)[0])
         for p in e.value.problems:
-            assert EXPECTED_REFUSED[p.key] in p.rule and "refused (verl layout)" in p.rule, (path, str(p))
+            why, fix = EXPECTED_REFUSED[p.key]
+            assert why in p.rule and fix in p.rule and "refused (verl layout)" in p.rule, (path, str(p))
 
 
 def test_every_verl_key_of_the_scripts_is_in_the_table():
@@ -474,12 +480,21 @@ def test_kl_loss_uses_kl_loss_coef_and_type(name, ours):
     (["reward_model.enable=True", "reward_model.model.path=/rm", "custom_reward_function.path=/f.py"],
      "reward_model.enable", "a reward function here cannot query the model"),
     (["data.gen_batch_size=2048"], "data.gen_batch_size", "without algorithm.filter_groups.enable"),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=ck/global_step_5"], "trainer.resume_from_path",
+     "copy or link that checkpoint there and set trainer.resume_mode=auto"),
 ])
 def test_a_verl_key_that_cannot_be_honoured_is_refused_by_name(overrides, key, why):
     with pytest.raises(ConfigError) as e:
         _cfg(*overrides)
     p = next(p for p in e.value.problems if p.key == key)
     assert "refused (verl layout)" in p.rule and why in p.rule, p
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "disable"])
+def test_resume_from_path_is_read_only_with_resume_path_as_in_verl(mode):
+    res = _cfg("trainer.resume_from_path=ck/global_step_5", *([f"trainer.resume_mode={mode}"] if mode else []))
+    assert res.config.checkpoint.resume is (mode != "disable")
+    assert any("resume_from_path" in n and "read only with trainer.resume_mode=resume_path" in n for n in res.notes())
 
 
 def test_unused_kl_settings_are_ignored_with_why():
@@ -663,7 +678,7 @@ def main() -> int:
     print(f"scripts that load unchanged: {len(loaded)} of {len(SCRIPTS['scripts'])}")
     print(f"keys refused by name ({len(refused)}):")
     for key, paths in sorted(refused.items()):
-        print(f"  {key}: {len(paths)} scripts ({EXPECTED_REFUSED.get(key, 'registry-dependent')})")
+        print(f"  {key}: {len(paths)} scripts ({' -> '.join(EXPECTED_REFUSED.get(key, ('not in the table',)))})")
     print(f"other problems: {len(other)}")
     for path, _, text in other:
         print(f"   {path}: {text}")

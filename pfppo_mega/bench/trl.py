@@ -17,9 +17,15 @@ compute reference log-probs), on the same model directory (fp32), `--threads` to
 
 Each arm is its own process (model load, engine start and the first `--warmup` steps not counted),
 run one after the other, `--rounds` times, the order reversed every other round, so a change of machine
-load reaches every arm alike. Per arm: the median step time (a TRL step = one generation round and its
-optimizer steps; ours = perf/step_s) and generated tokens/s; the ratios to TRL. Printed and written
-as JSON (--json). Needs requirements-llm.lock (trl, accelerate, datasets) and the imported model.
+load reaches every arm alike. Both arms are timed the same way: the wall clock between consecutive step
+ends, everything included (a TRL step = one generation round and its optimizer steps, stamped at the
+last optimizer step's end by a TrainerCallback; ours = the difference of consecutive perf/step_end_s,
+stamped as the step's record is made, so logging, checkpoints and evaluations count in both). The
+headline is generated tokens/s (tokens over that wall time); the generated tokens per step are shown
+beside it, since sampling ends each completion at its own length. Both processes run on the same
+`--threads` CPUs (sched_setaffinity), torch and OpenMP with `--threads` threads, and vLLM's OpenMP
+threads bound to those CPUs (VLLM_CPU_OMP_THREADS_BIND). Printed and written as JSON (--json). Needs
+requirements-llm.lock (trl, accelerate, datasets) and the imported model.
 """
 
 from __future__ import annotations
@@ -40,13 +46,43 @@ ARMS = ("trl_grpo", "ours_grpo", "ours_grpo_bypass", "ours_ppo")
 DEFAULT_ARMS = ("trl_grpo", "ours_grpo", "ours_ppo")
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def pinned(threads: int) -> tuple[list[int], dict[str, str]]:
+    """The first `threads` CPUs this process may use, and the environment that keeps every arm's
+    threads on them: torch / OpenMP thread counts and vLLM's OpenMP binding (its default, "auto",
+    binds one thread per physical core of the NUMA node, whatever --threads says)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if threads > len(allowed):
+        raise ValueError(f"pfppo bench trl: --threads {threads} > the {len(allowed)} CPUs this process may use")
+    cores = allowed[:threads]
+    return cores, {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                   "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+
+
+def _run(cmd: list[str], log: Path, threads: int) -> None:
+    cores, env = pinned(threads)
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}).returncode
+                            preexec_fn=lambda: os.sched_setaffinity(0, cores),
+                            env={**os.environ, **env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}).returncode
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"pfppo bench trl: {' '.join(cmd)} exited {rc}; last lines of {log}:\n{tail}")
+
+
+def between_step_ends(ends: list[float], warmup: int) -> list[float]:
+    """Wall seconds of each counted step: end[k] - end[k-1] for k >= warmup (>= 1: the first step
+    has no previous end, and carries the start-up)."""
+    return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+
+
+def our_steps(recs: list[dict], warmup: int) -> dict:
+    """Our arm from its metrics records: wall between step ends, the step's generated tokens (this
+    single rank's: perf/tokens_per_s x perf/step_s), the median of each phase."""
+    recs = [r for r in recs if "perf/step_end_s" in r]
+    counted = recs[warmup:]
+    return {"step_s": between_step_ends([r["perf/step_end_s"] for r in recs], warmup),
+            "tokens": [r["perf/tokens_per_s"] * r["perf/step_s"] for r in counted],
+            "phases": {k: statistics.median(r[k] for r in counted) for k in counted[0] if k.startswith("time/")}}
 
 
 def _ours(args, arm: str, out: Path, log: Path) -> dict:
@@ -66,12 +102,9 @@ def _ours(args, arm: str, out: Path, log: Path) -> dict:
         over += ["algorithm.adv_estimator=gae", f"training.critic_lr={args.lr}"]
     if arm == "ours_grpo_bypass":
         over += ["algorithm.recompute_old_logp=false"]
-    _run([sys.executable, "-m", "pfppo_mega.cli", "train", str(args.config), *over], log)
+    _run([sys.executable, "-m", "pfppo_mega.cli", "train", str(args.config), *over], log, args.threads)
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    recs = [r for r in recs if "perf/step_s" in r][args.warmup:]
-    return {"step_s": [r["perf/step_s"] for r in recs],
-            "tokens": [r["perf/tokens_per_s"] * r["perf/step_s"] for r in recs],
-            "phases": {k: statistics.median(r[k] for r in recs) for k in recs[0] if k.startswith("time/")}}
+    return our_steps(recs, args.warmup)
 
 
 def _trl(args, out: Path, log: Path) -> dict:
@@ -81,26 +114,32 @@ def _trl(args, out: Path, log: Path) -> dict:
           "--out", str(res), "--prompts", str(args.prompts), "--generations", str(args.generations),
           "--opt-steps", str(args.opt_steps), "--max-new-tokens", str(args.max_new_tokens),
           "--rounds", str(args.warmup + args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
-          "--threads", str(args.threads), "--seed", str(args.seed)], log)
+          "--threads", str(args.threads), "--seed", str(args.seed)], log, args.threads)
     rec = json.loads(res.read_text())
-    return {"step_s": rec["round_s"][args.warmup:], "tokens": rec["tokens"][args.warmup:len(rec["round_s"])],
-            "phases": {}}
+    step_s = between_step_ends(rec["round_end_s"], args.warmup)
+    return {"step_s": step_s, "tokens": rec["tokens"][args.warmup:args.warmup + len(step_s)], "phases": {}}
 
 
 def summarize(per_arm: dict[str, dict]) -> dict:
-    """Median step time, tokens/s, and ratios to trl_grpo (steps/s ratio = TRL's median step time /
-    the arm's; tokens/s ratio = the arm's tokens/s / TRL's)."""
+    """Per arm: generated tokens/s (the headline: tokens / wall seconds of the counted steps), the
+    median step's wall seconds, the mean generated tokens per step; each as a ratio to trl_grpo
+    (tokens/s: the arm's / TRL's; steps/s: TRL's median step / the arm's; tokens per step: the
+    arm's / TRL's, 1.0 when both generated as much)."""
     out = {}
     for arm, d in per_arm.items():
-        med = statistics.median(d["step_s"])
-        tps = sum(d["tokens"]) / sum(d["step_s"][:len(d["tokens"])]) if d["tokens"] else None
-        out[arm] = {"median_step_s": med, "tokens_per_s": tps, "steps_counted": len(d["step_s"]),
-                    "phases_median_s": d.get("phases_median_s", {})}
+        n = min(len(d["step_s"]), len(d["tokens"]))
+        wall, tokens = sum(d["step_s"][:n]), sum(d["tokens"][:n])
+        out[arm] = {"tokens_per_s": tokens / wall if n and wall > 0 else None,
+                    "median_step_s": statistics.median(d["step_s"]), "tokens_per_step": tokens / n if n else None,
+                    "steps_counted": len(d["step_s"]), "phases_median_s": d.get("phases_median_s", {})}
     ref = out.get("trl_grpo")
-    for arm, s in out.items():
-        s["steps_per_s_ratio_to_trl"] = None if ref is None else ref["median_step_s"] / s["median_step_s"]
-        s["tokens_per_s_ratio_to_trl"] = (None if ref is None or not ref["tokens_per_s"] or not s["tokens_per_s"]
-                                          else s["tokens_per_s"] / ref["tokens_per_s"])
+
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+    for s in out.values():
+        s["tokens_per_s_ratio_to_trl"] = ratio(s["tokens_per_s"], ref and ref["tokens_per_s"])
+        s["steps_per_s_ratio_to_trl"] = ratio(ref and ref["median_step_s"], s["median_step_s"])
+        s["tokens_per_step_ratio_to_trl"] = ratio(s["tokens_per_step"], ref and ref["tokens_per_step"])
     return out
 
 
@@ -113,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"any of {', '.join(ARMS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="counted steps per arm and round")
-    ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per arm and round")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="uncounted first steps per arm and round (>= 1: a step is timed from the previous one's end)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--opt-steps", type=int, default=2)
@@ -128,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in arms if a not in ARMS]
     if bad or not arms:
         print(f"pfppo bench trl: --arms {args.arms!r}: allowed {', '.join(ARMS)}", file=sys.stderr)
+        return 2
+    if args.warmup < 1:
+        print(f"pfppo bench trl: --warmup {args.warmup}: must be >= 1 (each step is timed from the end of the "
+              f"one before; the first carries the start-up)", file=sys.stderr)
+        return 2
+    if args.threads > len(os.sched_getaffinity(0)) or args.threads < 1:
+        print(f"pfppo bench trl: --threads {args.threads}: must be 1 to the {len(os.sched_getaffinity(0))} CPUs "
+              f"this process may use", file=sys.stderr)
         return 2
     missing = [p for p in (args.model, args.data) if not Path(p).exists()]
     if missing:
@@ -159,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsame work per step: {args.prompts} prompts x {args.generations} completions x <= "
           f"{args.max_new_tokens} tokens, {args.opt_steps} optimizer steps; {args.threads} threads; "
           f"{args.rounds} rounds x {args.steps} counted steps; {time.monotonic() - t0:.0f} s in all")
-    print(f"{'arm':<16} {'step s':>8} {'tok/s':>7} {'steps/s vs TRL':>15} {'tok/s vs TRL':>13}")
+    print(f"timed alike: wall clock between step ends, everything included; {args.threads} pinned CPUs "
+          f"{pinned(args.threads)[0]} for every arm")
+    print(f"{'arm':<16} {'tok/s':>7} {'vs TRL':>7} {'tok/step':>9} {'vs TRL':>7} {'step s':>7} {'steps/s vs TRL':>15}")
+    def x(v):
+        return "" if v is None else f"{v:.2f}x"
     for arm, s in summary.items():
-        r1, r2 = s["steps_per_s_ratio_to_trl"], s["tokens_per_s_ratio_to_trl"]
-        print(f"{arm:<16} {s['median_step_s']:>8.1f} {s['tokens_per_s'] or 0:>7.1f} "
-              f"{'' if r1 is None else f'{r1:.2f}x':>15} {'' if r2 is None else f'{r2:.2f}x':>13}")
+        print(f"{arm:<16} {s['tokens_per_s'] or 0:>7.1f} {x(s['tokens_per_s_ratio_to_trl']):>7} "
+              f"{s['tokens_per_step'] or 0:>9.1f} {x(s['tokens_per_step_ratio_to_trl']):>7} "
+              f"{s['median_step_s']:>7.1f} {x(s['steps_per_s_ratio_to_trl']):>15}")
         if s["phases_median_s"]:
             print(" " * 17 + ", ".join(f"{k[5:-2]} {v:.1f}" for k, v in sorted(s["phases_median_s"].items())
                                           if v >= 0.05))

@@ -4,9 +4,10 @@
 
 Runs `--rounds` generation rounds of `--prompts` prompts x `--generations` completions of at most
 `--max-new-tokens` tokens, each followed by `--opt-steps` optimizer steps (TRL's
-steps_per_generation), and writes one JSON record: the wall time of every round (its generation and
-all its optimizer steps, from TrainerCallback timestamps), the completion tokens of each round, and
-the settings. Rewards: pfppo_mega.tasks.chat_arith.compute_score, the same verifier our arms use.
+steps_per_generation), and writes one JSON record: the clock at the end of every round (the end of
+its last optimizer step, a TrainerCallback stamp: consecutive ends differ by the round's wall time,
+logging included, as `pfppo bench trl` times our arms), the completion tokens of each round, and the
+settings. Rewards: pfppo_mega.tasks.chat_arith.compute_score, the same verifier our arms use.
 Needs the optional packages of requirements-llm.lock (trl, accelerate, datasets).
 """
 
@@ -30,6 +31,12 @@ def _rows(path: str, n: int) -> list[dict]:
             if len(out) == n:
                 break
     return out
+
+
+def round_ends(stamps: list[float], opt_steps: int) -> list[float]:
+    """The clock at each round's end: a round is opt_steps optimizer steps; ``stamps`` holds one
+    time per optimizer step's end (a partial last round has no end)."""
+    return stamps[opt_steps - 1::opt_steps]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,14 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return [compute_score("chat_arith", c[0]["content"] if isinstance(c, list) else c, gt)
                 for c, gt in zip(completions, ground_truth)]
 
-    stamps: list[float] = []
+    stamps: list[float] = []  # time.monotonic() at each optimizer step's end
 
     class Stamp(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
-            stamps.append(time.perf_counter())
-
-        def on_train_begin(self, a, state, control, **kw):
-            stamps.append(time.perf_counter())
+            stamps.append(time.monotonic())
 
     with tempfile.TemporaryDirectory(prefix="pfppo-trl-") as tmp:
         cfg = GRPOConfig(
@@ -98,14 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                               processing_class=tok, callbacks=[Stamp()])
         start_s = time.perf_counter() - t0
         trainer.train()
-    # stamps: train begin, then one per optimizer step; a round = opt_steps optimizer steps
-    ends = stamps[args.opt_steps::args.opt_steps]
-    begins = stamps[0:len(stamps) - 1:args.opt_steps]
-    rounds_s = [e - b for b, e in zip(begins, ends)]
-    rec = {"arm": "trl_grpo", "round_s": rounds_s, "tokens": tokens[:len(rounds_s)], "import_s": import_s,
+    ends = round_ends(stamps, args.opt_steps)
+    rec = {"arm": "trl_grpo", "round_end_s": ends, "tokens": tokens[:len(ends)], "import_s": import_s,
            "start_s": start_s, "settings": vars(args), "trl": __import__("trl").__version__}
     Path(args.out).write_text(json.dumps(rec, indent=2))
-    print(json.dumps({k: rec[k] for k in ("round_s", "tokens")}))
+    print(json.dumps({k: rec[k] for k in ("round_end_s", "tokens")}))
     return 0
 
 

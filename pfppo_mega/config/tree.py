@@ -444,7 +444,7 @@ class AlgorithmConfig(Section):
     policy_loss: str = opt("ppo_clip", "Policy loss (verl's names; 'vanilla' = ppo_clip): ppo_clip, gspo "
                            "(sequence ratio), sapo (smooth gate), gpg (plain -logp A), clip_cov, kl_cov, "
                            "geo_mean (GMPO), cispo. gspo aggregates with loss_agg_mode (verl 0.9.1); sapo and geo_mean "
-                           "aggregate seq-mean-token-mean whatever loss_agg_mode (an older verl's rule, docs/verl.md). "
+                           "aggregate seq-mean-token-mean whatever loss_agg_mode (as verl 0.9.1; docs/verl.md). "
                            "PF-PPO's is_mode tis is its own loss (ppo_clip only).")
     clip_cov_ratio: float = opt(0.0002, "clip_cov: fraction of tokens whose gradient is cut, in (0, 1].")
     clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of the covariance of a token that may be cut.")

@@ -12,17 +12,23 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pfppo_mega.config.reference import write_or_check
-from pfppo_mega.config.verl import RULES, VERL_DEFAULTS, VERL_FIXED, VERL_HEADS, Rule, _float
+from pfppo_mega.config.verl import RULES, VERL_DEFAULTS, VERL_FIXED, VERL_HEADS, Rule, _float, refusal
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 COMMAND = "python -m pfppo_mega.config.verl_doc --write docs/verl.md"
 
 
 def generate_doc() -> str:
-    lines = [
+    rows = [_row(r) for r in RULES]
+    return "\n".join(_intro() + rows + ["", MAPPING, "", LOSSES]) + "\n"
+
+
+def _intro() -> list[str]:
+    """The doc's lines before the table's rows: what the table is, verl's defaults, the table's head."""
+    return [
         "# verl's config layout",
         "",
-        f"<!-- Generated from pfppo_mega/config/verl.py by `{COMMAND}`.",
+        f"<!-- Generated from pfppo_mega/config/verl/ by `{COMMAND}`.",
         "     Do not edit by hand: tests/test_verl_layout.py fails when this file is out of date. -->",
         "",
         "A config or a launch script's `key=value` overrides written in verl's tree (any of "
@@ -49,27 +55,44 @@ def generate_doc() -> str:
         "| verl key | becomes | why / notes |",
         "|---|---|---|",
     ]
-    for r in RULES:
-        if r.action == "map":
-            converted = r.convert is not None and r.convert is not _float
-            becomes = f"`{r.target}`" + (" (converted)" if converted else "")
-            why = r.why or (_first_line(r.convert) if r.convert else "")
-        elif r.action == "ignore":
-            becomes, why = "ignored", r.why
-        else:
-            ok = ", ".join(f"`{o!r}`" for o in r.ok)
-            becomes, why = "refused" + (f" unless {ok}" if ok else ""), r.why
-        lines.append(f"| `{shown(r)}` | {becomes} | {why.replace('|', '/')} |")
-    return "\n".join(lines + ["", MAPPING, "", LOSSES]) + "\n"
+
+
+def _row(r: Rule) -> str:
+    """One row of the table: the key pattern, what it becomes, why."""
+    if r.action == "map":
+        converted = r.convert is not None and r.convert is not _float
+        becomes = f"`{r.target}`" + (" (converted)" if converted else "")
+        why = r.why or (_first_line(r.convert) if r.convert else "")
+    elif r.action == "ignore":
+        becomes, why = "ignored", r.why
+    else:
+        ok = ", ".join(f"`{o!r}`" for o in r.ok)
+        becomes, why = "refused" + (f" unless {ok}" if ok else ""), refusal(r)
+    return f"| `{shown(r)}` | {becomes} | {why.replace('|', '/')} |"
 
 
 # What verl's DAPO recipe, warm-up, truncation and serving keys become (by hand: the code is
 # pfppo_mega/trainer/collect.py, trainer/lr_schedule.py and data/files.py; tests named below).
 MAPPING = """## Config mapping: DAPO, learning-rate schedule, truncation, serving keys (issue 36)
 
-Counted over verl's 157 `main_ppo` example and recipe scripts (tests/data): 79 loaded unchanged
-before these mappings, 112 after; tests/test_verl_layout.py writes out every refused script with
-its keys, and each refusal's reason.
+Counted over verl's 157 `main_ppo` example and recipe scripts (tests/data, verl b178a3c): 79 loaded
+unchanged before these mappings, 112 after them, 114 with `remax`, **115 of 157 (73%)** now, with
+`trainer.resume_from_path` ignored unless `resume_mode` is `resume_path` (verl reads it only then).
+tests/test_verl_layout.py writes out every refused script with its keys, each refusal's reason and
+the fix it names. Issue 36's target, 90% (142 scripts), is not reached: the 42 scripts left need
+features this trainer does not have, and refusing is the honest answer for each:
+
+| scripts | what they need | the fix the refusal names |
+|---|---|---|
+| 13 | LoRA (`lora_rank`, `lora.rank`, `lora_adapter_path`) | remove it: full fine-tuning; merge an adapter into its base model |
+| 11 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class or reward manager (retool, collabllm, deepeyes, langgraph, sglang multi-turn, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
+| 3 | fp16 / fp8 training | `bfloat16`; remove the fp8 override |
+| 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
+| 2 | verl's rollout correction (IS weights, rejection sampling) | remove the `rollout_correction` keys |
+| 2 | FAPO's generative reward model (a reward function that queries the model) | drop the function, or mix model and rule scores in our keys |
+| 2 | a curriculum sampler | remove it |
+| 2 | rollout over-sampling (`over_sample_rate` 0.1) | 0 |
+| 1 each | chat-template arguments, multi-token prediction, `optimal_token_baseline`, sandbox-fusion rewards, an NPU | the template's defaults; remove it; one of our estimators; your own reward function; `cuda` |
 
 - **Dynamic sampling** (`data.gen_batch_size` > `data.train_batch_size`, with
   `algorithm.filter_groups.enable`): `algorithm.filter_groups.gen_batch_size`. Each round generates
@@ -136,12 +159,28 @@ tokens or rows over the step's), so the micro-batch size, token-budget micro-bat
 degree change only the order of floating-point sums (`tests/test_verl091_losses.py`). The KL loss,
 the entropy bonus and the critic's value loss use the same mode and rule.
 
-Policy losses (`algorithm.policy_loss`, verl's names): `gspo` follows verl 0.9.1: the sequence ratio
-`exp(mean_t log r)`, clamped at `log s <= 10` as verl, aggregated with `loss_agg_mode` (verl's
-default `token-mean`). Its token log-ratios are not clamped (as verl): only the clamped sequence
-log-ratio is exponentiated, and a very negative one underflows to 0 with a finite gradient, so no
-overflow is possible. CISPO accepts verl's canonical `clip_ratio_low = 10` (any value > 0: the lower
-bound `1 - eps_low` binds only below it; every other loss keeps `0 < clip_ratio_low < 1`).
+Policy losses (`algorithm.policy_loss`, verl's names), each read against verl 0.9.1's
+`core_algos.py` (the PyPI wheel, `verl/trainer/ppo/core_algos.py`; facts only, no code taken):
+
+| loss | follows | aggregation | token log-ratio |
+|---|---|---|---|
+| `ppo_clip` (verl's `vanilla`) | 0.9.1: clipped surrogate, dual clip `clip_ratio_c` (3) for A < 0 | `loss_agg_mode` | clamped +-20, as verl |
+| `gspo` | 0.9.1: sequence ratio `exp(mean_t log r)`, `log s <= 10` | `loss_agg_mode` (verl's default `token-mean`) | not clamped, as verl |
+| `cispo` | 0.9.1: `-sg[clip(r, 1 - eps_low, 1 + eps_high)] A logp` | `loss_agg_mode` | clamped +-20, as verl |
+| `sapo` | 0.9.1: `-sigmoid(tau (r - 1)) 4 / tau A`, `tau_pos` (1.0) where A > 0 else `tau_neg` (1.05) | `seq-mean-token-mean` always, as verl | clamped +-20, as verl |
+| `gpg` | 0.9.1: `-logp A` | `loss_agg_mode` | (no ratio) |
+| `clip_cov` | 0.9.1: clipped surrogate; `max(1, int(clip_cov_ratio x tokens))` random tokens with covariance in (`clip_cov_lb`, `clip_cov_ub`), not clipped, cut | `loss_agg_mode` | clamped +-20 (verl: none) |
+| `kl_cov` | 0.9.1: `-A r`, plus `ppo_kl_coef |log r|` on the `max(1, int(kl_cov_ratio x tokens))` tokens of largest covariance | `loss_agg_mode` | clamped +-20 (verl: none) |
+| `geo_mean` | 0.9.1: row ratio `exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high)))`, `-mean_t(A) R`, IS weights by their geometric mean | mean over the step's rows with a token (verl: `torch.mean` over the micro-batch's rows) | clamped +-20 (verl: none) |
+
+CISPO accepts verl's canonical `clip_ratio_low = 10` (any value > 0: the lower bound `1 - eps_low`
+binds only below it; every other loss keeps `0 < clip_ratio_low < 1`). verl 0.9.1's other losses
+(`dppo_tv`, `dppo_kl`, `dro`), its `token-sum` aggregation and its estimators without a counterpart
+here (`optimal_token_baseline`, `tir_optimal_token_baseline`, `gdpo`) are refused by name with the
+list of ours; `rloo_vectorized` and `grpo_vectorized` are verl's vectorised `rloo` / `grpo` (the same
+values). `tests/test_pg_variants.py` and `tests/test_verl091_losses.py` check each formula against a
+reference written in the test; `tests/test_grpo_e2e.py` checks every loss the update computes in a
+3-step run against a token-by-token reference.
 
 Remaining differences from verl 0.9.1, each with its reason:
 
@@ -149,18 +188,16 @@ Remaining differences from verl 0.9.1, each with its reason:
   passes `ppo_mini_batch_size * n`, which also counts rows with no token. Every generated response
   has a token, so the two differ only when PF-PPO's `pool.is_mode: mask` drops every token of a row
   (that row then leaves the denominator here). The same holds for the `seq-mean-*` modes.
-- The token log-ratio is clamped to +-20 (`LOG_RATIO_LIMIT`) before `exp` in `ppo_clip` (as verl's
-  vanilla loss), `cispo`, `sapo`, `clip_cov`, `kl_cov` and `geo_mean`: `exp` of a log-ratio
+- `clip_cov`, `kl_cov` and `geo_mean` clamp the token log-ratio to +-20 (`LOG_RATIO_LIMIT`) before
+  `exp`, as verl's `vanilla`, `cispo` and `sapo` do and these three do not: `exp` of a log-ratio
   above about 88 overflows float32 (a behaviour-sampled token far less likely under the current
   policy, PF-PPO's mixed snapshots), and an inf ratio turns the loss and every gradient into NaN. The
-  gradient is 0 beyond the clamp. verl leaves `clip_cov`, `kl_cov` and `geo_mean` unclamped (for
-  `cispo` and `sapo` not re-checked against 0.9.1); the results differ only where a ratio exceeds
-  e^20 (or falls below e^-20), where verl's would be inf or NaN, or near 0.
-- `geo_mean` averages over the rows with a token (verl's `torch.mean` also counts empty rows).
-- `sapo` and `geo_mean` aggregate `seq-mean-token-mean` whatever `loss_agg_mode`; these and `gpg`,
-  `cispo`, `clip_cov`, `kl_cov` follow the verl snapshot they were written from (b178a3c); only GSPO
-  and the aggregation were re-checked against verl 0.9.1 (from issue 36's reading of its
-  `core_algos.py`; verl's source is not vendored here).
+  gradient is 0 beyond the clamp; the results differ only where a ratio exceeds e^20 (or falls below
+  e^-20), where verl's would be inf or NaN, or near 0.
+- `geo_mean` averages over the step's rows with a token; verl 0.9.1 takes `torch.mean` over each
+  micro-batch's rows, empty ones included, without its global-batch normalisation, so there the
+  loss's scale depends on the micro-batch split and on empty rows. Here the micro-batch size changes
+  only the order of sums, as for every other loss.
 - `clip_cov` draws its cut tokens with the trainer's seeded generator (verl: torch's global one), so
   the choice is reproducible here but not the same tokens as verl's.
 """
@@ -179,7 +216,7 @@ def _first_line(fn: Callable) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return write_or_check(argv, prog="python -m pfppo_mega.config.verl_doc", description="Generate or check docs/verl.md.",
-                          generate=generate_doc, default_path=DEFAULT_PATH, source="pfppo_mega/config/verl.py",
+                          generate=generate_doc, default_path=DEFAULT_PATH, source="pfppo_mega/config/verl/",
                           command=COMMAND)
 
 

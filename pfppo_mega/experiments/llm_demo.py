@@ -43,7 +43,8 @@ def breakdown(metrics_path: Path) -> list[str]:
             part = {"time/rollout_weights_s": " of rollout: refits, switches",
                     "time/rollout_engine_s": " of rollout: the engine's generate()"}.get(k, "")
             lines.append(f"    {k[5:-2]:<15} {med[k]:8.2f} s{share}{part}")
-    lines += [f"    {k:<28} {med[k]:.3g}" for k in keys if k.startswith("perf/") and k != "perf/step_s"]
+    lines += [f"    {k:<28} {med[k]:.3g}" for k in keys
+              if k.startswith("perf/") and k not in ("perf/step_s", "perf/step_end_s")]  # step_end_s: a clock
     return lines
 
 

@@ -1,7 +1,7 @@
 """Policy-gradient losses beyond the clipped PPO surrogate, as verl defines them
 (verl/trainer/ppo/core_algos.py, register_policy_loss): GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO
-(geo_mean) and CISPO. GSPO and the aggregation (ppo.agg_loss) follow verl 0.9.1; the others
-follow the verl snapshot they were written from (docs/verl.md, "Losses").
+(geo_mean) and CISPO. Every one, and the aggregation (ppo.agg_loss), follows verl 0.9.1's
+core_algos.py (read against the 0.9.1 wheel; docs/verl.md, "Losses", tables each and its differences).
 
 Every function takes the current log-probs ``logp`` [B, T] (with gradient), the proximal ones
 ``old_logp`` [B, T], the advantages [B, T], the mask the loss is over [B, T] and keyword scalars,
@@ -11,11 +11,11 @@ and returns (loss, stats): a 0-dim aggregate and detached 0-dim metrics (``pg_cl
 rollout_is_weights do. ``AGG_MODE`` says which aggregation a loss uses when it does not take
 ``loss_agg_mode`` (the trainer scales a micro-batch's share by it).
 
-Differences from verl, all at the edges: the token log-ratio is clamped to +-LOG_RATIO_LIMIT in
-every loss but GSPO (verl leaves clip_cov / kl_cov / geo_mean unclamped: exp overflows first there;
-GSPO takes exp only of the sequence log-ratio, clamped at 10 as verl does, so it needs no token
-clamp), and geo_mean averages over rows with at least one token (verl's torch.mean counts empty
-rows too).
+Differences from verl 0.9.1, all at the edges: the token log-ratio is clamped to +-LOG_RATIO_LIMIT
+in every loss but GSPO (verl clamps it in cispo and sapo too, and leaves clip_cov / kl_cov / geo_mean
+unclamped: exp overflows first there; GSPO takes exp only of the sequence log-ratio, clamped at 10 as
+verl does, so it needs no token clamp), and geo_mean averages over the step's rows with at least one
+token (verl's torch.mean is over a micro-batch's rows, empty ones too).
 
 Imports only torch and pfppo_mega.constants.
 """

@@ -138,6 +138,9 @@ class PPOTrainer:
         metrics.update(perf.step_perf(run, scored, timer.seconds))  # perf/: against the machine's rates
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
+        # a clock, not a duration: consecutive records differ by the wall time between step ends,
+        # everything included (logging, checkpoints, evaluations): how `pfppo bench trl` times us
+        metrics["perf/step_end_s"] = time.monotonic()
         return over_dp(run, metrics)
 
     # ------------------------------------------------------------------ phases

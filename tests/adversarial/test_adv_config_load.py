@@ -274,7 +274,7 @@ VERL_CASES = [
          accept=lambda c: c.algorithm.whiten_advantages is False),
 ]
 
-# verl's layout (pfppo_mega/config/verl.py): wrong types and hostile values of translated keys get
+# verl's layout (pfppo_mega/config/verl/): wrong types and hostile values of translated keys get
 # the verl key named; a value our tree refuses names both; verl's semantics where they differ.
 MINI = "actor_rollout_ref.actor.ppo_mini_batch_size"
 VERL_LAYOUT_CASES = [

@@ -1,0 +1,108 @@
+"""Rows for verl's actor_rollout_ref.rollout: the engine, sampling and lengths mapped; serving-engine
+settings ignored (speed or memory only); what changes the samples (greedy, over-sampling, multi-turn,
+agent loops, quantisation) refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pfppo_mega.config.verl.keys import R_
+from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SINGLE_TURN, SPEED
+from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed
+
+
+def _engine(value: Any, v: View) -> Any:
+    name = _typed(value, str)
+    if name == "???":
+        raise Ignore("left unset (???) in verl's defaults: actor_rollout.engine keeps its default")
+    engines = {"vllm": ("vllm", ""), "hf": ("builtin", "verl's HF rollout: generate() with the policy "
+                                                        "itself, like the built-in engine"),
+               "sglang": ("vllm", "SGLang is not an engine here; vLLM samples the same distribution"),
+               "trtllm": ("vllm", "TensorRT-LLM is not an engine here; vLLM samples the same distribution")}
+    if name not in engines:
+        raise Refuse(f"unknown rollout engine (verl's: {', '.join(engines)})")
+    ours, note = engines[name]
+    return Out({"actor_rollout.engine": ours}, note)
+
+
+def _top_k(value: Any, v: View) -> Any:
+    if value in (-1, 0, None):
+        raise Ignore("off (-1 in vLLM, 0 in HF): sampling here is top-p only")
+    raise Refuse("top-k sampling: not implemented here (actor_rollout.top_p only)")
+
+
+def _same_length(data_key: str) -> Callable[[Any, View], Any]:
+    def convert(value: Any, v: View) -> Any:
+        if value == v.get(data_key):
+            raise Ignore(f"equal to {data_key}, as verl derives it")
+        raise Refuse(f"differs from {data_key} = {v.get(data_key)!r}: here prompts and responses have one "
+                     f"length limit each ({data_key})")
+    return convert
+
+
+def _rollout_dtype(value: Any, v: View) -> Any:
+    name = _typed(value, str)
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto"}
+    if name not in names:
+        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype); "
+                     f"set it to bfloat16")
+    return names[name]
+
+
+RULES: tuple[Rule, ...] = (
+    # ---------------------------------------------------------------- rollout
+    M(f"{R_}.name", "actor_rollout.engine", _engine, why='vllm; hf -> builtin; sglang, trtllm -> vllm (same distribution); others refused'),
+    I(f"{R_}.mode", "sync or async serving inside verl; " + SPEED),
+    M(f"{R_}.n", "actor_rollout.n_samples_per_prompt"),
+    M(f"{R_}.temperature", "actor_rollout.temperature"),
+    M(f"{R_}.top_p", "actor_rollout.top_p"),
+    M(f"{R_}.top_k", "(top-k sampling)", _top_k, why='-1 / 0 (off) accepted; top-k refused'),
+    M(f"{R_}.prompt_length", "data.max_prompt_length", _same_length("data.max_prompt_length"), why='must equal data.max_prompt_length'),
+    M(f"{R_}.response_length", "algorithm.max_response_length", _same_length("data.max_response_length"), why='must equal data.max_response_length'),
+    M(f"{R_}.gpu_memory_utilization", "actor_rollout.gpu_memory_utilization"),
+    M(f"{R_}.tensor_model_parallel_size", "actor_rollout.tensor_model_parallel_size"),
+    M(f"{R_}.checkpoint_engine.update_weights_bucket_megabytes", "actor_rollout.refit_bucket_mb"),
+    I(f"{R_}.checkpoint_engine.**", "weight transfer to the engine (here actor_rollout.refit_*); " + SPEED,
+      ("backend", "engine_kwargs")),
+    I(f"{R_}.checkpoint_engine.engine_kwargs.**", "weight transfer to the engine; " + SPEED),
+    R(f"{R_}.do_sample", "greedy training rollouts", ok=(True,)),
+    R(f"{R_}.ignore_eos", "sampling past the end-of-sequence token", ok=(False,)),
+    R(f"{R_}.over_sample_rate", "over-sampling and dropping the slowest rollouts", ok=(0, 0.0, None)),
+    R(f"{R_}.skip_rollout", "replaying dumped rollouts", ok=(False,)),
+    R(f"{R_}.quantization", "quantised rollouts", ok=(None,)),
+    R(f"{R_}.quantization_config_file", "quantised rollouts", ok=(None,)),
+    R(f"{R_}.multi_turn.enable", "multi-turn / tool-calling rollouts: not implemented here", ok=(False,),
+      fix=SINGLE_TURN),
+    I(f"{R_}.multi_turn.**", "multi-turn only (multi_turn.enable=True is refused)",
+      ("format", "interaction_config_path", "max_assistant_turns", "max_parallel_calls", "max_tool_response_length",
+       "max_user_turns", "num_repeat_rollouts", "tokenization_sanity_check_mode", "tool_config_path",
+       "tool_response_truncate_side", "use_inference_chat_template")),
+    R(f"{R_}.agent.default_agent_loop", "agent loops: single-turn generation only here", ok=("single_turn_agent",)),
+    R(f"{R_}.agent.agent_loop_config_path", "agent loops: single-turn generation only here", ok=(None,)),
+    R(f"{R_}.agent.custom_async_server.path", "a custom rollout server", ok=(None,)),
+    I(f"{R_}.agent.**", "agent-loop workers; " + SPEED, ("num_workers", "custom_async_server.name")),
+    I(f"{R_}.val_kwargs.**", "validation sampling; here every evaluation logs eval/accuracy (sampled at the "
+                             "rollout temperature) and eval/accuracy_greedy",
+      ("do_sample", "n", "temperature", "top_k", "top_p")),
+    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="bfloat16 / float32; float16 refused"),
+    M(f"{R_}.enforce_eager", "actor_rollout.enforce_eager", why="vLLM only; speed only"),
+    M(f"{R_}.max_num_seqs", "actor_rollout.max_num_seqs", why="vLLM only; memory and speed only"),
+    I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO),
+    I(f"{R_}.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO),
+    I(f"{R_}.log_prob_use_dynamic_bsz", FORWARD_MICRO),
+    I(f"{R_}.log_prob_max_token_len_per_gpu", FORWARD_MICRO),
+    I(f"{R_}.calculate_log_probs", "the engine's log-probs are always kept here"),
+    I(f"{R_}.logprobs_mode", "the engine's log-probs feed only logged statistics and off-policy weights here"),
+    *(I(f"{R_}.{k}", "a serving-engine setting; " + SPEED)
+      for k in ("cudagraph_capture_sizes", "free_cache_engine", "data_parallel_size",
+                "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len",
+                "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+                "load_format", "disable_log_stats", "multi_stage_wake_up", "layered_summon", "skip_dump_dir",
+                "skip_tokenizer_init", "enable_rollout_routing_replay", "mtp")),
+    I(f"{R_}.engine_kwargs.**", "a serving-engine setting; " + SPEED),
+    I(f"{R_}.engine_kwargs", "a serving-engine setting; " + SPEED),
+    I(f"{R_}.trace.**", "rollout tracing (logging)", ("backend", "max_samples_per_step_per_worker", "token2text")),
+    I(f"{R_}.prometheus.**", "serving metrics (logging)", ("enable", "file", "port", "served_model_name")),
+    I(f"{R_}.layer_name_map.**", "weight-name mapping of verl's refit (here pfppo_mega's)"),
+)
