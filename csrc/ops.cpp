@@ -19,9 +19,11 @@
 namespace pfppo {
 namespace {
 
+#ifdef PFPPO_WITH_CUDA
 at::Tensor workspace(const at::Tensor& like, size_t bytes) {
   return at::empty({int64_t(bytes)}, like.options().dtype(at::kByte));
 }
+#endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy(
     const at::Tensor& logits, const at::Tensor& labels, double temperature, int64_t vocab_size) {
@@ -87,7 +89,7 @@ at::Tensor logprob_entropy_backward(const at::Tensor& grad_logp, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
                                        const at::Tensor& mask, double gamma, double lam,
                                        bool whiten, bool shift_mean, int64_t row_chunks) {
-  const char* op = "pfppo::gae";
+  [[maybe_unused]] const char* op = "pfppo::gae";
   GaeArgs g = check_gae(rewards, values, mask, gamma, lam, whiten, shift_mean, row_chunks);
   at::Tensor adv = at::empty_like(values, at::MemoryFormat::Contiguous);
   at::Tensor ret = at::empty_like(values, at::MemoryFormat::Contiguous);
