@@ -117,11 +117,12 @@ PFPPO_HD double clamp_log_ratio(double d) {
 // One token's terms. d = logp - old_logp in fp64 (exact for two floats, so every token's
 // loss, clip decision and gradient is the fp64 reference's, rounded once); ratio = exp(lr)
 // from the device's own exp; scale = c_i.
+// (The flags are 0/1 doubles, not bools: with bool fields GCC left the CPU loop scalar.)
 struct PpoToken {
   double pg;    // loss term (times w; summed and scaled by the caller)
   double grad;  // d loss / d logp
-  bool clip;    // pg2 > pg1
-  bool dual;    // the dual clip is active
+  double clip;  // 1 where pg2 > pg1, else 0
+  double dual;  // 1 where the dual clip is active, else 0
 };
 
 PFPPO_HD PpoToken ppo_token(double d, double ratio, double adv, double w, double scale,
@@ -143,7 +144,7 @@ PFPPO_HD PpoToken ppo_token(double d, double ratio, double adv, double w, double
   const bool dual = adv < 0.0 && pg > pg3;
   pg = dual ? pg3 : pg;
   dpg = dual ? 0.0 : dpg;
-  return PpoToken{pg * w, in_clamp ? dpg * w * ratio * scale : 0.0, clip, dual};
+  return PpoToken{pg * w, in_clamp ? dpg * w * ratio * scale : 0.0, clip ? 1.0 : 0.0, dual ? 1.0 : 0.0};
 }
 
 // The kernels behind the host wrapper (raw pointers; the wrapper has checked every input).

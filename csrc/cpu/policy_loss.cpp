@@ -57,8 +57,8 @@ PFPPO_CLONES BlockSums loss_core(const float* __restrict logp, const float* __re
     const PpoToken tok = ppo_token(d, ratio, adv[i], weights[i], scale, c);
     grad[i] = m ? float(tok.grad) : 0.0f;
     s_loss += m ? tok.pg : 0.0;  // scaled by the caller
-    s_clip += (m && tok.clip) ? 1.0f : 0.0f;
-    s_dual += (m && tok.dual) ? 1.0f : 0.0f;
+    s_clip += m ? float(tok.clip) : 0.0f;
+    s_dual += m ? float(tok.dual) : 0.0f;
     s_kl += m ? k3_term_f64(lr, ratio) : 0.0;
     s_w += m ? weights[i] : 0.0f;
   }

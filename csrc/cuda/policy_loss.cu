@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kThreads)
       const PpoToken tok = ppo_token(d, ratio, to_f32(ad[j]), weight, scale, bounds);
       g[j] = from_f32<T>(float(tok.grad));
       s[0] += tok.pg;
-      s[1] += tok.clip ? 1.0 : 0.0;
-      s[2] += tok.dual ? 1.0 : 0.0;
+      s[1] += tok.clip;
+      s[2] += tok.dual;
       s[3] += expm1(lr) - lr;
       s[4] += weight;
     }
