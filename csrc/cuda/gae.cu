@@ -18,6 +18,8 @@
 //     strided the lanes 32 bytes apart, 8 scalar loads per tensor);
 //   * pieces and tiles start at multiples of kItems from the row's start, so those loads stay
 //     aligned whenever T is a multiple of kItems (else each thread falls back to scalar loads);
+//   * the next tile's loads are issued before the current tile's scan and its barriers (two
+//     tiles in flight per block), so the latency of HBM hides behind the scan;
 //   * a block scans one piece of one row, tile by tile from the end: each thread composes the
 //     map of its tokens, a warp-shuffle suffix scan and a pass over the warps give every
 //     thread the A just after its tokens, and it writes A and R;
@@ -109,26 +111,53 @@ __global__ void __launch_bounds__(kThreads)
   float carry = kWrite ? w.carry[job] : 0.0f;  // A just after the current tile
   Map piece{1.0f, 0.0f};                        // pass 1: map of the tiles done so far
   double s1 = 0.0, s2 = 0.0, count = 0.0;
-  // Tiles start at begin + j kTile (begin: a multiple of kItems), scanned from the last.
-  for (int64_t j_tile = ((end - begin + kTile - 1) / kTile) - 1; j_tile >= 0; --j_tile) {
-    const int64_t tile_begin = begin + j_tile * kTile;
-    const int64_t tile_end = min(end, tile_begin + kTile);
-    const int64_t seg_begin = tile_begin + int64_t(threadIdx.x) * kItems;
-    const int64_t seg_end = min(tile_end, seg_begin + kItems);
-    const int n = seg_end > seg_begin ? int(seg_end - seg_begin) : 0;
-
-    T rt[kItems], vt[kItems];
-    M mt[kItems];
-    load_span<kItems>(mask + seg_begin, n, mt);
-    load_span<kItems>(values + seg_begin, n, vt);
-    load_span<kItems>(rewards + seg_begin, n, rt);
+  // Tiles start at begin + j kTile (begin: a multiple of kItems), scanned from the last. The
+  // loads of the next tile (earlier in T) are issued before this tile's scan, so a block
+  // keeps two tiles of loads in flight across its barriers.
+  const int64_t n_tiles = (end - begin + kTile - 1) / kTile;
+  auto span_of = [&](int64_t j_tile, int64_t& seg_begin, int& n) {
+    const int64_t tile_end = min(end, begin + (j_tile + 1) * kTile);
+    seg_begin = begin + j_tile * kTile + int64_t(threadIdx.x) * kItems;
+    n = tile_end > seg_begin ? int(min(int64_t(kItems), tile_end - seg_begin)) : 0;
+  };
+  T rt[kItems], vt[kItems];  // the tile being loaded
+  M mt[kItems];
+  if (n_tiles > 0) {
+    int64_t sb;
+    int nn;
+    span_of(n_tiles - 1, sb, nn);
+    load_span<kItems>(mask + sb, nn, mt);
+    load_span<kItems>(values + sb, nn, vt);
+    load_span<kItems>(rewards + sb, nn, rt);
+  }
+  for (int64_t j_tile = n_tiles - 1; j_tile >= 0; --j_tile) {
+    int64_t seg_begin;
+    int n;
+    span_of(j_tile, seg_begin, n);
+    const int64_t seg_end = seg_begin + n;
+    T rc[kItems], vc[kItems];
+    M mc[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      rc[j] = rt[j];
+      vc[j] = vt[j];
+      mc[j] = mt[j];
+    }
+    if (j_tile > 0) {  // prefetch the next tile
+      int64_t sb;
+      int nn;
+      span_of(j_tile - 1, sb, nn);
+      load_span<kItems>(mask + sb, nn, mt);
+      load_span<kItems>(values + sb, nn, vt);
+      load_span<kItems>(rewards + sb, nn, rt);
+    }
     float r[kItems], v[kItems];
     bool m[kItems];
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      m[j] = j < n && nonzero(mt[j]);
-      v[j] = m[j] ? to_f32(vt[j]) : 0.0f;  // padding is never used
-      r[j] = m[j] ? to_f32(rt[j]) : 0.0f;
+      m[j] = j < n && nonzero(mc[j]);
+      v[j] = m[j] ? to_f32(vc[j]) : 0.0f;  // padding is never used
+      r[j] = m[j] ? to_f32(rc[j]) : 0.0f;
     }
     // m V just after this thread's tokens (the next thread's first token, or past the tile).
     const float v_after =

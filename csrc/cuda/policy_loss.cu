@@ -13,6 +13,7 @@
 //     written with one 16-byte access per tensor: the lanes of a warp cover one contiguous
 //     512-byte run per access (coalesced), and 2 spans per thread keep 2 loads in flight per
 //     tensor;
+//   * the row counts read the mask 16 bytes per load too (16 bool tokens);
 //   * blocks tile (row, column range), so a few long rows still fill every SM;
 //   * the stats leave each block as 5 doubles (no atomics on floats: deterministic), and one
 //     small block adds them in a fixed order.
@@ -71,9 +72,16 @@ template <typename M>
 __global__ void __launch_bounds__(kThreads) count_rows(const M* __restrict__ mask, int64_t cols,
                                                        Workspace w) {
   __shared__ double smem[32];
+  constexpr int kSpan = 16 / int(sizeof(M));  // 16 bytes of mask per load
   const M* row = mask + int64_t(blockIdx.x) * cols;
   double c = 0.0;
-  for (int64_t t = threadIdx.x; t < cols; t += kThreads) c += nonzero(row[t]) ? 1.0 : 0.0;
+  for (int64_t t0 = int64_t(threadIdx.x) * kSpan; t0 < cols; t0 += int64_t(kThreads) * kSpan) {
+    const int n = int(min(int64_t(kSpan), cols - t0));
+    M m[kSpan];
+    load_span<kSpan>(row + t0, n, m);
+#pragma unroll
+    for (int j = 0; j < kSpan; ++j) c += (j < n && nonzero(m[j])) ? 1.0 : 0.0;
+  }
   c = block_sum(c, smem);
   if (threadIdx.x == 0) {
     const int count = int(c);
