@@ -20,6 +20,7 @@ CPU_SOURCES = [
     f"{CSRC}/module.cpp",
     f"{CSRC}/ops.cpp",
     f"{CSRC}/api.cpp",
+    f"{CSRC}/policy_loss.cpp",  # the policy loss's host wrapper (both devices)
     f"{CSRC}/cpu/logprob_entropy.cpp",
     f"{CSRC}/cpu/policy_loss.cpp",
     f"{CSRC}/cpu/gae.cpp",
@@ -27,7 +28,6 @@ CPU_SOURCES = [
     f"{CSRC}/cpu/fingerprint.cpp",  # refit byte fingerprint (pfppo_mega.rollout.weights)
 ]
 CUDA_SOURCES = [
-    f"{CSRC}/cuda/ops_cuda.cpp",
     f"{CSRC}/cuda/logprob_entropy.cu",
     f"{CSRC}/cuda/policy_loss.cu",
     f"{CSRC}/cuda/gae.cu",

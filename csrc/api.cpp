@@ -3,11 +3,15 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#ifdef PFPPO_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
 #include <algorithm>
 #include <sstream>
 
 namespace pfppo {
-namespace {
 
 std::string shape_str(const at::Tensor& t) {
   std::ostringstream s;
@@ -36,7 +40,6 @@ void check_defined(const char* op, const at::Tensor& t, const char* name, const 
   TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " ", shape, " is an undefined tensor");
 }
 
-// [B, T] tensor of the same shape as ref, contiguous, on ref's device.
 void check_like_bt(const char* op, const at::Tensor& ref, const char* ref_name,
                    const at::Tensor& t, const char* name) {
   check_defined(op, t, name, "[B, T]");
@@ -47,8 +50,6 @@ void check_like_bt(const char* op, const at::Tensor& ref, const char* ref_name,
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " [B, T] must be contiguous; got strides ",
                     strides_str(t), " for shape ", shape_str(t));
 }
-
-}  // namespace
 
 Scalar scalar_kind(const at::Tensor& t, const char* op, const char* name, const char* shape) {
   if (t.scalar_type() == at::kFloat) return Scalar::kF32;
@@ -148,71 +149,6 @@ LogProbBwdArgs check_logprob_bwd(const char* op, const LogProbArgs& a, const at:
                         grad_entropy.data_ptr<float>(), nullptr};
 }
 
-PolicyLossArgs check_policy_loss(const at::Tensor& logp, const at::Tensor& old_logp,
-                                 const at::Tensor& advantages, const at::Tensor& mask,
-                                 const std::optional<at::Tensor>& is_weights,
-                                 double clip_ratio_low, double clip_ratio_high,
-                                 std::optional<double> dual_clip_c,
-                                 const std::string& loss_agg_mode) {
-  const char* op = "pfppo::policy_loss";
-  check_defined(op, logp, "logp", "[B, T]");
-  TORCH_CHECK_VALUE(logp.dim() == 2, op, ": logp must have shape [B, T] (2-D); got ",
-                    shape_str(logp));
-  TORCH_CHECK_VALUE(logp.is_contiguous(), op, ": logp [B, T] must be contiguous; got strides ",
-                    strides_str(logp), " for shape ", shape_str(logp));
-  const Scalar dtype = scalar_kind(logp, op, "logp", "[B, T]");
-  auto same_dtype = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_TYPE(t.scalar_type() == logp.scalar_type(), op, ": ", name,
-                     " [B, T] must have the dtype of logp (", logp.scalar_type(), "); got ",
-                     t.scalar_type());
-  };
-  check_like_bt(op, logp, "logp", old_logp, "old_logp");
-  same_dtype(old_logp, "old_logp");
-  check_like_bt(op, logp, "logp", advantages, "advantages");
-  same_dtype(advantages, "advantages");
-  check_like_bt(op, logp, "logp", mask, "mask");
-  const Mask mk = mask_kind(mask, op, "mask", "[B, T]");
-  const void* weights = nullptr;
-  if (is_weights.has_value() && is_weights->defined()) {
-    check_like_bt(op, logp, "logp", *is_weights, "is_weights");
-    same_dtype(*is_weights, "is_weights");
-    weights = is_weights->data_ptr();
-  }
-  TORCH_CHECK_VALUE(clip_ratio_low >= 0.0 && clip_ratio_low < 1.0, op,
-                    ": clip_ratio_low=", clip_ratio_low, " must be in [0, 1)");
-  TORCH_CHECK_VALUE(clip_ratio_high >= 0.0, op, ": clip_ratio_high=", clip_ratio_high,
-                    " must be >= 0");
-  TORCH_CHECK_VALUE(!dual_clip_c.has_value() || *dual_clip_c > 1.0, op,
-                    ": dual_clip_c=", dual_clip_c.value_or(0.0),
-                    " must be > 1 (it bounds the loss at -A*c for A < 0)");
-  AggMode agg;
-  if (loss_agg_mode == "token-mean") {
-    agg = AggMode::kTokenMean;
-  } else if (loss_agg_mode == "seq-mean-token-sum") {
-    agg = AggMode::kSeqMeanTokenSum;
-  } else if (loss_agg_mode == "seq-mean-token-mean") {
-    agg = AggMode::kSeqMeanTokenMean;
-  } else {
-    TORCH_CHECK_VALUE(false, op, ": loss_agg_mode='", loss_agg_mode,
-                      "' is not one of ('token-mean', 'seq-mean-token-sum', "
-                      "'seq-mean-token-mean')");
-  }
-  return PolicyLossArgs{logp.data_ptr(),
-                        old_logp.data_ptr(),
-                        advantages.data_ptr(),
-                        weights,
-                        dtype,
-                        mask.data_ptr(),
-                        mk,
-                        logp.size(0),
-                        logp.size(1),
-                        clip_ratio_low,
-                        clip_ratio_high,
-                        dual_clip_c.has_value(),
-                        dual_clip_c.value_or(0.0),
-                        agg};
-}
-
 GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
                   double gamma, double lam, bool whiten, bool shift_mean, int64_t row_chunks) {
   const char* op = "pfppo::gae";
@@ -237,6 +173,17 @@ GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, const at:
                  mk,                 values.size(0),    values.size(1), float(gamma),
                  float(lam),         whiten,            shift_mean,  row_chunks};
 }
+
+#ifdef PFPPO_WITH_CUDA
+CudaLaunch::CudaLaunch(const at::Tensor& t, const char* op) : guard_(t.device()), op_(op) {}
+
+void* CudaLaunch::stream() const { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void CudaLaunch::check(int err) const {
+  TORCH_CHECK(err == 0, op_, ": CUDA kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+#endif
 
 std::vector<at::Tensor> empty_rows(const at::Tensor& logits, int n) {
   std::vector<at::Tensor> out;

@@ -11,7 +11,21 @@
 
 #include "kernel_types.h"
 
+#ifdef PFPPO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace pfppo {
+
+// "[2, 3]" and "(3, 1)": a tensor's shape and strides for messages.
+std::string shape_str(const at::Tensor& t);
+std::string strides_str(const at::Tensor& t);
+void check_defined(const char* op, const at::Tensor& t, const char* name, const char* shape);
+void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
+                       const at::Tensor& t, const char* name, const char* shape);
+// t: a [B, T] tensor of the same shape as ref, contiguous, on ref's device.
+void check_like_bt(const char* op, const at::Tensor& ref, const char* ref_name,
+                   const at::Tensor& t, const char* name);
 
 // Floating inputs may be float32 or bfloat16; masks bool, float32 or bfloat16.
 Scalar scalar_kind(const at::Tensor& t, const char* op, const char* name, const char* shape);
@@ -32,15 +46,21 @@ LogProbBwdArgs check_logprob_bwd(const char* op, const LogProbArgs& a, const at:
                                  const at::Tensor& row_max, const at::Tensor& log_sumexp,
                                  const at::Tensor& entropy);
 
-PolicyLossArgs check_policy_loss(const at::Tensor& logp, const at::Tensor& old_logp,
-                                 const at::Tensor& advantages, const at::Tensor& mask,
-                                 const std::optional<at::Tensor>& is_weights,
-                                 double clip_ratio_low, double clip_ratio_high,
-                                 std::optional<double> dual_clip_c,
-                                 const std::string& loss_agg_mode);
-
 GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
                   double gamma, double lam, bool whiten, bool shift_mean, int64_t row_chunks);
+
+#ifdef PFPPO_WITH_CUDA
+// A launch on t's device and its current stream; check() raises with the op's name.
+struct CudaLaunch {
+  explicit CudaLaunch(const at::Tensor& t, const char* op);
+  void* stream() const;
+  void check(int err) const;
+
+ private:
+  c10::cuda::CUDAGuard guard_;
+  const char* op_;
+};
+#endif
 
 // n new float32 tensors [N] on the logits' device (outputs of the log-prob ops).
 std::vector<at::Tensor> empty_rows(const at::Tensor& logits, int n);

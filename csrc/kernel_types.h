@@ -14,9 +14,6 @@ enum class Scalar : int { kF32 = 0, kBF16 = 1 };
 // Element type of a [B, T] mask. Every kind is read as "nonzero means a real token".
 enum class Mask : int { kBool = 0, kF32 = 1, kBF16 = 2 };
 
-// How the per-token policy loss is reduced (see pfppo_mega/ppo/losses.py agg_loss).
-enum class AggMode : int { kTokenMean = 0, kSeqMeanTokenSum = 1, kSeqMeanTokenMean = 2 };
-
 // Rows of logits [N, V] (row i starts at logits + i * row_stride elements) and one label per
 // row. vocab_start: global index of column 0 (0 unless this is a vocab shard). Only columns
 // [0, valid) are vocabulary: columns [valid, V) are padding (megatron pads the vocabulary to a
@@ -69,32 +66,7 @@ struct LogProbBwdArgs {
   void* grad_logits;          // [N, V] contiguous, dtype of logits
 };
 
-struct PolicyLossArgs {
-  const void* logp;        // [B, T]
-  const void* old_logp;    // [B, T]
-  const void* advantages;  // [B, T]
-  const void* is_weights;  // [B, T] or nullptr (all ones)
-  Scalar dtype;            // of the four above
-  const void* mask;        // [B, T]
-  Mask mask_kind;
-  int64_t rows;
-  int64_t cols;
-  double clip_ratio_low;
-  double clip_ratio_high;
-  bool dual_clip;
-  double dual_clip_c;
-  AggMode agg;
-};
-
-// The five scalars of PolicyLossOutput, in this order.
-enum PolicyStat : int {
-  kLoss = 0,
-  kClipFrac = 1,
-  kClipFracLower = 2,
-  kApproxKl = 3,
-  kIsWeightMean = 4,
-  kNumPolicyStats = 5
-};
+// The policy loss has its own header, csrc/policy_loss.h (its modes, math and arguments).
 
 struct GaeArgs {
   const void* rewards;  // [B, T]

@@ -1,7 +1,10 @@
 // The Python module pfppo_mega._C. Importing it runs the static registrations of the
-// pfppo:: torch ops (csrc/ops.cpp, csrc/cuda/ops_cuda.cpp); the module itself only carries
-// build facts.
+// pfppo:: torch ops (csrc/ops.cpp, csrc/policy_loss.cpp); the module itself carries build
+// facts and the ops' mode tables (policy_loss_agg_modes: csrc/policy_loss.h), which Python
+// reads instead of writing them again.
 #include <Python.h>
+
+#include "policy_loss.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 static const char* cpu_isa() {
@@ -27,5 +30,11 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyModule_AddIntConstant(m, "has_cuda", 0);
 #endif
   PyModule_AddStringConstant(m, "cpu_isa", cpu_isa());
+  PyObject* modes = PyTuple_New(pfppo::kNumAggModes);
+  if (modes == nullptr) return nullptr;
+  for (int k = 0; k < pfppo::kNumAggModes; ++k) {
+    PyTuple_SET_ITEM(modes, k, PyUnicode_FromString(pfppo::kAggModeNames[k]));
+  }
+  if (PyModule_AddObject(m, "policy_loss_agg_modes", modes) < 0) return nullptr;
   return m;
 }

@@ -1,5 +1,7 @@
-// Operator schemas (namespace pfppo) and their CPU implementations. The CUDA
-// implementations live in csrc/cuda/ops_cuda.cpp; autograd and fake (meta) implementations
+// Operator schemas (namespace pfppo) and their host wrappers: each checks its inputs
+// (csrc/api.cpp) and runs the CPU kernel (csrc/cpu) or, in a CUDA build, the CUDA kernel
+// (csrc/cuda) on the tensors' device -- one wrapper per op, registered for both dispatch keys.
+// pfppo::policy_loss lives in csrc/policy_loss.cpp. Autograd and fake (meta) implementations
 // are registered from Python in pfppo_mega/kernels/ops.py.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -10,70 +12,98 @@
 
 #include "api.h"
 #include "cpu/cpu_kernels.h"
+#ifdef PFPPO_WITH_CUDA
+#include "cuda/launch.h"
+#endif
 
 namespace pfppo {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(
+#ifdef PFPPO_WITH_CUDA
+at::Tensor workspace(const at::Tensor& like, size_t bytes) {
+  return at::empty({int64_t(bytes)}, like.options().dtype(at::kByte));
+}
+#endif
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy(
     const at::Tensor& logits, const at::Tensor& labels, double temperature, int64_t vocab_size) {
-  LogProbArgs a =
-      check_logprob("pfppo::logprob_entropy", logits, labels, 0, temperature, vocab_size, true);
+  const char* op = "pfppo::logprob_entropy";
+  LogProbArgs a = check_logprob(op, logits, labels, 0, temperature, vocab_size, true);
   auto out = empty_rows(logits, 4);  // logp, entropy, row_max, log_sumexp
-  cpu::logprob_entropy_fwd(a, {out[0].data_ptr<float>(), out[1].data_ptr<float>(),
-                               out[2].data_ptr<float>(), out[3].data_ptr<float>()});
+  const LogProbOut o{out[0].data_ptr<float>(), out[1].data_ptr<float>(),
+                     out[2].data_ptr<float>(), out[3].data_ptr<float>()};
+  if (logits.is_cuda()) {
+#ifdef PFPPO_WITH_CUDA
+    CudaLaunch launch(logits, op);
+    at::Tensor ws = workspace(logits, cuda::logprob_workspace_bytes(a));
+    launch.check(cuda::logprob_entropy_fwd(a, o, ws.data_ptr(), launch.stream()));
+#endif
+  } else {
+    cpu::logprob_entropy_fwd(a, o);
+  }
   return {out[0], out[1], out[2], out[3]};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_partials_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_partials(
     const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, double temperature,
     int64_t vocab_size) {
-  LogProbArgs a = check_logprob("pfppo::logprob_entropy_partials", logits, labels, vocab_start,
-                                temperature, vocab_size, false);
+  const char* op = "pfppo::logprob_entropy_partials";
+  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
   auto out = empty_rows(logits, 4);  // max, sumexp, sumexp_shifted, target
-  cpu::logprob_entropy_partials(a, {out[0].data_ptr<float>(), out[1].data_ptr<float>(),
-                                    out[2].data_ptr<float>(), out[3].data_ptr<float>()});
+  const LogProbPartialsOut o{out[0].data_ptr<float>(), out[1].data_ptr<float>(),
+                             out[2].data_ptr<float>(), out[3].data_ptr<float>()};
+  if (logits.is_cuda()) {
+#ifdef PFPPO_WITH_CUDA
+    CudaLaunch launch(logits, op);
+    at::Tensor ws = workspace(logits, cuda::logprob_workspace_bytes(a));
+    launch.check(cuda::logprob_entropy_partials(a, o, ws.data_ptr(), launch.stream()));
+#endif
+  } else {
+    cpu::logprob_entropy_partials(a, o);
+  }
   return {out[0], out[1], out[2], out[3]};
 }
 
-at::Tensor logprob_entropy_backward_cpu(const at::Tensor& grad_logp,
-                                        const at::Tensor& grad_entropy,
-                                        const at::Tensor& logits, const at::Tensor& labels,
-                                        const at::Tensor& row_max, const at::Tensor& log_sumexp,
-                                        const at::Tensor& entropy, int64_t vocab_start,
-                                        double temperature, int64_t vocab_size) {
+at::Tensor logprob_entropy_backward(const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
+                                    const at::Tensor& logits, const at::Tensor& labels,
+                                    const at::Tensor& row_max, const at::Tensor& log_sumexp,
+                                    const at::Tensor& entropy, int64_t vocab_start,
+                                    double temperature, int64_t vocab_size) {
   const char* op = "pfppo::logprob_entropy_backward";
   LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
   LogProbBwdArgs b =
       check_logprob_bwd(op, a, logits, grad_logp, grad_entropy, row_max, log_sumexp, entropy);
   at::Tensor grad = at::empty({a.rows, a.vocab}, logits.options());
   b.grad_logits = grad.data_ptr();
-  cpu::logprob_entropy_bwd(a, b);
+  if (logits.is_cuda()) {
+#ifdef PFPPO_WITH_CUDA
+    CudaLaunch launch(logits, op);
+    launch.check(cuda::logprob_entropy_bwd(a, b, launch.stream()));
+#endif
+  } else {
+    cpu::logprob_entropy_bwd(a, b);
+  }
   return grad;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-policy_loss_cpu(const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& advantages,
-                const at::Tensor& mask, const std::optional<at::Tensor>& is_weights,
-                double clip_ratio_low, double clip_ratio_high, std::optional<double> dual_clip_c,
-                c10::string_view loss_agg_mode) {
-  PolicyLossArgs a =
-      check_policy_loss(logp, old_logp, advantages, mask, is_weights, clip_ratio_low,
-                        clip_ratio_high, dual_clip_c, std::string(loss_agg_mode));
-  at::Tensor grad = at::empty_like(logp, at::MemoryFormat::Contiguous);
-  double stats[kNumPolicyStats];
-  cpu::policy_loss_fwd(a, grad.data_ptr(), stats);
-  auto scalar = [&](int i) { return at::scalar_tensor(stats[i], logp.options()); };
-  return {scalar(kLoss),     scalar(kClipFrac),     scalar(kClipFracLower),
-          scalar(kApproxKl), scalar(kIsWeightMean), grad};
-}
-
-std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
-                                           const at::Tensor& mask, double gamma, double lam,
-                                           bool whiten, bool shift_mean, int64_t row_chunks) {
+std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
+                                       const at::Tensor& mask, double gamma, double lam,
+                                       bool whiten, bool shift_mean, int64_t row_chunks) {
+  [[maybe_unused]] const char* op = "pfppo::gae";
   GaeArgs g = check_gae(rewards, values, mask, gamma, lam, whiten, shift_mean, row_chunks);
   at::Tensor adv = at::empty_like(values, at::MemoryFormat::Contiguous);
   at::Tensor ret = at::empty_like(values, at::MemoryFormat::Contiguous);
-  cpu::gae(g, adv.data_ptr(), ret.data_ptr());
+  if (values.is_cuda()) {
+#ifdef PFPPO_WITH_CUDA
+    CudaLaunch launch(values, op);
+    const int64_t pieces = cuda::gae_pieces(g, cuda::sm_count(values.device().index()));
+    at::Tensor ws = workspace(values, cuda::gae_workspace_bytes(g, pieces));
+    launch.check(
+        cuda::gae(g, pieces, adv.data_ptr(), ret.data_ptr(), ws.data_ptr(), launch.stream()));
+#endif
+  } else {
+    cpu::gae(g, adv.data_ptr(), ret.data_ptr());
+  }
   return {adv, ret};
 }
 
@@ -200,11 +230,6 @@ TORCH_LIBRARY(pfppo, m) {
       "Tensor labels, Tensor row_max, Tensor log_sumexp, Tensor entropy, int vocab_start, "
       "float temperature=1.0, int vocab_size=-1) -> Tensor");
   m.def(
-      "policy_loss(Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, "
-      "Tensor? is_weights, float clip_ratio_low, float clip_ratio_high, float? dual_clip_c, "
-      "str loss_agg_mode) -> (Tensor loss, Tensor pg_clipfrac, Tensor pg_clipfrac_lower, "
-      "Tensor approx_kl, Tensor is_weight_mean, Tensor grad_logp)");
-  m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, "
       "bool whiten=False, bool shift_mean=True, int row_chunks=0) -> "
       "(Tensor advantages, Tensor returns)");
@@ -218,16 +243,24 @@ TORCH_LIBRARY(pfppo, m) {
 }
 
 TORCH_LIBRARY_IMPL(pfppo, CPU, m) {
-  m.impl("logprob_entropy", &logprob_entropy_cpu);
-  m.impl("logprob_entropy_partials", &logprob_entropy_partials_cpu);
-  m.impl("logprob_entropy_backward", &logprob_entropy_backward_cpu);
-  m.impl("policy_loss", &policy_loss_cpu);
-  m.impl("gae", &gae_cpu);
+  m.impl("logprob_entropy", &logprob_entropy);
+  m.impl("logprob_entropy_partials", &logprob_entropy_partials);
+  m.impl("logprob_entropy_backward", &logprob_entropy_backward);
+  m.impl("gae", &gae);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
   m.impl("swiglu", &swiglu_cpu);
   m.impl("swiglu_backward", &swiglu_backward_cpu);
   m.impl("rope", &rope_cpu);
 }
+
+#ifdef PFPPO_WITH_CUDA
+TORCH_LIBRARY_IMPL(pfppo, CUDA, m) {
+  m.impl("logprob_entropy", &logprob_entropy);
+  m.impl("logprob_entropy_partials", &logprob_entropy_partials);
+  m.impl("logprob_entropy_backward", &logprob_entropy_backward);
+  m.impl("gae", &gae);
+}
+#endif
 
 }  // namespace pfppo

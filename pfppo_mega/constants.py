@@ -58,7 +58,7 @@ REWEIGHT_METHODS = VERL_REWEIGHT_METHODS + ("pow_minmax", "best_random")
 # ----------------------------------------------------------------------------- numeric limits
 
 # exp() of a log-ratio beyond this overflows float32 long before it carries information.
-# The C++/CUDA policy loss hard-codes the same value (kLogRatioLimit; a test compares them).
+# The C++/CUDA policy loss hard-codes the same value (kLogRatioLimit in csrc/policy_loss.h; a test compares them).
 LOG_RATIO_LIMIT = 20.0
 
 # Upper bounds of the config's integer keys: far above any real run, far below what overflows

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile every CUDA kernel (csrc/cuda/*.cu) with nvcc for sm_90 -- compile only, nothing runs --
-# and syntax-check the torch binding (csrc/cuda/ops_cuda.cpp) against torch's headers, so the
+# and syntax-check the host wrappers' CUDA paths (csrc/ops.cpp, csrc/policy_loss.cpp, csrc/api.cpp
+# with PFPPO_WITH_CUDA) against torch's headers, so the
 # CUDA sources cannot rot on machines without a GPU. Exit status: 0 all compiled, 1 a compile
 # error, 2 nvcc not found.
 #   env: NVCC (default nvcc), PFPPO_CUDA_ARCH (default sm_90), PYTHON (torch for the binding
@@ -48,13 +49,15 @@ if [ -n "$torch_inc" ]; then
   inc=(-Icsrc -I"$cuda_inc" -I"$py_inc")
   for d in $torch_inc; do inc+=(-I"$d"); done
   inc+=(-I"$tmp/stub")
-  if "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -DPFPPO_WITH_CUDA "${inc[@]}" csrc/cuda/ops_cuda.cpp; then
-    echo "  ok    csrc/cuda/ops_cuda.cpp (syntax, torch headers)"
-  else
-    echo "  FAIL  csrc/cuda/ops_cuda.cpp" >&2
-    status=1
-  fi
+  for host in csrc/ops.cpp csrc/policy_loss.cpp csrc/api.cpp; do
+    if "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -Werror=switch -DPFPPO_WITH_CUDA "${inc[@]}" "$host"; then
+      echo "  ok    $host (CUDA build, syntax, torch headers)"
+    else
+      echo "  FAIL  $host" >&2
+      status=1
+    fi
+  done
 else
-  echo "  skip  csrc/cuda/ops_cuda.cpp: no torch for $PYTHON"
+  echo "  skip  host wrappers: no torch for $PYTHON"
 fi
 exit $status

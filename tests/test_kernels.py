@@ -6,6 +6,8 @@ error at the same input dtype + one unit of the output dtype.
 
 import os
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -548,3 +550,93 @@ def test_ops_compile_fullgraph():
         fn(logp).backward()
         grads.append(logp.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# One table of the policy loss's modes (csrc/policy_loss.h) for Python, the CPU and CUDA.
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HEADER = os.path.join(_ROOT, "csrc", "policy_loss.h")
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(_ROOT, rel)) as f:
+        return f.read()
+
+
+def _header_table() -> list[tuple[str, str]]:
+    return re.findall(r'X\((k\w+), "([^"]+)"\)', _read("csrc/policy_loss.h"))
+
+
+def test_policy_loss_modes_one_table():
+    """Python's modes are the extension's (built from the header's table), the header's
+    agg_scale has a case per row, and neither device kernel lists modes of its own."""
+    table = _header_table()
+    assert tuple(name for _, name in table) == KERNEL_LOSS_AGG_MODES
+    assert ops.POLICY_LOSS_AGG_MODES == KERNEL_LOSS_AGG_MODES  # the CPU build's table
+    header = _read("csrc/policy_loss.h")
+    body = header[header.index("PFPPO_HD double agg_scale("):]
+    body = body[: body.index("\n}\n")]
+    for ident, _ in table:
+        assert f"case AggMode::{ident}:" in body, ident
+    for src in ("csrc/cpu/policy_loss.cpp", "csrc/cuda/policy_loss.cu"):
+        text = _read(src)
+        assert '#include "../policy_loss.h"' in text and "agg_scale(" in text, src
+        assert "ppo_token(" in text and "clamp_log_ratio(" in text, f"{src}: clip math not shared"
+        assert "AggMode::" not in text, f"{src} branches on modes itself"
+        assert not any(f'"{name}"' in text for _, name in table), f"{src} spells a mode name"
+
+
+def test_policy_loss_options_from_schema():
+    """The keyword list is the C++ schema's; the wrapper names a keyword it does not know."""
+    assert ops.POLICY_LOSS_OPTIONS == (
+        "is_weights", "clip_ratio_low", "clip_ratio_high", "dual_clip_c", "loss_agg_mode")
+    x = policy_inputs(2, 5, seed=1, dtype=torch.float32)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(TypeError, match="clip_ratio"):
+        ops.policy_loss(x["logp"], x["old_logp"], x["advantages"], mask, clip_ratio=0.2)
+    with pytest.raises(ValueError, match="is not one of"):
+        ops.policy_loss(x["logp"], x["old_logp"], x["advantages"], mask, clip_ratio_low=0.2,
+                        clip_ratio_high=0.2, loss_agg_mode="seq-sum")
+
+
+def _compile_probe(compiler: list[str], header_dir: str, tmp_path, suffix: str) -> subprocess.CompletedProcess:
+    n = len(KERNEL_LOSS_AGG_MODES)
+    probe = tmp_path / f"probe{suffix}"
+    kernel = (
+        "__global__ void probe(double* out) { out[threadIdx.x] = "
+        "pfppo::agg_scale(static_cast<pfppo::AggMode>(threadIdx.x), 2, 10, 3); }\n"
+        if suffix == ".cu" else "")
+    probe.write_text(
+        '#include "policy_loss.h"\n'
+        f"static_assert(pfppo::kNumAggModes == {n}, \"the C++ table and Python differ\");\n"
+        + kernel
+        + "double host(int k) { return pfppo::agg_scale(static_cast<pfppo::AggMode>(k), 2, 10, 3); }\n")
+    return subprocess.run(compiler + [f"-I{header_dir}", f"-I{os.path.join(_ROOT, 'csrc')}",
+                                      "-c", str(probe), "-o", str(tmp_path / "probe.o")],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("suffix", [".cpp", ".cu"])
+def test_policy_loss_modes_compile_per_backend(suffix, tmp_path):
+    """The table compiles for each backend with Python's mode count; a row added without its
+    agg_scale case fails the build (-Werror=switch) -- for nvcc too, compiled here for sm_90."""
+    if suffix == ".cu":
+        if shutil.which("nvcc") is None:
+            pytest.skip("nvcc not on PATH: the CUDA side of the table cannot be compiled here")
+        cc = ["nvcc", "-arch=sm_90", "-std=c++17", "-Xcompiler", "-Wall,-Werror=switch"]
+    else:
+        cc = ["g++", "-std=c++17", "-Wall", "-Werror=switch"]
+    ok = _compile_probe(cc, os.path.join(_ROOT, "csrc"), tmp_path, suffix)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # A fourth row without a case: every backend's build must fail.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    text = _read("csrc/policy_loss.h").replace(
+        '  X(kSeqMeanTokenMean, "seq-mean-token-mean")',
+        '  X(kSeqMeanTokenMean, "seq-mean-token-mean") \\\n  X(kNewMode, "new-mode")')
+    assert "kNewMode" in text
+    (broken / "policy_loss.h").write_text(text)
+    (broken / "kernel_types.h").write_text(_read("csrc/kernel_types.h"))
+    bad = _compile_probe(cc, str(broken), tmp_path, suffix)
+    assert bad.returncode != 0, "a mode without its agg_scale case compiled"

@@ -15,9 +15,6 @@ void logprob_entropy_partials(const LogProbArgs& a, const LogProbPartialsOut& ou
 // grad_logits [N, V] from grad_logp, grad_entropy [N] and the saved lse, entropy [N].
 void logprob_entropy_bwd(const LogProbArgs& a, const LogProbBwdArgs& b);
 
-// PPO clipped loss: writes grad_logp [B, T] (d loss / d logp) and stats[kNumPolicyStats].
-void policy_loss_fwd(const PolicyLossArgs& a, void* grad_logp, double* stats);
-
 // GAE advantages and returns [B, T] (advantages optionally whitened over real tokens).
 void gae(const GaeArgs& a, void* advantages, void* returns);
 

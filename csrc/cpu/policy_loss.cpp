@@ -1,18 +1,12 @@
-// PPO clipped policy loss, forward and backward in one pass over [B, T].
-//
-// Per token (see pfppo_mega/ppo/losses.py policy_loss for the reference):
-//   lr = clamp(logp - old_logp, -20, 20),  ratio = exp(lr)
-//   pg1 = -A ratio,  pg2 = -A clamp(ratio, 1 - lo, 1 + hi),  pg = max(pg1, pg2)
-//   pg = -A c where A < 0 and pg > -A c   (dual clip),  pg *= w   (behaviour IS weight)
-// The loss is sum_i c_i pg_i with c_i = m_i / (normaliser of token i's aggregation mode), so
-// d loss / d logp_i = c_i w_i ratio_i [|d_i| <= 20] d pg / d ratio is written in the same pass.
-// Ties of max(pg1, pg2) split the gradient in half, as torch.maximum does.
+// PPO clipped policy loss on the CPU, forward and backward in one pass over [B, T]. The
+// per-token math, the modes and the log-ratio clamp are csrc/policy_loss.h (shared with the
+// CUDA kernel); this file is the OpenMP/SIMD schedule around them.
 #include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "../policy_loss.h"
 #include "cpu_math.h"
 
 namespace pfppo::cpu {
@@ -20,13 +14,6 @@ namespace {
 
 constexpr int64_t kPiece = 8192;   // columns per parallel job
 constexpr int64_t kBlock = 1024;   // tokens widened to fp32 in L1 at a time
-constexpr double kLogRatioLimit = 20.0;
-
-struct LossParams {
-  double ratio_lo;
-  double ratio_hi;
-  double dual_clip_c;  // +inf without dual clip
-};
 
 struct LossSums {
   double loss = 0.0;
@@ -52,51 +39,28 @@ struct BlockSums {
   float weight;
 };
 
-// The per-token math, on fp32 arrays (mask as 0/1 floats, weights all 1 when none are given)
-// but in fp64: logp - old_logp of two floats is exact in fp64, so every token's loss, clip
-// decision and gradient is as the fp64 reference has it, rounded once. (In fp32 the rounding
-// of that difference alone costs the loss a few ulp.) The loop sits directly in the cloned
-// function: inlined into a clone from a helper, GCC left it scalar.
+// The per-token math (ppo_token) on fp32 arrays (mask as 0/1 floats, weights all 1 when none
+// are given), in fp64. The loop sits directly in the cloned function: inlined into a clone
+// from a helper, GCC left it scalar; ppo_token itself is always inlined.
 PFPPO_CLONES BlockSums loss_core(const float* __restrict logp, const float* __restrict old_logp,
                                  const float* __restrict adv, const float* __restrict weights,
                                  const float* __restrict maskf, float* __restrict grad,
-                                 int64_t n, double scale, double ratio_lo, double ratio_hi,
-                                 double dual_c) {
+                                 int64_t n, double scale, ClipBounds c) {
   double s_loss = 0.0, s_kl = 0.0;
   float s_clip = 0.0f, s_dual = 0.0f, s_w = 0.0f;
 #pragma omp simd reduction(+ : s_loss, s_clip, s_dual, s_kl, s_w)
   for (int64_t i = 0; i < n; ++i) {
     const bool m = maskf[i] != 0.0f;
-    const double a = adv[i];
     const double d = double(logp[i]) - double(old_logp[i]);
-    const bool in_clamp = d >= -kLogRatioLimit && d <= kLogRatioLimit;
-    double lr = d < -kLogRatioLimit ? -kLogRatioLimit : d;
-    lr = lr > kLogRatioLimit ? kLogRatioLimit : lr;
+    const double lr = clamp_log_ratio(d);
     const double ratio = exp_f64(lr);
-    const double neg_a = -a;
-    double ratio_c = ratio < ratio_lo ? ratio_lo : ratio;
-    ratio_c = ratio_c > ratio_hi ? ratio_hi : ratio_c;
-    const bool in_range = ratio >= ratio_lo && ratio <= ratio_hi;
-    const double pg1 = neg_a * ratio;
-    const double pg2 = neg_a * ratio_c;
-    const bool clip = pg2 > pg1;
-    const bool tie = pg1 == pg2;
-    double pg = clip ? pg2 : pg1;
-    const double w1 = pg1 > pg2 ? 1.0 : (tie ? 0.5 : 0.0);
-    const double w2 = clip ? 1.0 : (tie ? 0.5 : 0.0);
-    double dpg = neg_a * (w1 + (in_range ? w2 : 0.0));  // d pg / d ratio
-    const double pg3 = neg_a * dual_c;
-    const bool dual = a < 0.0 && pg > pg3;
-    pg = dual ? pg3 : pg;
-    dpg = dual ? 0.0 : dpg;
-    const double w = weights[i];
-    const double g = in_clamp ? dpg * w * ratio * scale : 0.0;
-    grad[i] = m ? float(g) : 0.0f;
-    s_loss += m ? pg * w : 0.0;  // scaled by the caller
-    s_clip += (m && clip) ? 1.0f : 0.0f;
-    s_dual += (m && dual) ? 1.0f : 0.0f;
+    const PpoToken tok = ppo_token(d, ratio, adv[i], weights[i], scale, c);
+    grad[i] = m ? float(tok.grad) : 0.0f;
+    s_loss += m ? tok.pg : 0.0;  // scaled by the caller
+    s_clip += m ? float(tok.clip) : 0.0f;
+    s_dual += m ? float(tok.dual) : 0.0f;
     s_kl += m ? k3_term_f64(lr, ratio) : 0.0;
-    s_w += m ? float(w) : 0.0f;
+    s_w += m ? weights[i] : 0.0f;
   }
   return {s_loss, s_clip, s_dual, s_kl, s_w};
 }
@@ -116,7 +80,7 @@ PFPPO_INLINE const float* as_f32(const T* x, float* buf, int64_t n) {
 // masks and absent weights become fp32 blocks that stay in L1.
 template <typename T, typename M>
 void loss_block(const T* logp, const T* old_logp, const T* adv, const T* weights,
-                const M* mask, T* grad, int64_t n, double scale, const LossParams& p,
+                const M* mask, T* grad, int64_t n, double scale, const ClipBounds& c,
                 LossSums& sums) {
   alignas(64) float buf[6][kBlock];
   const float* maskf = as_f32(mask, buf[0], n);  // read as "!= 0"
@@ -128,8 +92,7 @@ void loss_block(const T* logp, const T* old_logp, const T* adv, const T* weights
   }
   float* g = std::is_same_v<T, float> ? reinterpret_cast<float*>(grad) : buf[5];
   BlockSums s = loss_core(as_f32(logp, buf[1], n), as_f32(old_logp, buf[2], n),
-                          as_f32(adv, buf[3], n), w, maskf, g, n, scale, p.ratio_lo,
-                          p.ratio_hi, p.dual_clip_c);
+                          as_f32(adv, buf[3], n), w, maskf, g, n, scale, c);
   if constexpr (!std::is_same_v<T, float>) {
     for (int64_t i = 0; i < n; ++i) grad[i] = from_f32<T>(g[i]);
   }
@@ -155,20 +118,10 @@ void loss_impl(const PolicyLossArgs& a, void* grad_out, double* stats) {
     rows_with_tokens += row_count[b] > 0 ? 1 : 0;
   }
 
-  // c_i / m_i for each row (token-mean: 1/total; seq-mean-token-sum: 1/rows;
-  // seq-mean-token-mean: 1/(row_count * rows)). Rows without tokens never use it.
-  std::vector<double> row_scale(B, 0.0);
-  for (int64_t b = 0; b < B; ++b) {
-    if (row_count[b] == 0) continue;
-    double s = 1.0 / double(total);
-    if (a.agg == AggMode::kSeqMeanTokenSum) s = 1.0 / double(rows_with_tokens);
-    if (a.agg == AggMode::kSeqMeanTokenMean) s = 1.0 / (double(row_count[b]) * rows_with_tokens);
-    row_scale[b] = s;
-  }
-
-  // Without dual clip c = +inf: -A c is then +inf (or NaN for A = 0), never below pg.
-  const double dual_c = a.dual_clip ? a.dual_clip_c : std::numeric_limits<double>::infinity();
-  const LossParams p{1.0 - a.clip_ratio_low, 1.0 + a.clip_ratio_high, dual_c};
+  // c_i / m_i for each row (rows without tokens never use it).
+  std::vector<double> row_scale(B);
+  for (int64_t b = 0; b < B; ++b) row_scale[b] = agg_scale(a.agg, row_count[b], total, rows_with_tokens);
+  const ClipBounds c = clip_bounds(a, std::numeric_limits<double>::infinity());
   const T* logp = static_cast<const T*>(a.logp);
   const T* old_logp = static_cast<const T*>(a.old_logp);
   const T* adv = static_cast<const T*>(a.advantages);
@@ -188,7 +141,7 @@ void loss_impl(const PolicyLossArgs& a, void* grad_out, double* stats) {
       const int64_t off = b * T_ + c0;
       loss_block(logp + off, old_logp + off, adv + off,
                  weights != nullptr ? weights + off : nullptr, mask + off, grad + off,
-                 std::min(kBlock, c_end - c0), row_scale[b], p, sums);
+                 std::min(kBlock, c_end - c0), row_scale[b], c, sums);
     }
     loss += sums.loss;
     clip += sums.clip;

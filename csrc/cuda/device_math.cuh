@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "../kernel_types.h"
 
@@ -42,6 +43,67 @@ __device__ __forceinline__ double block_sum(double v, double* smem /* [32] */) {
   const int warps = blockDim.x >> 5;
   for (int w = 0; w < warps; ++w) total += smem[w];  // fixed order: deterministic
   return total;
+}
+
+template <typename X>
+__device__ __forceinline__ X zero_of() {
+  X z;
+  memset(&z, 0, sizeof(X));
+  return z;
+}
+
+// N consecutive elements p[0, n) (n <= N) into registers, the rest zero. A whole, aligned span
+// is read with 16-byte loads (8 or 4 bytes for a span that small): a warp of lanes with
+// consecutive spans reads one contiguous run of 32 * N * sizeof(X) bytes, every load coalesced.
+template <int N, typename X>
+__device__ __forceinline__ void load_span(const X* __restrict__ p, int n, X (&out)[N]) {
+  constexpr int kBytes = N * int(sizeof(X));
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  if constexpr (kBytes % 16 == 0) {
+    if (n == N && (addr & 15u) == 0) {
+#pragma unroll
+      for (int c = 0; c < kBytes / 16; ++c) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + c);
+        memcpy(reinterpret_cast<char*>(out) + 16 * c, &v, 16);
+      }
+      return;
+    }
+  } else if constexpr (kBytes == 8) {
+    if (n == N && (addr & 7u) == 0) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+      memcpy(out, &v, 8);
+      return;
+    }
+  } else if constexpr (kBytes == 4) {
+    if (n == N && (addr & 3u) == 0) {
+      const unsigned v = __ldg(reinterpret_cast<const unsigned*>(p));
+      memcpy(out, &v, 4);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = j < n ? p[j] : zero_of<X>();
+}
+
+// The store of load_span: p[0, n) = in[0, n).
+template <int N, typename X>
+__device__ __forceinline__ void store_span(X* __restrict__ p, int n, const X (&in)[N]) {
+  constexpr int kBytes = N * int(sizeof(X));
+  if constexpr (kBytes % 16 == 0) {
+    if (n == N && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+#pragma unroll
+      for (int c = 0; c < kBytes / 16; ++c) {
+        uint4 v;
+        memcpy(&v, reinterpret_cast<const char*>(in) + 16 * c, 16);
+        reinterpret_cast<uint4*>(p)[c] = v;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (j < n) p[j] = in[j];
+  }
 }
 
 __host__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

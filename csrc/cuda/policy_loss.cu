@@ -1,24 +1,45 @@
-// PPO clipped policy loss on the GPU, forward and d loss / d logp in one pass over [B, T].
-// Same per-token math as csrc/cpu/policy_loss.cpp (reference: pfppo_mega/ppo/losses.py):
-//   1. count_rows:  real tokens per row (block per row); total and rows-with-tokens (atomics
-//                   on integers, so the result does not depend on the order);
-//   2. loss_tokens: every token once: grad_logp = c_i w_i ratio_i [|d_i| <= 20] dpg/dratio and
-//                   per-block sums (pg w, clip, dual, k3, w), written per block;
-//   3. finalize:    one block adds the per-block sums in a fixed order and writes the scalars.
-// c_i = 1 / total (token-mean), 1 / rows (seq-mean-token-sum), 1 / (row_count rows)
-// (seq-mean-token-mean); ties of max(pg1, pg2) split the gradient in half like torch.maximum.
+// PPO clipped policy loss on the GPU, forward and d loss / d logp in one pass over [B, T]. The
+// per-token math, the modes and the clamp are csrc/policy_loss.h (shared with the CPU kernel).
+//
+// Roofline. The op is memory bound: per token it must read logp, old_logp, advantages (and the
+// IS weight when given) and the mask, and write grad_logp; the scaled loss needs the mask counts
+// first, so the mask is read twice. Bytes per token, without / with weights:
+//   fp32: 3*4 + 2*1 (bool mask) + 4 = 18 / 22 B;   bf16: 3*2 + 2*1 + 2 = 10 / 12 B.
+// B = 512, T = 4096 fp32 is 38 MB: 9 us at the H200's 4.1 TB/s copy rate; the goal is >= 75% of
+// copy bandwidth. The fp64 per-token math (~60 flops with the exp) at that rate needs ~12
+// TFLOP/s of fp64, a third of Hopper's; so fp64 stays (it keeps every token bit-equal to the
+// CPU kernel and the fp64 reference rounded once). What the design does for the bytes:
+//   * each thread owns spans of 16 / sizeof(T) consecutive tokens (4 fp32, 8 bf16), read and
+//     written with one 16-byte access per tensor: the lanes of a warp cover one contiguous
+//     512-byte run per access (coalesced), and 2 spans per thread keep 2 loads in flight per
+//     tensor;
+//   * the row counts read the mask 16 bytes per load too (16 bool tokens);
+//   * blocks tile (row, column range), so a few long rows still fill every SM;
+//   * the stats leave each block as 5 doubles (no atomics on floats: deterministic), and one
+//     small block adds them in a fixed order.
+// Kernels: 1. count_rows  real tokens per row; total and rows with tokens (integer atomics);
+//          2. loss_tokens every token once: grad_logp and the per-block sums;
+//          3. finalize    the five scalars.
 #include <cmath>
 
+#include "../policy_loss.h"
 #include "device_math.cuh"
-#include "launch.h"
 
 namespace pfppo::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItems = 8;  // tokens per thread in loss_tokens
+constexpr int kSpans = 2;  // spans per thread in loss_tokens
 constexpr int kSums = 5;   // pg w, clip, dual, k3, w
-constexpr double kLogRatioLimit = 20.0;
+
+template <typename T>
+constexpr int span_len() {
+  return 16 / int(sizeof(T));
+}
+
+struct PolicyStatPtrs {  // the five 0-dim outputs (a kernel argument by value)
+  void* stat[kNumPolicyStats];
+};
 
 struct Header {
   unsigned long long total;
@@ -31,7 +52,10 @@ struct Workspace {
   double* partial;  // [blocks, kSums]
 };
 
-int64_t col_blocks(const PolicyLossArgs& a) { return ceil_div(a.cols, int64_t(kThreads) * kItems); }
+int64_t col_blocks(const PolicyLossArgs& a) {
+  const int64_t span = a.dtype == Scalar::kF32 ? span_len<float>() : span_len<__nv_bfloat16>();
+  return ceil_div(a.cols, int64_t(kThreads) * kSpans * span);
+}
 
 Workspace carve(void* base, const PolicyLossArgs& a) {
   char* p = static_cast<char*>(base);
@@ -48,9 +72,16 @@ template <typename M>
 __global__ void __launch_bounds__(kThreads) count_rows(const M* __restrict__ mask, int64_t cols,
                                                        Workspace w) {
   __shared__ double smem[32];
+  constexpr int kSpan = 16 / int(sizeof(M));  // 16 bytes of mask per load
   const M* row = mask + int64_t(blockIdx.x) * cols;
   double c = 0.0;
-  for (int64_t t = threadIdx.x; t < cols; t += kThreads) c += nonzero(row[t]) ? 1.0 : 0.0;
+  for (int64_t t0 = int64_t(threadIdx.x) * kSpan; t0 < cols; t0 += int64_t(kThreads) * kSpan) {
+    const int n = int(min(int64_t(kSpan), cols - t0));
+    M m[kSpan];
+    load_span<kSpan>(row + t0, n, m);
+#pragma unroll
+    for (int j = 0; j < kSpan; ++j) c += (j < n && nonzero(m[j])) ? 1.0 : 0.0;
+  }
   c = block_sum(c, smem);
   if (threadIdx.x == 0) {
     const int count = int(c);
@@ -63,64 +94,51 @@ __global__ void __launch_bounds__(kThreads) count_rows(const M* __restrict__ mas
 template <typename T, typename M, bool kWeights>
 __global__ void __launch_bounds__(kThreads)
     loss_tokens(PolicyLossArgs a, T* __restrict__ grad, Workspace w, int64_t blocks_per_row) {
+  constexpr int kSpan = span_len<T>();
   __shared__ double smem[32];
   const int64_t b = blockIdx.x / blocks_per_row;
-  const int64_t c0 = (blockIdx.x % blocks_per_row) * int64_t(kThreads) * kItems;
-  const int count = w.row_count[b];
-  const double total = double(w.header->total), rows = double(w.header->rows_with_tokens);
-  double scale = 0.0;
-  if (count > 0) {
-    scale = a.agg == AggMode::kTokenMean          ? 1.0 / total
-            : a.agg == AggMode::kSeqMeanTokenSum ? 1.0 / rows
-                                                  : 1.0 / (double(count) * rows);
-  }
-  const double lo = 1.0 - a.clip_ratio_low, hi = 1.0 + a.clip_ratio_high;
-  const double dual_c = a.dual_clip ? a.dual_clip_c : INFINITY;  // +inf: never active
+  const int64_t c0 = (blockIdx.x % blocks_per_row) * int64_t(kThreads) * kSpans * kSpan;
+  const double scale = agg_scale(a.agg, w.row_count[b], int64_t(w.header->total),
+                                 int64_t(w.header->rows_with_tokens));
+  const ClipBounds bounds = clip_bounds(a, INFINITY);
+  const int64_t row = b * a.cols;
+  const T* logp = static_cast<const T*>(a.logp) + row;
+  const T* old_logp = static_cast<const T*>(a.old_logp) + row;
+  const T* adv = static_cast<const T*>(a.advantages) + row;
+  const T* weights = static_cast<const T*>(a.is_weights) + (kWeights ? row : 0);
+  const M* mask = static_cast<const M*>(a.mask) + row;
+  T* grad_row = grad + row;
 
-  const T* logp = static_cast<const T*>(a.logp);
-  const T* old_logp = static_cast<const T*>(a.old_logp);
-  const T* adv = static_cast<const T*>(a.advantages);
-  const T* weights = static_cast<const T*>(a.is_weights);
-  const M* mask = static_cast<const M*>(a.mask);
-  // Per-token math in fp64, as on the CPU: logp - old_logp of two floats is exact in fp64,
-  // so each token's terms are the fp64 reference's, rounded once.
   double s[kSums] = {0.0, 0.0, 0.0, 0.0, 0.0};
 #pragma unroll
-  for (int it = 0; it < kItems; ++it) {
-    const int64_t t = c0 + int64_t(it) * kThreads + threadIdx.x;
-    if (t >= a.cols) break;
-    const int64_t i = b * a.cols + t;
-    if (!nonzero(mask[i])) {
-      grad[i] = from_f32<T>(0.0f);  // padding is never read
-      continue;
+  for (int it = 0; it < kSpans; ++it) {
+    const int64_t t0 = c0 + (int64_t(it) * kThreads + threadIdx.x) * kSpan;
+    if (t0 >= a.cols) break;
+    const int n = int(min(int64_t(kSpan), a.cols - t0));
+    T lp[kSpan], old[kSpan], ad[kSpan], wt[kSpan], g[kSpan];
+    M m[kSpan];
+    load_span<kSpan>(mask + t0, n, m);
+    load_span<kSpan>(logp + t0, n, lp);
+    load_span<kSpan>(old_logp + t0, n, old);
+    load_span<kSpan>(adv + t0, n, ad);
+    if constexpr (kWeights) load_span<kSpan>(weights + t0, n, wt);
+#pragma unroll
+    for (int j = 0; j < kSpan; ++j) {
+      g[j] = from_f32<T>(0.0f);  // padding (and tokens past the row) write 0
+      if (j >= n || !nonzero(m[j])) continue;
+      const double d = double(to_f32(lp[j])) - double(to_f32(old[j]));
+      const double lr = clamp_log_ratio(d);
+      const double ratio = exp(lr);
+      const double weight = kWeights ? double(to_f32(wt[j])) : 1.0;
+      const PpoToken tok = ppo_token(d, ratio, to_f32(ad[j]), weight, scale, bounds);
+      g[j] = from_f32<T>(float(tok.grad));
+      s[0] += tok.pg;
+      s[1] += tok.clip;
+      s[2] += tok.dual;
+      s[3] += expm1(lr) - lr;
+      s[4] += weight;
     }
-    const double A = to_f32(adv[i]);
-    const double d = double(to_f32(logp[i])) - double(to_f32(old_logp[i]));
-    const bool in_clamp = d >= -kLogRatioLimit && d <= kLogRatioLimit;
-    // Ternaries, not fmin/fmax: a NaN input must stay NaN (fmax would drop it).
-    const double lr = d < -kLogRatioLimit ? -kLogRatioLimit : (d > kLogRatioLimit ? kLogRatioLimit : d);
-    const double ratio = exp(lr);
-    const double neg_a = -A;
-    const bool in_range = ratio >= lo && ratio <= hi;
-    const double pg1 = neg_a * ratio;
-    const double pg2 = neg_a * (ratio < lo ? lo : (ratio > hi ? hi : ratio));
-    const bool clip = pg2 > pg1;
-    const bool tie = pg1 == pg2;
-    double pg = clip ? pg2 : pg1;
-    const double w1 = pg1 > pg2 ? 1.0 : (tie ? 0.5 : 0.0);
-    const double w2 = clip ? 1.0 : (tie ? 0.5 : 0.0);
-    double dpg = neg_a * (w1 + (in_range ? w2 : 0.0));  // d pg / d ratio
-    const double pg3 = neg_a * dual_c;
-    const bool dual = A < 0.0 && pg > pg3;
-    pg = dual ? pg3 : pg;
-    dpg = dual ? 0.0 : dpg;
-    const double wt = kWeights ? double(to_f32(weights[i])) : 1.0;
-    grad[i] = from_f32<T>(float(in_clamp ? dpg * wt * ratio * scale : 0.0));
-    s[0] += pg * wt;
-    s[1] += clip ? 1.0 : 0.0;
-    s[2] += dual ? 1.0 : 0.0;
-    s[3] += expm1(lr) - lr;
-    s[4] += wt;
+    store_span<kSpan>(grad_row + t0, n, g);
   }
   double* out = w.partial + int64_t(blockIdx.x) * kSums;
 #pragma unroll
@@ -132,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    finalize(Workspace w, int64_t blocks, PolicyStatsOut out) {
+    finalize(Workspace w, int64_t blocks, PolicyStatPtrs out) {
   __shared__ double smem[32];
   double sums[kSums];
 #pragma unroll
@@ -147,7 +165,9 @@ __global__ void __launch_bounds__(kThreads)
   const double values[kNumPolicyStats] = {sums[0], sums[1] * inv, sums[2] * inv, sums[3] * inv,
                                           sums[4] * inv};
 #pragma unroll
-  for (int k = 0; k < kNumPolicyStats; ++k) *static_cast<T*>(out.stat[k]) = from_f32<T>(float(values[k]));
+  for (int k = 0; k < kNumPolicyStats; ++k) {
+    *static_cast<T*>(out.stat[k]) = from_f32<T>(float(values[k]));
+  }
 }
 
 }  // namespace
@@ -158,29 +178,33 @@ size_t policy_loss_workspace_bytes(const PolicyLossArgs& a) {
          size_t(blocks) * kSums * sizeof(double) + 256;
 }
 
-cudaError_t policy_loss_fwd(const PolicyLossArgs& a, void* grad_logp, const PolicyStatsOut& out,
-                            void* workspace, cudaStream_t stream) {
+int policy_loss_fwd(const PolicyLossArgs& a, void* grad_logp, void* const* stat,
+                    void* workspace, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   Workspace w = carve(workspace, a);
   cudaError_t err = cudaMemsetAsync(w.header, 0, sizeof(Header), stream);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) return int(err);
+  PolicyStatPtrs out;
+  for (int k = 0; k < kNumPolicyStats; ++k) out.stat[k] = stat[k];
   const int64_t per_row = col_blocks(a);
   const int64_t blocks = a.rows * per_row;
-  return with_scalar(a.dtype, [&](auto t) {
+  return int(with_scalar(a.dtype, [&](auto t) {
     using T = decltype(t);
     return with_mask(a.mask_kind, [&](auto m) {
       using M = decltype(m);
       if (a.rows > 0 && a.cols > 0) {
         count_rows<M><<<a.rows, kThreads, 0, stream>>>(static_cast<const M*>(a.mask), a.cols, w);
+        T* grad = static_cast<T*>(grad_logp);
         if (a.is_weights != nullptr) {
-          loss_tokens<T, M, true><<<blocks, kThreads, 0, stream>>>(a, static_cast<T*>(grad_logp), w, per_row);
+          loss_tokens<T, M, true><<<blocks, kThreads, 0, stream>>>(a, grad, w, per_row);
         } else {
-          loss_tokens<T, M, false><<<blocks, kThreads, 0, stream>>>(a, static_cast<T*>(grad_logp), w, per_row);
+          loss_tokens<T, M, false><<<blocks, kThreads, 0, stream>>>(a, grad, w, per_row);
         }
       }
       finalize<T><<<1, kThreads, 0, stream>>>(w, blocks, out);
       return cudaGetLastError();
     });
-  });
+  }));
 }
 
 }  // namespace pfppo::cuda

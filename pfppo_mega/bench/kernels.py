@@ -237,7 +237,10 @@ def _compiled(fn, note_list: list[str], label: str):
         return None
 
 
-def gae_case(device: str, rows: int, cols: int) -> Case:
+def gae_case(device: str, rows: int, cols: int, *, op: str = "gae", loops: bool = True) -> Case:
+    """GAE of [rows, cols] fp32 with a bool mask: 17 bytes per token must move (r, V read, mask
+    read, A and R written; csrc/cuda/gae.cu argues the layout). op names the case (a short
+    batch runs the chunked scan on a GPU); loops: time the Python-loop baselines too."""
     dtype = torch.float32
     inp = gae_inputs(rows, cols, seed=1, dtype=dtype, device=device)  # made where they are used
     r, v = inp["rewards"], inp["values"]
@@ -254,13 +257,13 @@ def gae_case(device: str, rows: int, cols: int) -> Case:
             torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
 
     return Case(
-        op="gae", dtype="float32", shape=[rows, cols],
+        op=op, dtype="float32", shape=[rows, cols],
         bytes=_nbytes(r, v, mask) + 2 * _nbytes(v),
         fused=lambda: ops.gae(r, v, mask, **kw),
-        baselines={"verl": lambda: gae_verl_loop(r, v, mask, **kw),
+        baselines={"verl": (lambda: gae_verl_loop(r, v, mask, **kw)) if loops else None,
                    "eager": lambda: gae_chunked(r, v, mask, **kw),
                    "compile": None,
-                   "reference_loop": lambda: gae_reference_loop(r, v, mask, **kw)},
+                   "reference_loop": (lambda: gae_reference_loop(r, v, mask, **kw)) if loops else None},
         check=check, extra_bytes=2 * _nbytes(v),
         notes=notes + ["mask bool, right-padded ragged rows"],
     )
@@ -329,8 +332,10 @@ def loss_case(device: str, rows: int, cols: int) -> Case:
         torch.testing.assert_close(g_fused, g_eager, rtol=1e-4, atol=1e-9)
 
     return Case(
+        # logp, old_logp, advantages read; the mask read twice (row counts, then the tokens);
+        # d loss / d logp written once (backward at grad 1 reuses it): 18 B/token in fp32
         op="policy_loss fwd+bwd", dtype="float32", shape=[rows, cols],
-        bytes=_nbytes(inp["logp"], inp["old_logp"], inp["advantages"], mask, inp["logp"]),
+        bytes=_nbytes(inp["logp"], inp["old_logp"], inp["advantages"], mask, mask, inp["logp"]),
         fused=fwd_bwd(lambda lp: ops.policy_loss(
             lp, inp["old_logp"], inp["advantages"], mask, **opts).loss),
         baselines={"verl": fwd_bwd(lambda lp: policy_loss_verl(
@@ -425,10 +430,15 @@ CPU_TARGETS = [
     ("loss fwd+bwd x eager", _LOSS, "float32", "speedup:eager", 10.0),
     ("loss fwd+bwd x torch.compile", _LOSS, "float32", "speedup:compile", 1.0),
 ]
+_LPB, _GAE_SHORT = "logprob_entropy fwd+bwd", "gae short batch"
+# Every kernel's goal on a GPU: >= 75% of the device-to-device copy rate (issue 38).
 GPU_TARGETS = [
     ("gae x verl loop", "gae", "float32", "speedup:verl", 1000.0),
+    ("gae fraction of D2D copy", "gae", "float32", "frac_copy", 0.75),
+    ("gae short batch (chunked scan) fraction of D2D copy", _GAE_SHORT, "float32", "frac_copy", 0.75),
     ("logprob+entropy fp32 fraction of D2D copy", _LP, "float32", "frac_copy", 0.75),
     ("logprob+entropy bf16 fraction of D2D copy", _LP, "bfloat16", "frac_copy", 0.75),
+    ("logprob+entropy fwd+bwd bf16 fraction of D2D copy", _LPB, "bfloat16", "frac_copy", 0.75),
     ("loss fwd+bwd fraction of D2D copy", _LOSS, "float32", "frac_copy", 0.75),
 ]
 
@@ -552,7 +562,7 @@ def make_plan(device: str, quick: bool) -> Plan:
                     logprob_rows=64 if quick else 512, loss_shape=(512, 4096))
     # GPU: shapes large enough that launch latency does not hide the bandwidth.
     return Plan(device, quick, reps=10 if quick else 30, budget_s=0.3 if quick else 1.0,
-                loop_reps=2 if quick else 3, gae_shape=(512, 4096),
+                loop_reps=2 if quick else 3, gae_shape=(1024, 8192),
                 logprob_rows=2048 if quick else 4096,
                 loss_shape=(4096, 8192) if quick else (8192, 8192))
 
@@ -561,6 +571,8 @@ def cases_of(plan: Plan) -> list[Callable[[], Case]]:
     d = plan.device
     return [
         lambda: gae_case(d, *plan.gae_shape),
+        # a short batch: on a GPU too few rows to fill the SMs, so the scan is chunked along T
+        lambda: gae_case(d, 16, plan.gae_shape[1], op=_GAE_SHORT, loops=False),
         lambda: logprob_case(d, plan.logprob_rows, torch.float32, backward=False),
         lambda: logprob_case(d, plan.logprob_rows, torch.bfloat16, backward=False),
         lambda: logprob_case(d, plan.logprob_rows, torch.float32, backward=True),

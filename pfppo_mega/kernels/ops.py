@@ -93,10 +93,7 @@ def _fake_logprob_entropy_backward(
     return logits.new_empty(logits.shape)
 
 
-def _fake_policy_loss(
-    logp, old_logp, advantages, mask, is_weights, clip_ratio_low, clip_ratio_high, dual_clip_c,
-    loss_agg_mode,
-):
+def _fake_policy_loss(logp, old_logp, advantages, mask, *_options):
     _check(logp.dim() == 2, "pfppo::policy_loss: logp must be [B, T]")
     for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
         _check(t.shape == logp.shape, f"pfppo::policy_loss: {name} must be shaped like logp [B, T]")
@@ -145,7 +142,7 @@ def _policy_loss_backward(ctx, grad_loss, *_unused):
         grad = grad_logp
     else:
         grad = grad_logp * grad_loss.to(grad_logp.dtype)
-    return (grad,) + (None,) * 8
+    return (grad,) + (None,) * (3 + len(POLICY_LOSS_OPTIONS))
 
 
 def _not_differentiable(op: str, hint: str):
@@ -184,6 +181,20 @@ def _register() -> None:
         _not_differentiable("logprob_entropy_backward", "double backward is not implemented"),
     )
 
+
+def _schema_options(op: str, tensors: int) -> tuple[str, ...]:
+    """The keyword arguments of pfppo::op after its first `tensors` inputs, read from the C++
+    schema (the one place they are written)."""
+    if _C is None:
+        return ()
+    return tuple(a.name for a in getattr(torch.ops.pfppo, op).default._schema.arguments[tensors:])
+
+
+# The op's modes and keywords as the extension declares them (csrc/policy_loss.h and the
+# schema in csrc/policy_loss.cpp); pfppo_mega.constants.KERNEL_LOSS_AGG_MODES mirrors the modes
+# for the config layer, and tests/test_kernels.py checks that the two agree.
+POLICY_LOSS_AGG_MODES: tuple[str, ...] = tuple(getattr(_C, "policy_loss_agg_modes", ()))
+POLICY_LOSS_OPTIONS: tuple[str, ...] = _schema_options("policy_loss", 4)
 
 if _C is not None:
     _register()
@@ -267,28 +278,24 @@ class FusedPolicyLoss:
 
 
 def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    dual_clip_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    is_weights: torch.Tensor | None = None,
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    **options,
 ) -> FusedPolicyLoss:
     """PPO clipped loss (formulas: pfppo_mega.ppo.policy_loss), forward and d loss / d logp in
     one pass. logp, old_logp, advantages, is_weights: [B, T], one dtype (float32/bfloat16);
-    mask [B, T] bool/float32/bfloat16. loss is differentiable w.r.t. logp only (like the
-    reference, which detaches the rest); the other scalars are metrics."""
+    mask [B, T] bool/float32/bfloat16. options: the schema's keywords (POLICY_LOSS_OPTIONS:
+    is_weights=None, clip_ratio_low, clip_ratio_high, dual_clip_c=None,
+    loss_agg_mode="token-mean", one of POLICY_LOSS_AGG_MODES). loss is differentiable w.r.t.
+    logp only (like the reference, which detaches the rest); the other scalars are metrics."""
     require_device(logp, "logp")
-    return FusedPolicyLoss(
-        *torch.ops.pfppo.policy_loss(
-            logp, old_logp, advantages, mask, is_weights, clip_ratio_low, clip_ratio_high,
-            dual_clip_c, loss_agg_mode,
-        )
-    )
+    unknown = sorted(set(options) - set(POLICY_LOSS_OPTIONS))
+    if unknown:
+        raise TypeError(f"policy_loss: unknown keyword(s) {unknown}; the op takes {POLICY_LOSS_OPTIONS}")
+    options = {"is_weights": None, "dual_clip_c": None, "loss_agg_mode": "token-mean", **options}
+    missing = [k for k in POLICY_LOSS_OPTIONS if k not in options]
+    if missing:
+        raise TypeError(f"policy_loss: missing keyword(s) {missing}")
+    return FusedPolicyLoss(*torch.ops.pfppo.policy_loss(logp, old_logp, advantages, mask, **options))
 
 
 def gae(
