@@ -91,6 +91,8 @@ class GeneratorProcess:
             return ("timeout", self._incarnation, None)
 
     def _send(self, msg) -> None:
+        if self._to_child is None:  # stopped, or never started: the next start sends the pool again
+            return
         try:
             self._to_child.send(msg)
         except (BrokenPipeError, OSError):
