@@ -103,7 +103,8 @@ def sft_dir(tmp_path_factory):
     from pfppo_mega.sft import run_sft
 
     out = tmp_path_factory.mktemp("async_sft")
-    run_sft(load_config(CONFIG, [f"sft.output_dir={out}", f"actor_rollout.model_path={out}"]), log=lambda *_: None)
+    run_sft(load_config(CONFIG, [f"sft.output_dir={out}", f"actor_rollout.model_path={out}", "sft.steps=40"]),
+            log=lambda *_: None)
     return out
 
 
