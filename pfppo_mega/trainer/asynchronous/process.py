@@ -66,8 +66,11 @@ class GeneratorProcess:
                 continue  # a message of an earlier, dead process
             if kind == "ready":
                 break
+            code = self.proc.exitcode if self.proc is not None else None
             self.stop()
-            raise GeneratorFailed(f"the generator process did not start: {payload}")
+            why = str(payload).strip() if payload else (f"no answer in {START_TIMEOUT_S:g} s" if kind == "timeout"
+                                                         else f"it exited with code {code}")
+            raise GeneratorFailed(f"the generator process did not start: {why}")
         for version, buckets in sorted(self.pool.held.items()):  # a restarted process gets the pool again
             self._send(("weights", version, buckets))
         for rid in sorted(self.in_flight):  # and the requests it had not answered, same ids and seeds
