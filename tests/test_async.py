@@ -233,11 +233,13 @@ class _FakeProcess:
         pass
 
 
-def test_collector_never_trains_beyond_the_bound_and_counts_what_it_drops():
+@pytest.mark.parametrize("n", [1, 3])
+def test_collector_never_trains_beyond_the_bound_and_counts_what_it_drops(n):
     from pfppo_mega.trainer.asynchronous.mode import AsyncCollector
     from pfppo_mega.types import Sample
 
-    cfg = load_config(CONFIG, ["algorithm.async_rl.max_staleness=1", "algorithm.async_rl.request_prompts=2"])
+    cfg = load_config(CONFIG, ["algorithm.async_rl.max_staleness=1", "algorithm.async_rl.request_prompts=2",
+                               f"actor_rollout.n_samples_per_prompt={n}"])
     prompts = iter(range(1000))
     nxt = lambda n: [Sample((1, next(prompts) % 9 + 2), "addition") for _ in range(n)]  # noqa: E731
     col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=nxt, log=lambda *_: None)
@@ -249,9 +251,13 @@ def test_collector_never_trains_beyond_the_bound_and_counts_what_it_drops():
     trainer = SimpleNamespace(run=run, score=lambda rb: SimpleNamespace(rollout=rb))
     timer = lambda name: __import__("contextlib").nullcontext()  # noqa: E731
     scored, stats = col.collect(trainer, nxt(4), timer)
-    versions = scored.rollout.versions.tolist()
-    assert sorted(versions) == [4, 4, 5, 5] and max(5 - v for v in versions) <= 1
-    assert stats["async/dropped_stale"] == 2 and stats["async/dropped_stale_total"] == 2  # 2 groups x n 1
+    rb = scored.rollout
+    versions = rb.versions.tolist()
+    assert sorted(versions) == [4] * 2 * n + [5] * 2 * n and max(5 - v for v in versions) <= 1
+    assert rb.group_ids.tolist() == [g for g in range(4) for _ in range(n)]  # a prompt's n rows together
+    assert all(rb.samples[i] is rb.samples[i - i % n] for i in range(4 * n))
+    assert all(len({versions[i] for i in range(g * n, g * n + n)}) == 1 for g in range(4))  # one version a group
+    assert stats["async/dropped_stale"] == 2 * n and stats["async/dropped_stale_total"] == 2 * n  # rows
     assert stats["async/staleness_max"] == 1 and col.proc.answered == [0, 1, 2]
     assert scored.rollout.behav_logp.eq(-0.5).all()  # the engine's log-probs travel with the rows
 
