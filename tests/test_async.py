@@ -290,6 +290,11 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     assert any("async/generator_busy_frac" in r for r in steps)
     with pytest.raises(AsyncResumeError, match="step 4"):  # resuming asynchronously is refused by name
         PPOTrainer(load_config(CONFIG, over + ["checkpoint.resume=true"]), log=lambda *_: None)
+    from pfppo_mega.cli import main
+
+    with pytest.raises(SystemExit) as e:  # `pfppo train`: a run that cannot start, not a traceback
+        sys.exit(main(["train", str(CONFIG), *over, "checkpoint.resume=true"]))
+    assert e.value.code == 2
 
 
 def test_async_ppo_raises_reward(tmp_path):

@@ -32,8 +32,9 @@ from pfppo_mega.trainer.policy_loss import choose_policy_loss
 from pfppo_mega.types import Sample
 
 
-class AsyncResumeError(RuntimeError):
-    """A run with algorithm.async_rl.enable found a checkpoint to resume from: not supported yet."""
+class AsyncResumeError(ValueError):
+    """A run with algorithm.async_rl.enable found a checkpoint to resume from: not supported yet
+    (a ValueError: `pfppo train` reports it as a run that cannot start, exit status 2)."""
 
 
 def check_resume(run) -> None:
