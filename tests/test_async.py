@@ -208,7 +208,9 @@ class _FakeProcess:
     """Answers each request with the version the test says, as the generator would."""
 
     def __init__(self, versions):
-        self.versions, self.in_flight, self.restarts = list(versions), {}, 0
+        queued = list(versions) if not callable(versions) else None  # or a callable: the version now
+        self.versions = versions if queued is None else (lambda: queued.pop(0))
+        self.in_flight, self.restarts = {}, 0
         self.pool = SimpleNamespace(held={0: None})
         self.answered = []
 
@@ -226,7 +228,7 @@ class _FakeProcess:
         req = self.in_flight.pop(rid)
         rows = len(req.prompts) * req.n
         self.answered.append(rid)
-        return Result(rid, self.versions.pop(0), torch.full((rows, 2), 3), torch.ones(rows, 2),
+        return Result(rid, self.versions(), torch.full((rows, 2), 3), torch.ones(rows, 2),
                       torch.full((rows, 2), -0.5), torch.ones(rows, dtype=torch.bool), 0.01, 0.0, 0.0)
 
     def stop(self):
@@ -262,6 +264,72 @@ def test_collector_never_trains_beyond_the_bound_and_counts_what_it_drops(n):
     assert scored.rollout.behav_logp.eq(-0.5).all()  # the engine's log-probs travel with the rows
 
 
+class _Prompts:
+    def __init__(self, pos: int = 0):
+        self.pos = pos
+
+    def next_batch(self, n):
+        from pfppo_mega.types import Sample
+
+        out = [Sample((1, 2 + (self.pos + i) % 50, 3 + (self.pos + i) // 50), "addition") for i in range(n)]
+        self.pos += n
+        return out
+
+
+def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterrupted_run_trains(tmp_path):
+    """Collector X runs on; collector Y is X restored from its save after step 2 (pending file, prompt
+    position, RNG): Y's next two steps train the same prompts, in the same order, with the same
+    sampling seeds as X's."""
+    import copy
+
+    from pfppo_mega.trainer.asynchronous import pending
+    from pfppo_mega.trainer.asynchronous.mode import AsyncCollector
+
+    cfg = load_config(CONFIG, ["algorithm.async_rl.request_prompts=3", "algorithm.async_rl.prefetch_steps=2",
+                               "algorithm.async_rl.max_staleness=2"])
+    timer = lambda name: __import__("contextlib").nullcontext()  # noqa: E731
+
+    def collector(prompts, versions):
+        col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=prompts.next_batch,
+                             log=lambda *_: None)
+        col.proc, col._eos = _FakeProcess(versions), None
+        col.proc.start = lambda: None
+        col.push = lambda version: None
+        return col
+
+    def step(col, run, prompts, k):
+        run.state.step = k
+        scored, _ = col.collect(SimpleNamespace(run=run, score=lambda rb: SimpleNamespace(rollout=rb)),
+                                prompts.next_batch(4), timer)
+        seeds = {tuple(p): r.params.seed for r in col.proc.requests for p in r.prompts}
+        return [(s.prompt_ids, seeds[s.prompt_ids]) for s in scored.rollout.samples]
+
+    tok = SimpleNamespace(pad_id=0, eos_id=None, decode=lambda ids: "")
+    px, run_x = _Prompts(), SimpleNamespace(state=SimpleNamespace(step=0), rng=random.Random(7),
+                                            device=torch.device("cpu"), tokenizer=tok)
+    x = collector(px, lambda: run_x.state.step)  # the newest weights at each answer: nothing is dropped
+    x.proc.requests = []
+    orig_submit = x.proc.submit
+    x.proc.submit = lambda req: (x.proc.requests.append(req), orig_submit(req))[1]
+    for k in (0, 1):
+        step(x, run_x, px, k)
+    # the save after step 2: what resume.py keeps (prompt position, RNG) and the pending file
+    pending.write(tmp_path, 2, x._next_key, x.in_flight_requests(), keep=1)
+    saved_pos, saved_rng = px.pos, copy.deepcopy(run_x.rng)
+    assert x.in_flight_requests(), "nothing was in flight at the save: the test would prove nothing"
+    want = [step(x, run_x, px, k) for k in (2, 3)]
+
+    py = _Prompts(saved_pos)
+    run_y = SimpleNamespace(state=SimpleNamespace(step=2), rng=saved_rng, device=torch.device("cpu"), tokenizer=tok)
+    y = collector(py, lambda: run_y.state.step)
+    y.proc.requests = []
+    orig_y = y.proc.submit
+    y.proc.submit = lambda req: (y.proc.requests.append(req), orig_y(req))[1]
+    y.restore(*pending.read(tmp_path, 2))
+    got = [step(y, run_y, py, k) for k in (2, 3)]
+    assert got == want
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -288,12 +356,27 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     assert steps[0]["async/staleness_max"] == 0  # the first batch: the initial weights
     assert any(r["async/staleness_max"] >= 1 for r in steps[1:])  # later ones: written while training
     assert any("async/generator_busy_frac" in r for r in steps)
-    with pytest.raises(AsyncResumeError, match="step 4"):  # resuming asynchronously is refused by name
-        PPOTrainer(load_config(CONFIG, over + ["checkpoint.resume=true"]), log=lambda *_: None)
+    pending = tmp_path / "async_pending" / "step_00000004.json"
+    assert pending.is_file() and json.loads(pending.read_text())["requests"]  # requests were in flight at the save
+    # resumed: the requests in flight at step 4 are asked again, then two more steps
+    with PPOTrainer(load_config(CONFIG, over + ["checkpoint.resume=true", "training.total_training_steps=6"]),
+                    log=lambda *_: None) as t:
+        assert t.step == 4
+        res = t.fit()
+    recs = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
+    assert res.steps == 6 and [r["step"] for r in recs][-2:] == [5, 6]
+    assert all(r["async/staleness_max"] <= 2 for r in recs)
+    last = tmp_path / "async_pending" / "step_00000006.json"
+    assert last.is_file() and pending.is_file()  # kept as the checkpoints are: the newest keep_last (3)
+    last.write_text("{not json")  # a checkpoint whose record is broken: refused by name, exit 2 from the CLI
+    with pytest.raises(AsyncResumeError, match="step_00000006.json: not readable JSON"):
+        PPOTrainer(load_config(CONFIG, over + ["checkpoint.resume=true", "training.total_training_steps=6",
+                                               "checkpoint.save_interval=0"]), log=lambda *_: None)
     from pfppo_mega.cli import main
 
+    (tmp_path / "async_pending" / "step_00000006.json").unlink()
     with pytest.raises(SystemExit) as e:  # `pfppo train`: a run that cannot start, not a traceback
-        sys.exit(main(["train", str(CONFIG), *over, "checkpoint.resume=true"]))
+        sys.exit(main(["train", str(CONFIG), *over, "checkpoint.resume=true", "training.total_training_steps=6"]))
     assert e.value.code == 2
 
 

@@ -72,7 +72,7 @@ class PPOTrainer:
         self.run: Run = build_run(cfg, log=log)
         try:
             resume.resume(self.run)  # after the behaviour policy is built: a checkpoint's pool replaces it
-            asynchronous.check_resume(self.run)  # an asynchronous run starts from step 0 (AsyncResumeError)
+            asynchronous.check_resume(self.run)  # an asynchronous run asks its requests in flight again
         except BaseException:
             self.close()
             raise
@@ -299,6 +299,7 @@ class PPOTrainer:
             stop = self._stop_requested()  # Slurm asked for a checkpoint before preemption / time limit
             if (si and st.step % si == 0) or st.step == total or stop:
                 run.gen.work.saved(resume.save(run, ckpt_root))  # once per step, whichever reasons coincide
+                asynchronous.save_pending(run)  # the asynchronous mode's requests in flight, beside it
             if stop:
                 run.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {st.step}, exiting")
                 break

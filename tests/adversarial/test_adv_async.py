@@ -113,3 +113,76 @@ def test_a_hung_generator_is_killed_and_replaced_within_the_timeout(sft_dir):
         assert time.monotonic() - t0 < 120
     finally:
         proc.stop()
+
+
+# ----------------------------------------------------------------------------- the pending-requests file
+
+
+def _good(tmp_path):
+    from pfppo_mega.trainer.asynchronous import pending
+    from pfppo_mega.types import Sample
+
+    reqs = [pending.PendingRequest(5, [(0, Sample((1, 2), "addition", 3)), (1, Sample((4,), "addition", 7))],
+                                   frozenset({1}))]
+    return pending.write(tmp_path, 3, 2, reqs, keep=2)
+
+
+def _mutate(body, how):
+    r = body["requests"][0]
+    if how == "format":
+        body["format"] = 99
+    elif how == "step":
+        body["step"] = 4
+    elif how == "next_key":
+        body["next_key"] = -1
+    elif how == "seed":
+        r["seed"] = -5
+    elif how == "seed_bool":
+        r["seed"] = True
+    elif how == "keys_beyond":
+        r["keys"] = [0, 9]
+    elif how == "keys_dup":
+        r["keys"] = [1, 1]
+    elif how == "pending_empty":
+        r["pending"] = []
+    elif how == "pending_foreign":
+        r["pending"] = [7]
+    elif how == "samples_short":
+        r["samples"] = r["samples"][:1]
+    elif how == "sample_fields":
+        del r["samples"][0]["data_source"]
+    elif how == "sample_ids":
+        r["samples"][0]["prompt_ids"] = ["x"]
+    elif how == "extra_key":
+        r["extra"] = 1
+    elif how == "requests":
+        body["requests"] = "all"
+    return body
+
+
+@pytest.mark.parametrize("how", ["format", "step", "next_key", "seed", "seed_bool", "keys_beyond", "keys_dup",
+                                 "pending_empty", "pending_foreign", "samples_short", "sample_fields", "sample_ids",
+                                 "extra_key", "requests"])
+def test_a_malformed_pending_file_is_refused_by_name(tmp_path, how):
+    import json
+
+    from pfppo_mega.trainer.asynchronous import pending
+
+    path = _good(tmp_path)
+    assert pending.read(tmp_path, 3)[0] == 2  # the file as written reads back
+    path.write_text(json.dumps(_mutate(json.loads(path.read_text()), how)))
+    with pytest.raises(pending.PendingFileError, match=r"step_00000003\.json"):
+        pending.read(tmp_path, 3)
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", "\xff\xfe", "1e999999"])
+def test_a_pending_file_that_is_not_json_is_refused_by_name(tmp_path, text):
+    from pfppo_mega.trainer.asynchronous import pending
+
+    path = _good(tmp_path)
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(pending.PendingFileError, match=r"step_00000003\.json"):
+        pending.read(tmp_path, 3)
+    path.unlink()
+    with pytest.raises(pending.PendingFileError, match="missing"):
+        pending.read(tmp_path, 3)

@@ -6,6 +6,7 @@
                   each request with the rows, their log-probs and the version that wrote them
     process.py    the trainer's handle on that process: start, restart (requests redone), stop,
                   and its death when the trainer dies
+    pending.py    the requests in flight at a checkpoint, written beside it and asked again on resume
     mode.py       the trainer's seams: AsyncCollector (the step's rows from the buffer) and
                   AsyncBehaviour (decoupled PPO's correction, the push after each update, metrics)
 
@@ -13,4 +14,4 @@ Synchronous training is the special case max_staleness = 0 (the ordinary loop); 
 max_staleness >= 1.
 """
 
-from pfppo_mega.trainer.asynchronous.mode import AsyncResumeError, build_async, check_resume  # noqa: F401
+from pfppo_mega.trainer.asynchronous.mode import AsyncResumeError, build_async, check_resume, save_pending  # noqa: F401

@@ -8,8 +8,9 @@
                      is_clip on pi_prox / pi_behav, pi_prox the recomputed current-before-update
                      policy), and after each update the new version into the pool and the generator.
 
-Resume: refused (AsyncResumeError): the requests in flight at a checkpoint are neither persisted
-nor replayed yet (docs/async.md).
+Checkpoints: each save writes the requests in flight beside it (pending.py); a resume asks them
+again first, same prompts and seeds, so the resumed run trains the same prompts in the same order.
+A checkpoint without that record is refused (AsyncResumeError).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.weights import Bucket
+from pfppo_mega.trainer.asynchronous import pending as pending_file
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     version_window
 from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
@@ -33,19 +35,38 @@ from pfppo_mega.types import Sample
 
 
 class AsyncResumeError(ValueError):
-    """A run with algorithm.async_rl.enable found a checkpoint to resume from: not supported yet
-    (a ValueError: `pfppo train` reports it as a run that cannot start, exit status 2)."""
+    """A run with algorithm.async_rl.enable cannot resume its checkpoint: the record of the requests
+    in flight at that save is missing or malformed (a ValueError: `pfppo train` reports it as a run
+    that cannot start, exit status 2)."""
 
 
 def check_resume(run) -> None:
-    """After resume.resume(run): an asynchronous run starts only from step 0."""
-    if run.cfg.algorithm.async_rl.enable and run.state.step > 0:
+    """After resume.resume(run): an asynchronous run resumed at step S > 0 reads the requests in
+    flight at that save (pending.py) and asks them again before any new prompt."""
+    if not run.cfg.algorithm.async_rl.enable or run.state.step == 0:
+        return
+    try:
+        next_key, requests = pending_file.read(run.out_dir, run.state.step)
+    except pending_file.PendingFileError as e:
         raise AsyncResumeError(
-            f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} in "
-            f"{run.out_dir / 'checkpoints'} cannot be resumed asynchronously (the generator's requests in flight "
-            f"when it was saved are not persisted, so the run would not continue exactly); resume it with "
-            f"algorithm.async_rl.enable=false, or start afresh (checkpoint.resume=false or a new "
-            f"logging.output_dir)")
+            f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
+            f"{e}. Resume it with algorithm.async_rl.enable=false, or start afresh (checkpoint.resume=false or a "
+            f"new logging.output_dir)") from e
+    run.collector.restore(next_key, requests)
+    run.log(f"[pfppo] async: {len(requests)} request(s) in flight at step {run.state.step} asked again "
+            f"({sum(len(r.pending) for r in requests)} untrained prompt groups)")
+
+
+def save_pending(run) -> None:
+    """After a checkpoint save: the requests in flight, beside it (the logger rank writes it)."""
+    if run.cfg.algorithm.async_rl.enable and run.is_logger:
+        c = run.collector
+        try:
+            pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
+                               keep=run.cfg.checkpoint.keep_last or 1)
+        except TypeError as e:  # a prompt's metadata JSON cannot hold: this checkpoint resumes only synchronously
+            run.log(f"[pfppo] async: the requests in flight at step {run.state.step} were not recorded ({e}); "
+                    f"its checkpoint cannot be resumed asynchronously")
 
 
 def live_buckets(sync, version: int) -> list[Bucket]:
@@ -67,7 +88,12 @@ class AsyncCollector:
         self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log)
         self.buffer = StalenessBuffer(ac.max_staleness)
         self.started = False
-        self.keys: dict[int, list[tuple[int, Sample]]] = {}  # request id -> its groups' (key, prompt)
+        self.keys: dict[int, list[tuple[int, Sample]]] = {}  # request id -> its groups' (key, prompt), until answered
+        # every request with a group not trained yet: id -> (seed, its (key, prompt)s, the keys still untrained)
+        self.asked: dict[int, tuple[int, list[tuple[int, Sample]], set[int]]] = {}
+        self.origin: dict[int, int] = {}  # untrained group key -> its request id
+        self.discard: set[int] = set()    # keys a replayed request answers again but were trained already
+        self.restored: Optional[list[pending_file.PendingRequest]] = None
         self._next_rid = self._next_key = 0
         self._last_collect: Optional[float] = None
         self._prev_wait = 0.0
@@ -86,23 +112,55 @@ class AsyncCollector:
             self.proc = GeneratorProcess(self.proc.spec, max_restarts=self.ac.max_restarts,
                                          result_timeout_s=self.ac.result_timeout_s, log=self.log)
             self.buffer, self.keys, self.started = StalenessBuffer(self.ac.max_staleness), {}, False
+            self.asked, self.origin, self.discard = {}, {}, set()
 
     def _submit(self, samples: list[Sample], rng) -> None:
-        ar, size = self.cfg.actor_rollout, self.ac.request_prompts
+        size = self.ac.request_prompts
         for i in range(0, len(samples), size):
             chunk = samples[i:i + size]
-            params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p,
-                                    max_new_tokens=self.cfg.algorithm.max_response_length,
-                                    eos_token_id=self._eos, seed=rng.randrange(1 << 31))
-            rid = self._next_rid
-            self._next_rid += 1
-            self.keys[rid] = [(self._next_key + j, s) for j, s in enumerate(chunk)]
+            groups = [(self._next_key + j, s) for j, s in enumerate(chunk)]
             self._next_key += len(chunk)
-            self.proc.submit(Request(rid, [list(s.prompt_ids) for s in chunk], self.n, params))
+            self._ask(groups, rng.randrange(1 << 31), {k for k, _ in groups})
+
+    def _ask(self, groups: list[tuple[int, Sample]], seed: int, untrained: set[int]) -> None:
+        """One request for ``groups`` with sampling seed ``seed``; its answers for keys outside
+        ``untrained`` are dropped on arrival (a replayed request whose other groups were trained)."""
+        ar = self.cfg.actor_rollout
+        params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p,
+                                max_new_tokens=self.cfg.algorithm.max_response_length, eos_token_id=self._eos,
+                                seed=seed)
+        rid = self._next_rid
+        self._next_rid += 1
+        self.keys[rid] = groups
+        self.asked[rid] = (seed, groups, set(untrained))
+        self.origin.update({k: rid for k in untrained})
+        self.discard |= {k for k, _ in groups} - untrained
+        self.proc.submit(Request(rid, [list(s.prompt_ids) for _, s in groups], self.n, params))
+
+    def _retire(self, groups: list[Group]) -> None:
+        """These groups leave the buffer (trained, or dropped as stale): their requests forget them."""
+        for g in groups:
+            rid = self.origin.pop(g.key)
+            left = self.asked[rid][2]
+            left.discard(g.key)
+            if not left:
+                del self.asked[rid]
+
+    def in_flight_requests(self) -> list[pending_file.PendingRequest]:
+        """The requests with a group not trained yet (answered and buffered, or unanswered), in order."""
+        return [pending_file.PendingRequest(seed, groups, frozenset(left))
+                for _, (seed, groups, left) in sorted(self.asked.items())]
+
+    def restore(self, next_key: int, requests: list[pending_file.PendingRequest]) -> None:
+        """A resume's requests in flight (check_resume): asked again, first, at the next collect."""
+        self.restored, self._next_key = list(requests), next_key
 
     def _receive(self, result: Result) -> None:
         n = self.n
         for j, (key, sample) in enumerate(self.keys.pop(result.rid)):
+            if key in self.discard:  # trained before the checkpoint this run resumed from
+                self.discard.discard(key)
+                continue
             rows = slice(j * n, (j + 1) * n)
             self.buffer.add(Group(key, sample, result.version, result.responses[rows], result.mask[rows],
                                   result.logprobs[rows], result.finished[rows]))
@@ -118,7 +176,12 @@ class AsyncCollector:
             self.proc.start()
             self.push(step)
             self.started = True
-            samples = samples + [s for _ in range(self.ac.prefetch_steps) for s in self.next_batch(need)]
+            if self.restored is None:
+                samples = samples + [s for _ in range(self.ac.prefetch_steps) for s in self.next_batch(need)]
+            else:  # a resume: the requests in flight at the checkpoint first, as they were asked
+                for r in self.restored:
+                    self._ask(r.groups, r.seed, set(r.pending))
+                self.restored = None
         self._submit(samples, run.rng)
         got: list[Result] = []
         dropped_now = 0
@@ -131,6 +194,7 @@ class AsyncCollector:
                     self._receive(r)
                 t = self.buffer.take(need - len(taken), step)
                 taken += t.groups
+                self._retire(t.groups + t.dropped)
                 if t.dropped:  # too stale to train on: counted, and their prompts are asked again
                     dropped_now += len(t.dropped)
                     self._submit([g.sample for g in t.dropped], run.rng)
