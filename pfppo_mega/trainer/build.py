@@ -332,12 +332,21 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                               kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
                               tau_neg=a.tau_neg,
                               generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
-    loss_name = choose_policy_loss(use_pool=a.use_pf_ppo, is_mode=a.pool.is_mode, name=a.policy_loss)
+    collector = build_collector(cfg, prompts=data.train, log=log, dp=par.dp)
+    if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
+        if par.world_size != 1:
+            raise SetupError(f"algorithm.async_rl.enable runs one trainer process and one generator process; "
+                             f"WORLD_SIZE = {par.world_size} (multi-rank asynchronous training is not built yet)")
+        from pfppo_mega.trainer.asynchronous import build_async
+        behaviour, collector = build_async(cfg, sync=sync, model_dir=model_dir, hf_cfg=hf_cfg,
+                                           pad_token_id=tokenizer.pad_id, next_batch=data.train.next_batch, log=log)
+    loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
+                                   name=a.policy_loss)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
-               behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log, dp=par.dp),
+               behaviour=behaviour, collector=collector,
                estimator=estimator, proximal=choose_proximal(a),
                policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

@@ -23,7 +23,7 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.models import hf_io
-from pfppo_mega.trainer import devicecheck, passes, perf, resume, worst_samples
+from pfppo_mega.trainer import asynchronous, devicecheck, passes, perf, resume, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
@@ -72,6 +72,7 @@ class PPOTrainer:
         self.run: Run = build_run(cfg, log=log)
         try:
             resume.resume(self.run)  # after the behaviour policy is built: a checkpoint's pool replaces it
+            asynchronous.check_resume(self.run)  # an asynchronous run asks its requests in flight again
         except BaseException:
             self.close()
             raise
@@ -81,6 +82,7 @@ class PPOTrainer:
         """End what the run started outside this process (a custom reward's workers). Idempotent;
         `with PPOTrainer(cfg) as t:` and pfppo train call it on every exit, success or failure."""
         self.run.reward_fn.close()
+        getattr(self.run.collector, "close", lambda: None)()  # the asynchronous mode's generator process
 
     def __enter__(self) -> "PPOTrainer":
         return self
@@ -316,9 +318,11 @@ class PPOTrainer:
             stop = self._stop_requested()  # Slurm asked for a checkpoint before preemption / time limit
             if (si and st.step % si == 0) or st.step == total or stop:
                 run.gen.work.saved(resume.save(run, ckpt_root))  # once per step, whichever reasons coincide
+                asynchronous.save_pending(run)  # the asynchronous mode's requests in flight, beside it
             if stop:
                 run.log(f"[pfppo] stop requested ($PFPPO_STOP_FILE): checkpointed step {st.step}, exiting")
                 break
+        getattr(run.collector, "close", lambda: None)()  # no generator process outlives the training steps
         resume.wait(ckpt_root)  # the background writes of the last saves, committed on every rank
         logger.close()
         plot = None

@@ -1,0 +1,294 @@
+"""The asynchronous mode's seams in the trainer (chosen once at build: trainer/build.py).
+
+    AsyncCollector   the collect phase: submits the step's prompts to the generator process (and,
+                     at the first step, prefetch_steps steps' more), then takes the step's groups
+                     from the buffer within the staleness bound (stale ones dropped, counted, asked
+                     again) and scores them. The loop trains on whatever versions wrote them.
+    AsyncBehaviour   the behaviour policy: decoupled PPO's correction (algorithm.pool.is_mode /
+                     is_clip on pi_prox / pi_behav, pi_prox the recomputed current-before-update
+                     policy), and after each update the new version into the pool and the generator.
+
+Checkpoints: each save writes the requests in flight beside it (pending.py); a resume asks them
+again first, same prompts and seeds, so the resumed run trains the same prompts in the same order.
+A checkpoint without that record is refused (AsyncResumeError).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from pfppo_mega import pool as pfpool
+from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.weights import Bucket
+from pfppo_mega.trainer.asynchronous import pending as pending_file
+from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
+    version_window
+from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
+from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
+from pfppo_mega.trainer.batch import RolloutBatch
+from pfppo_mega.trainer.behaviour import BehaviourPolicy
+from pfppo_mega.trainer.policy_loss import choose_policy_loss
+from pfppo_mega.types import Sample
+
+
+class AsyncResumeError(ValueError):
+    """A run with algorithm.async_rl.enable cannot resume its checkpoint: the record of the requests
+    in flight at that save is missing or malformed (a ValueError: `pfppo train` reports it as a run
+    that cannot start, exit status 2)."""
+
+
+def check_resume(run) -> None:
+    """After resume.resume(run): an asynchronous run resumed at step S > 0 reads the requests in
+    flight at that save (pending.py) and asks them again before any new prompt."""
+    if not run.cfg.algorithm.async_rl.enable or run.state.step == 0:
+        return
+    try:
+        next_key, requests = pending_file.read(run.out_dir, run.state.step)
+    except pending_file.PendingFileError as e:
+        raise AsyncResumeError(
+            f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
+            f"{e}. Resume it with algorithm.async_rl.enable=false, or start afresh (checkpoint.resume=false or a "
+            f"new logging.output_dir)") from e
+    run.collector.restore(next_key, requests)
+    run.log(f"[pfppo] async: {len(requests)} request(s) in flight at step {run.state.step} asked again "
+            f"({sum(len(r.pending) for r in requests)} untrained prompt groups)")
+
+
+def save_pending(run) -> None:
+    """After a checkpoint save: the requests in flight, beside it (the logger rank writes it)."""
+    if run.cfg.algorithm.async_rl.enable and run.is_logger:
+        c = run.collector
+        try:
+            pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
+                               keep=run.cfg.checkpoint.keep_last or 1)
+        except TypeError as e:  # a prompt's metadata JSON cannot hold: this checkpoint resumes only synchronously
+            run.log(f"[pfppo] async: the requests in flight at step {run.state.step} were not recorded ({e}); "
+                    f"its checkpoint cannot be resumed asynchronously")
+
+
+def live_buckets(sync, version: int) -> list[Bucket]:
+    """The actor's current weights as the engine's checksummed bucket stream, on the host (one
+    process: no collective), detached from the stream's buffers so they can be pickled and kept."""
+    from pfppo_mega.rollout.live import LiveWeights
+
+    source = LiveWeights(sync.actor, sync.model_cfg, sync.layout, version)
+    return [Bucket(b.spec, b.version, b.flat.detach().to("cpu").clone(), b.checksum)
+            for b in source.buckets(sync.plan)]
+
+
+class AsyncCollector:
+    def __init__(self, cfg, *, spec: WorkerSpec, sync, next_batch: Callable[[int], list[Sample]],
+                 log: Callable[[str], None]) -> None:
+        ac = cfg.algorithm.async_rl
+        self.cfg, self.ac, self.sync, self.next_batch, self.log = cfg, ac, sync, next_batch, log
+        self.n = cfg.actor_rollout.n_samples_per_prompt
+        self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log)
+        self.buffer = StalenessBuffer(ac.max_staleness)
+        self.started = False
+        self.keys: dict[int, list[tuple[int, Sample]]] = {}  # request id -> its groups' (key, prompt), until answered
+        # every request with a group not trained yet: id -> (seed, its (key, prompt)s, the keys still untrained)
+        self.asked: dict[int, tuple[int, list[tuple[int, Sample]], set[int]]] = {}
+        self.origin: dict[int, int] = {}  # untrained group key -> its request id
+        self.discard: set[int] = set()    # keys a replayed request answers again but were trained already
+        self.restored: Optional[list[pending_file.PendingRequest]] = None
+        self._next_rid = self._next_key = 0
+        self._last_collect: Optional[float] = None
+        self._prev_wait = 0.0
+        self._eos: Optional[int] = None
+
+    # ------------------------------------------------------------------ the generator
+
+    def push(self, version: int) -> None:
+        """The actor's weights ``version`` into the pool and the generator (between its requests)."""
+        self.proc.push_weights(version, live_buckets(self.sync, version))
+
+    def close(self) -> None:
+        """Stop the generator process (idempotent). A later collect starts a new one afresh."""
+        self.proc.stop()
+        if self.started:
+            self.proc = GeneratorProcess(self.proc.spec, max_restarts=self.ac.max_restarts,
+                                         result_timeout_s=self.ac.result_timeout_s, log=self.log)
+            self.buffer, self.keys, self.started = StalenessBuffer(self.ac.max_staleness), {}, False
+            self.asked, self.origin, self.discard = {}, {}, set()
+
+    def _submit(self, samples: list[Sample], rng) -> None:
+        size = self.ac.request_prompts
+        for i in range(0, len(samples), size):
+            chunk = samples[i:i + size]
+            groups = [(self._next_key + j, s) for j, s in enumerate(chunk)]
+            self._next_key += len(chunk)
+            self._ask(groups, rng.randrange(1 << 31), {k for k, _ in groups})
+
+    def _ask(self, groups: list[tuple[int, Sample]], seed: int, untrained: set[int]) -> None:
+        """One request for ``groups`` with sampling seed ``seed``; its answers for keys outside
+        ``untrained`` are dropped on arrival (a replayed request whose other groups were trained)."""
+        ar = self.cfg.actor_rollout
+        params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p,
+                                max_new_tokens=self.cfg.algorithm.max_response_length, eos_token_id=self._eos,
+                                seed=seed)
+        rid = self._next_rid
+        self._next_rid += 1
+        self.keys[rid] = groups
+        self.asked[rid] = (seed, groups, set(untrained))
+        self.origin.update({k: rid for k in untrained})
+        self.discard |= {k for k, _ in groups} - untrained
+        self.proc.submit(Request(rid, [list(s.prompt_ids) for _, s in groups], self.n, params))
+
+    def _retire(self, groups: list[Group]) -> None:
+        """These groups leave the buffer (trained, or dropped as stale): their requests forget them."""
+        for g in groups:
+            rid = self.origin.pop(g.key)
+            left = self.asked[rid][2]
+            left.discard(g.key)
+            if not left:
+                del self.asked[rid]
+
+    def in_flight_requests(self) -> list[pending_file.PendingRequest]:
+        """The requests with a group not trained yet (answered and buffered, or unanswered), in order."""
+        return [pending_file.PendingRequest(seed, groups, frozenset(left))
+                for _, (seed, groups, left) in sorted(self.asked.items())]
+
+    def restore(self, next_key: int, requests: list[pending_file.PendingRequest]) -> None:
+        """A resume's requests in flight (check_resume): asked again, first, at the next collect."""
+        self.restored, self._next_key = list(requests), next_key
+
+    def _receive(self, result: Result) -> None:
+        n = self.n
+        for j, (key, sample) in enumerate(self.keys.pop(result.rid)):
+            if key in self.discard:  # trained before the checkpoint this run resumed from
+                self.discard.discard(key)
+                continue
+            rows = slice(j * n, (j + 1) * n)
+            self.buffer.add(Group(key, sample, result.version, result.responses[rows], result.mask[rows],
+                                  result.logprobs[rows], result.finished[rows]))
+
+    # ------------------------------------------------------------------ the collect phase
+
+    def collect(self, trainer, samples: list[Sample], timer):
+        run = trainer.run
+        step, need = run.state.step, len(samples)
+        t_enter = time.perf_counter()
+        if not self.started:
+            self._eos = run.tokenizer.eos_id
+            self.proc.start()
+            self.push(step)
+            self.started = True
+            if self.restored is None:
+                samples = samples + [s for _ in range(self.ac.prefetch_steps) for s in self.next_batch(need)]
+            else:  # a resume: the requests in flight at the checkpoint first, as they were asked
+                for r in self.restored:
+                    self._ask(r.groups, r.seed, set(r.pending))
+                self.restored = None
+        self._submit(samples, run.rng)
+        got: list[Result] = []
+        dropped_now = 0
+        with timer("rollout"):
+            t0 = time.perf_counter()
+            taken: list[Group] = []
+            while True:
+                while (r := self.proc.next_result(block=False)) is not None:  # every result already here
+                    got.append(r)
+                    self._receive(r)
+                t = self.buffer.take(need - len(taken), step)
+                taken += t.groups
+                self._retire(t.groups + t.dropped)
+                if t.dropped:  # too stale to train on: counted, and their prompts are asked again
+                    dropped_now += len(t.dropped)
+                    self._submit([g.sample for g in t.dropped], run.rng)
+                if len(taken) >= need:
+                    break
+                r = self.proc.next_result()  # wait for the generator
+                got.append(r)
+                self._receive(r)
+            waited = time.perf_counter() - t0
+        with timer("score"):
+            scored = trainer.score(self._rollout(taken, run))
+        window = t_enter - self._last_collect if self._last_collect is not None else 0.0
+        self._last_collect = t_enter
+        return scored, self._stats(scored, step, got, waited, window, dropped_now)
+
+    def _rollout(self, groups: list[Group], run) -> RolloutBatch:
+        n, pad = self.n, run.tokenizer.pad_id
+        T = max(g.responses.shape[1] for g in groups)
+
+        def cat(name: str, value) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(getattr(g, name), (0, T - g.responses.shape[1]), value=value)
+                              for g in groups])                                                   # [B, T]
+        responses = cat("responses", pad)
+        mask = cat("mask", 0.0)
+        lengths = mask.sum(1).long()
+        samples = [g.sample for g in groups for _ in range(n)]
+        texts = [run.tokenizer.decode(r[: int(k)].tolist()) for r, k in zip(responses, lengths)]
+        return RolloutBatch(samples=samples, prompt_ids=[list(s.prompt_ids) for s in samples], responses=responses,
+                            response_mask=mask, behav_logp=cat("logprobs", 0.0),
+                            finished=torch.cat([g.finished for g in groups]),
+                            versions=torch.tensor([g.version for g in groups for _ in range(n)], dtype=torch.long),
+                            texts=texts, group_ids=torch.arange(len(groups)).repeat_interleave(n),
+                            ).to(run.device)
+
+    def _stats(self, scored, step: int, got: list[Result], waited: float, window: float,
+               dropped: int) -> dict[str, float]:
+        out = staleness_metrics(scored.rollout.versions, step, self.ac.max_staleness)
+        gen_busy = sum(r.generate_s for r in got)
+        out.update({
+            "async/dropped_stale": float(dropped * self.n),                  # rows, this step
+            "async/dropped_stale_total": float(self.buffer.dropped_total * self.n),
+            "async/trainer_wait_s": waited,                                  # the trainer waited for samples
+            "async/generator_idle_s": sum(r.idle_s for r in got),            # the generator waited for requests
+            "async/generator_busy_s": gen_busy,
+            "async/switch_s": sum(r.switch_s for r in got),
+            "async/restarts": float(self.proc.restarts),
+            "async/pool_versions": float(len(self.proc.pool.held)),
+            "async/buffer_groups": float(len(self.buffer)),
+            "async/requests_in_flight": float(len(self.proc.in_flight)),
+        })
+        if window > 0:  # since the previous step's collect: the previous step's wall time
+            out["async/generator_busy_frac"] = busy_fraction(gen_busy, window)
+            out["async/trainer_busy_frac"] = busy_fraction(window - self._prev_wait, window)
+        self._prev_wait = waited
+        return out
+
+
+class AsyncBehaviour(BehaviourPolicy):
+    """Decoupled PPO over the generator's versions (see the module docstring)."""
+
+    def __init__(self, collector: AsyncCollector, pool_cfg) -> None:
+        self.collector, self.pool_cfg = collector, pool_cfg
+        self.policy_loss_name = choose_policy_loss(use_pool=True, is_mode=pool_cfg.is_mode)
+
+    def rollout(self, samples, step):
+        raise RuntimeError("algorithm.async_rl: rows come from the generator process (AsyncCollector), "
+                           "not from a rollout in the trainer")
+
+    def correction(self, old_logp, behav_logp, mask, on_policy, *, reduce_sum, reduce_max):
+        """w = pi_prox / pi_behav per token (truncated or masked at pool.is_clip), exactly 1 on rows
+        the current weights wrote."""
+        return pfpool.behaviour_is_weights(old_logp, behav_logp, mask, mode=self.pool_cfg.is_mode,
+                                           is_clip=self.pool_cfg.is_clip, on_policy=on_policy,
+                                           reduce_sum=reduce_sum, reduce_max=reduce_max)
+
+    def after_update(self, step: int) -> None:
+        if self.collector.started:
+            self.collector.push(step)
+
+    def metrics(self, scored, sb, eb, step: int) -> dict[str, float]:
+        s = eb.is_stats
+        if s is None:
+            return {}
+        return {"is/mean": s.mean, "is/max": s.max, "is/frac_truncated": s.frac_truncated, "is/ess": s.ess,
+                "async/ess": s.ess}
+
+
+def build_async(cfg, *, sync, model_dir, hf_cfg: dict, pad_token_id: int, next_batch,
+                log) -> tuple[AsyncBehaviour, AsyncCollector]:
+    ac = cfg.algorithm.async_rl
+    spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=pad_token_id,
+                      window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
+                      temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads)
+    collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, log=log)
+    log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
+        f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request")
+    return AsyncBehaviour(collector, cfg.algorithm.pool), collector

@@ -1,0 +1,149 @@
+"""The generator process (started by process.py with the spawn method; no trainer state in it).
+
+It builds the run's engine, then loops: take every message waiting (weights of a new version,
+requests, stop), pick the version of the next request by the sampling rule among the versions it
+holds, push those weights into the engine when it holds another, generate, send the rows back.
+New weights therefore enter between requests, never inside one.
+
+Messages in (trainer -> generator), tuples:
+    ("weights", version, [Bucket, ...])   a complete, checksummed stream; older versions beyond
+                                          the window are forgotten
+    ("request", Request)                  n responses for each prompt of the request
+    ("stop",)
+Messages out: ("ready",), ("result", Result), ("error", text).
+
+A reader thread receives the messages (so a trainer's push never waits for a request to end); when
+the trainer's end of the pipe closes (the trainer died) the process exits at once, and on Linux
+the kernel also kills it when its parent dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import random
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.trainer.asynchronous.buffer import VersionPool, choose_version
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the generator process needs to build its engine (picklable)."""
+
+    cfg: Any                   # the run's Config
+    model_dir: str
+    hf_cfg: dict
+    pad_token_id: int
+    window: int                # versions before the newest a request may use (buffer.version_window)
+    rule: str                  # algorithm.async_rl.sampling
+    temperature: float         # its recency temperature
+    num_threads: int = 1
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: int                   # request id (a redone request keeps it)
+    prompts: list[list[int]]   # one per prompt group
+    n: int                     # responses per prompt
+    params: SamplingParams     # its seed makes the request reproducible on the same weights
+
+
+@dataclass
+class Result:
+    rid: int
+    version: int
+    responses: torch.Tensor    # [P * n, T] rows of prompt p at p*n .. p*n+n-1
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    finished: torch.Tensor     # [P * n]
+    generate_s: float          # seconds in the engine (and its weight switch) for this request
+    idle_s: float              # seconds the generator waited with no request before this one
+    switch_s: float
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent thread dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass  # not Linux: the closed pipe still ends the process
+
+
+def _reader(inbox, messages: "queue.Queue") -> None:
+    try:
+        while True:
+            messages.put(inbox.recv())
+    except (EOFError, OSError):
+        os._exit(0)  # the trainer is gone: nothing may outlive it
+
+
+def main(inbox, outbox, spec: WorkerSpec, parent_pid: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+    torch.set_num_threads(spec.num_threads)
+    try:
+        from pfppo_mega.trainer.engine_sync import build_engine
+
+        engine = build_engine(spec.cfg, Path(spec.model_dir), spec.hf_cfg, pad_token_id=spec.pad_token_id,
+                              world_size=1, log=lambda *_: None)
+    except Exception:
+        outbox.send(("error", traceback.format_exc()))
+        return
+    messages: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(inbox, messages), daemon=True).start()
+    outbox.send(("ready",))
+    serve(engine, messages, outbox, spec)
+
+
+def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
+    """The generator's loop (see the module docstring)."""
+    pool: VersionPool = VersionPool(spec.window)
+    pending: list[Request] = []
+    idle_from = time.perf_counter()
+    while True:
+        block = not pending or pool.newest is None
+        try:
+            msg = messages.get(timeout=1.0) if block else messages.get_nowait()
+        except queue.Empty:
+            msg = None
+        while msg is not None:
+            kind = msg[0]
+            if kind == "stop":
+                return
+            if kind == "weights":
+                pool.add(msg[1], msg[2])
+            elif kind == "request":
+                pending.append(msg[1])
+            try:
+                msg = messages.get_nowait()
+            except queue.Empty:
+                msg = None
+        if not pending or pool.newest is None:
+            continue
+        req = pending.pop(0)
+        idle_s = time.perf_counter() - idle_from
+        t0 = time.perf_counter()
+        version = choose_version(pool.versions, spec.rule, random.Random(req.params.seed),
+                                 temperature=spec.temperature)
+        if engine.weight_version != version:
+            engine.update_weights(iter(pool.held[version]), version)  # verified bucket by bucket
+        switch_s = time.perf_counter() - t0
+        prompts = [p for p in req.prompts for _ in range(req.n)]
+        out = engine.generate(prompts, req.params)
+        gen_s = time.perf_counter() - t0
+        outbox.send(("result", Result(req.rid, out.weight_version, out.responses, out.response_mask, out.logprobs,
+                                      out.finished, gen_s, idle_s, switch_s)))
+        idle_from = time.perf_counter()

@@ -1,0 +1,188 @@
+"""Hostile inputs to the asynchronous mode (algorithm.async_rl, docs/async.md): every bad value or
+combination is refused at load naming its key, the value and the rule; a generator process that
+cannot start, or hangs, gets a named error or a restart, never a hang of the trainer.
+
+(The generic float / int extremes of every async_rl key -- inf, nan, 1e400, +-10^30 -- are tried by
+test_adv_config_load.py, which reads every key from the tree.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pfppo_mega.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "async_tiny.yaml"
+
+# (overrides, the key named, a fragment of the rule)
+REFUSED = [
+    (["algorithm.async_rl.max_staleness=0"], "algorithm.async_rl.max_staleness", ">= 1"),
+    (["algorithm.async_rl.max_staleness=-3"], "algorithm.async_rl.max_staleness", ">= 1"),
+    (["algorithm.async_rl.max_staleness=1000000000000"], "algorithm.async_rl.max_staleness", "<="),
+    (["algorithm.async_rl.max_staleness=two"], "algorithm.async_rl.max_staleness", "int"),
+    (["algorithm.async_rl.max_staleness=1.5"], "algorithm.async_rl.max_staleness", "int"),
+    (["algorithm.async_rl.prefetch_steps=0"], "algorithm.async_rl.prefetch_steps", ">= 1"),
+    (["algorithm.async_rl.prefetch_steps=3"], "algorithm.async_rl.prefetch_steps", "at most max_staleness (2)"),
+    (["algorithm.async_rl.sampling=oldest"], "algorithm.async_rl.sampling", "newest"),
+    (["algorithm.async_rl.sampling=null"], "algorithm.async_rl.sampling", ""),
+    (["algorithm.async_rl.sampling_temperature=0"], "algorithm.async_rl.sampling_temperature", "> 0"),
+    (["algorithm.async_rl.sampling_temperature=.nan"], "algorithm.async_rl.sampling_temperature", "finite"),
+    (["algorithm.async_rl.request_prompts=0"], "algorithm.async_rl.request_prompts", ">= 1"),
+    (["algorithm.async_rl.max_restarts=-1"], "algorithm.async_rl.max_restarts", ">= 0"),
+    (["algorithm.async_rl.result_timeout_s=0"], "algorithm.async_rl.result_timeout_s", "> 0"),
+    (["algorithm.async_rl.result_timeout_s=.inf"], "algorithm.async_rl.result_timeout_s", "finite"),
+    (["algorithm.async_rl.enable=maybe"], "algorithm.async_rl.enable", "bool"),
+    (["algorithm.async_rl.max_stalenes=2"], "algorithm.async_rl.max_stalenes", "max_staleness"),
+    # combinations the asynchronous mode cannot run with
+    (["algorithm.use_pf_ppo=true"], "algorithm.use_pf_ppo", "async_rl.sampling"),
+    (["algorithm.recompute_old_logp=false"], "algorithm.recompute_old_logp", "proximal"),
+    (["algorithm.filter_groups.enable=true", "actor_rollout.n_samples_per_prompt=2"],
+     "algorithm.filter_groups.enable", "asynchronous"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baseline"),
+    (["actor_rollout.engine=vllm"], "actor_rollout.engine", "builtin"),
+    (["algorithm.pool.is_mode=tis", "algorithm.policy_loss=gspo"], "algorithm.policy_loss", "tis"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,rule", REFUSED, ids=[" ".join(c[0])[:60] for c in REFUSED])
+def test_bad_async_values_are_refused_by_key(overrides, key, rule):
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, overrides)
+    keys = {p.key for p in e.value.problems}
+    assert key in keys, str(e.value)
+    assert rule in str(e.value), str(e.value)
+    assert time.monotonic() - t0 < 5
+
+
+def test_the_same_values_load_without_async():
+    """The combinations are refused because of async_rl, not on their own."""
+    cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "algorithm.use_pf_ppo=true"])
+    assert cfg.algorithm.use_pf_ppo and not cfg.algorithm.async_rl.enable
+    cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "algorithm.recompute_old_logp=false"])
+    assert not cfg.algorithm.recompute_old_logp
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    from pfppo_mega.sft import run_sft
+
+    out = tmp_path_factory.mktemp("adv_async_sft")
+    run_sft(load_config(CONFIG, [f"sft.output_dir={out}", f"actor_rollout.model_path={out}", "sft.steps=20"]),
+            log=lambda *_: None)
+    return out
+
+
+def test_a_generator_that_cannot_start_is_a_named_error(sft_dir):
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_async import _spec  # noqa: E402
+
+    from pfppo_mega.trainer.asynchronous.process import GeneratorFailed, GeneratorProcess
+
+    spec = _spec(sft_dir, hf_cfg={"model_type": "no_such_family"})  # the engine cannot be built from it
+    proc = GeneratorProcess(spec, max_restarts=0, result_timeout_s=30, log=lambda *_: None)
+    with pytest.raises(GeneratorFailed, match="did not start"):
+        proc.start()
+    assert proc.pid is None
+
+
+def test_a_hung_generator_is_killed_and_replaced_within_the_timeout(sft_dir):
+    """SIGSTOP: alive but silent. After result_timeout_s the trainer kills it and redoes its request."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_async import _buckets, _request, _spec  # noqa: E402
+
+    from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
+
+    spec = _spec(sft_dir)
+    proc = GeneratorProcess(spec, max_restarts=1, result_timeout_s=3, log=lambda *_: None)
+    proc.start()
+    try:
+        hung = proc.pid
+        proc.push_weights(2, _buckets(spec, 2))
+        os.kill(hung, signal.SIGSTOP)
+        proc.submit(_request(0))
+        t0 = time.monotonic()
+        r = proc.next_result()
+        assert (r.rid, r.version) == (0, 2) and proc.restarts == 1 and proc.pid != hung
+        assert time.monotonic() - t0 < 120
+    finally:
+        proc.stop()
+
+
+# ----------------------------------------------------------------------------- the pending-requests file
+
+
+def _good(tmp_path):
+    from pfppo_mega.trainer.asynchronous import pending
+    from pfppo_mega.types import Sample
+
+    reqs = [pending.PendingRequest(5, [(0, Sample((1, 2), "addition", 3)), (1, Sample((4,), "addition", 7))],
+                                   frozenset({1}))]
+    return pending.write(tmp_path, 3, 2, reqs, keep=2)
+
+
+def _mutate(body, how):
+    r = body["requests"][0]
+    if how == "format":
+        body["format"] = 99
+    elif how == "step":
+        body["step"] = 4
+    elif how == "next_key":
+        body["next_key"] = -1
+    elif how == "seed":
+        r["seed"] = -5
+    elif how == "seed_bool":
+        r["seed"] = True
+    elif how == "keys_beyond":
+        r["keys"] = [0, 9]
+    elif how == "keys_dup":
+        r["keys"] = [1, 1]
+    elif how == "pending_empty":
+        r["pending"] = []
+    elif how == "pending_foreign":
+        r["pending"] = [7]
+    elif how == "samples_short":
+        r["samples"] = r["samples"][:1]
+    elif how == "sample_fields":
+        del r["samples"][0]["data_source"]
+    elif how == "sample_ids":
+        r["samples"][0]["prompt_ids"] = ["x"]
+    elif how == "extra_key":
+        r["extra"] = 1
+    elif how == "requests":
+        body["requests"] = "all"
+    return body
+
+
+@pytest.mark.parametrize("how", ["format", "step", "next_key", "seed", "seed_bool", "keys_beyond", "keys_dup",
+                                 "pending_empty", "pending_foreign", "samples_short", "sample_fields", "sample_ids",
+                                 "extra_key", "requests"])
+def test_a_malformed_pending_file_is_refused_by_name(tmp_path, how):
+    import json
+
+    from pfppo_mega.trainer.asynchronous import pending
+
+    path = _good(tmp_path)
+    assert pending.read(tmp_path, 3)[0] == 2  # the file as written reads back
+    path.write_text(json.dumps(_mutate(json.loads(path.read_text()), how)))
+    with pytest.raises(pending.PendingFileError, match=r"step_00000003\.json"):
+        pending.read(tmp_path, 3)
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", "\xff\xfe", "1e999999"])
+def test_a_pending_file_that_is_not_json_is_refused_by_name(tmp_path, text):
+    from pfppo_mega.trainer.asynchronous import pending
+
+    path = _good(tmp_path)
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(pending.PendingFileError, match=r"step_00000003\.json"):
+        pending.read(tmp_path, 3)
+    path.unlink()
+    with pytest.raises(pending.PendingFileError, match="missing"):
+        pending.read(tmp_path, 3)
