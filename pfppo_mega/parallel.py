@@ -210,7 +210,7 @@ def destroy_parallel() -> None:
 # model are on the model's device, collectives run on the group's device -- on a GPU both are the
 # current CUDA device, so the copies below are no-ops there. Every other collective in the code
 # base builds its tensors on comm_device(group) itself; PFPPO_DEVICE_CHECK=1 checks them all
-# (pfppo_mega.trainer.devicecheck).
+# (pfppo_mega.trainer.instruments.devicecheck).
 
 
 def data_parallel_group() -> Optional[dist.ProcessGroup]:

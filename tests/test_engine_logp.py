@@ -10,7 +10,7 @@ import torch
 from pfppo_mega.config import ConfigError, load_config_dict
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.trainer.loop import PPOTrainer
-from pfppo_mega.trainer.resume import tensor_state
+from pfppo_mega.trainer.checkpoint.resume import tensor_state
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)
 

@@ -48,7 +48,7 @@ def test_grpo_with_the_pool_trains_without_a_critic(sft_dir, tmp_path, watched_g
         assert any(k.startswith("is/") for k in s), sorted(s)
         assert math.isfinite(s["reward/mean"]) and math.isfinite(s["policy/loss"])
         assert "critic/value_loss" not in s and "critic/grad_norm" not in s  # no critic step ran
-        # a group's N rows share their prompt: the shared floor prefills it once (trainer/perf.py)
+        # a group's N rows share their prompt: the shared floor prefills it once (trainer/instruments/perf.py)
         assert 0 < s["perf/rollout_floor_shared_s"] < s["perf/rollout_floor_s"], s
     # groups: each prompt's n samples, all on this rank (every rank generates all n of its prompts)
     assert len(SEEN) == 3

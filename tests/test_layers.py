@@ -22,7 +22,8 @@ PKG = "pfppo_mega"
 LAYERS = (
     ("commands", ("__main__", "cli", "experiments", "bench", "planning", "doctor", "sft")),
     ("trainer", ("trainer",)),       # the loop in phases; owns no model, engine or task code
-    ("components", ("rollout", "pool", "data", "rewards", "tasks")),  # engines, pool, prompts, rewards
+    ("components", ("rollout", "pool", "data", "rewards", "tasks", "ledger")),  # engines, pool, prompts, rewards;
+    # ledger: the device-memory arithmetic that both the trainer and the planner read
     ("models", ("models",)),         # megatron models, HF import/export, resharding
     ("math", ("kernels", "ppo")),    # fused ops and pure-torch math
     ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "pinned",

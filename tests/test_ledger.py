@@ -1,4 +1,4 @@
-"""The device-memory ledger of the colocated step (trainer/ledger.py): the trainer enters every phase
+"""The device-memory ledger of the colocated step (pfppo_mega/ledger.py): the trainer enters every phase
 as its code runs it and the ledger checks the predicted device bytes against the card; `pfppo plan`
 computes its figures from the same ledger. On CPU the card is simulated (generation.SimulatedCard:
 the GPU run's holdings, vLLM sleeping, KV = gpu_memory_utilization x card): the trainer's real order
@@ -16,9 +16,10 @@ import pytest
 from pfppo_mega.config import load_config
 from pfppo_mega.planning.cli import main as plan_main
 from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
-from pfppo_mega.trainer import generation, ledger
-from pfppo_mega.trainer.generation import Generation, SimulatedCard
-from pfppo_mega.trainer.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
+from pfppo_mega.trainer.colocation import generation
+from pfppo_mega import ledger
+from pfppo_mega.trainer.colocation.generation import Generation, SimulatedCard
+from pfppo_mega.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)
@@ -201,7 +202,8 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     """work/* per step (one rank): tokens generated = needed, weight bytes received = the full
     plan's bytes x the refits and switches the engine took, checkpoint bytes = what each save
     reported, host bytes held = the offload's host buffers + the pool's shards at the step's end."""
-    from pfppo_mega.trainer import loop, resume
+    from pfppo_mega.trainer import loop
+    from pfppo_mega.trainer.checkpoint import resume
 
     reported: list[int] = []
     save = resume.save

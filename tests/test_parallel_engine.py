@@ -378,7 +378,7 @@ class _HostSyncs(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            from pfppo_mega.trainer.devicecheck import _tensor_type
+            from pfppo_mega.trainer.instruments.devicecheck import _tensor_type
 
             return _tensor_type(args[0])  # megatron's type asserts, answered as the CPU layer answers them
         self.count += func in self.READS and self.active()

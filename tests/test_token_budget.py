@@ -151,7 +151,7 @@ def test_config_keys_are_validated():
 def _count_probes(monkeypatch) -> tuple[list, int]:
     """A list that machine's timings append to, and how many one measurement of every rate takes."""
     from pfppo_mega.compat import onednn
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     timed, best = [], machine._best_seconds
     monkeypatch.setattr(machine, "_best_seconds", lambda fn, device, repeats: timed.append(1) or best(fn, device, repeats))
@@ -164,7 +164,7 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path, monkeypatch):
     from test_trainer import TINY, _cfg
 
     from pfppo_mega.sft import run_sft
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
     from pfppo_mega.trainer.loop import PPOTrainer
 
     timed, per_probe = _count_probes(monkeypatch)
@@ -213,7 +213,7 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path, monkeypatch):
 def test_machine_remeasure_takes_the_rates_again(monkeypatch):
     """The rates are cached per process, and remeasure() (the trainer's logging.perf_probe_interval)
     makes the next call time the machine again instead of returning the first figure."""
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     timed, per_probe = _count_probes(monkeypatch)
     cpu = torch.device("cpu")
@@ -231,7 +231,7 @@ def test_machine_rate_is_the_best_library():
     """machine.matmul_rate = the best of matmul_rates (torch.mm, and oneDNN prepacked on a CPU in
     fp32 where torch has it): a floor against the slower library would flatter the phases."""
     from pfppo_mega.compat import onednn
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     rates = machine.matmul_rates(torch.device("cpu"), torch.float32)
     assert set(rates) == ({"torch_mm", "onednn"} if onednn.available() else {"torch_mm"})
@@ -264,7 +264,7 @@ def test_perf_formulas_count_what_the_model_does():
     """Model FLOPs per token and the rollout floor by hand, on SmolLM2-135M's shape."""
     from pfppo_mega.bench.passes import SHAPES
     from pfppo_mega.families import DecoderShape
-    from pfppo_mega.trainer import perf
+    from pfppo_mega.trainer.instruments import perf
 
     s = DecoderShape.from_model_config(ModelConfig(**SHAPES["smollm2-135m"]))
     layer = perf.layer_matmul_params(s)

@@ -112,7 +112,7 @@ def run_family(family: str, root: Path, log) -> dict:
     from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.rollout import SamplingParams
     from pfppo_mega.rollout.vllm import VLLMEngine
-    from pfppo_mega.trainer.engine_sync import EngineSync
+    from pfppo_mega.trainer.colocation.engine_sync import EngineSync
     from pfppo_mega.types import pack
 
     seed = 11 + list(FAMILIES).index(family)

@@ -13,7 +13,7 @@ the batch's longest row, LM head at every position) and for the token-budget pat
     update   one actor and one critic optimizer step over the whole batch   (forward + backward)
 
 and reports each as model FLOPs / (time x this machine's matmul rate, measured beside it), the
-padding fraction and the LM head's wasted positions (trainer/perf.py defines them). Last, the
+padding fraction and the LM head's wasted positions (trainer/instruments/perf.py defines them). Last, the
 built-in engine generates ``--new-tokens`` tokens for every prompt (no EOS: the weights are
 random) and its time is set against its floor (perf.rollout_floor_s). With ``--repeats N`` the two
 paths alternate N times (load on a shared machine hits both) and the medians are reported.
@@ -40,7 +40,7 @@ from pfppo_mega.models import engine, gpt, hf_io
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.builtin import BuiltinEngine
-from pfppo_mega.trainer import machine, perf
+from pfppo_mega.trainer.instruments import machine, perf
 from pfppo_mega.types import pack
 
 SHAPES = {

@@ -721,7 +721,7 @@ class TrainingConfig(Section):
         None, "Colocation: while the rollout engine generates, the actor's and critic's parameters and optimizer "
               "states and the reference's parameters wait in host memory (pinned, exactly their size) and "
               "come back bit-identical before they are needed, the gradient buffers are freed and come back "
-              "zeroed (pfppo_mega/trainer/offload.py); the engine "
+              "zeroed (pfppo_mega/trainer/colocation/offload.py); the engine "
               "sleeps during the update. null = on for GPUs, off on CPU (host and device are one memory). "
               "`pfppo plan` reads the same key (null: on).")
     value_loss_spike_factor: float = opt(

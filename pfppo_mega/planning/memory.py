@@ -1,6 +1,6 @@
 """Per-GPU and per-node memory of a colocated PPO / PF-PPO run, from the config and the hardware.
 
-Every figure comes from the device-memory ledger (pfppo_mega.trainer.ledger: holdings, activation
+Every figure comes from the device-memory ledger (pfppo_mega.ledger: holdings, activation
 formulas, phase order), which the trainer also enters at every phase transition, so the plan and
 the run cannot disagree. The plan replays the ledger's BUILD_ORDER and STEP_ORDER for each
 pipeline stage on the card's capacity and reads its budgets off the records:
@@ -27,7 +27,7 @@ from math import ceil
 from typing import Optional
 
 from pfppo_mega.planning.shapes import layout_problems, rank_coords
-from pfppo_mega.trainer.ledger import (  # noqa: F401  (re-exported: the planner's public names)
+from pfppo_mega.ledger import (  # noqa: F401  (re-exported: the planner's public names)
     BUILD_ORDER, DTYPE_BYTES, GiB, LAYERS, MiB, POOL_PLACEMENT, RECOMPUTE, STEP_ORDER, Holding, Knobs,
     LayerActivations, Layout, Ledger, PhaseRecord, RankHoldings, RunShape, in_flight_microbatches, layer_activation_terms,
     layer_bytes, layer_terms_for, micro_batching, offload_from_config, rank_holdings, total_param_count,

@@ -25,9 +25,9 @@ from pfppo_mega import pool as pfpool
 from pfppo_mega.pool.correction import ISStats
 from pfppo_mega.pool.registry import broadcast_assignment
 from pfppo_mega.rollout.weights import WeightUpdateError
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.batch import ExperienceBatch, RolloutBatch, ScoredBatch, concat_rollouts
-from pfppo_mega.trainer.generation import Generation
+from pfppo_mega.trainer.colocation.generation import Generation
 from pfppo_mega.trainer.policy_loss import choose_policy_loss
 from pfppo_mega.types import Sample
 
@@ -69,7 +69,7 @@ class BehaviourPolicy(abc.ABC):
 
 class CurrentPolicy(BehaviourPolicy):
     policy_loss_name = "ppo_clip"
-    refits_current = True  # inside the colocated frame, before the KV cache wakes (trainer/generation.py)
+    refits_current = True  # inside the colocated frame, before the KV cache wakes (trainer/colocation/generation.py)
 
     def __init__(self, gen: Generation, *, n: int) -> None:
         self.gen, self.n = gen, n

@@ -5,7 +5,7 @@ lengths, layout, features, batch split), sets up parallel state in one place, th
 this order: prompts and rewards, actor, reference, critic (only when the advantage estimator
 needs one), optimizers, kernels backend, offload, rollout engine, EngineSync, the behaviour
 policy (current policy or snapshot pool) and the policy loss. The loop (trainer/loop.py) and the
-checkpoint code (trainer/resume.py) see only the ``Run``.
+checkpoint code (trainer/checkpoint/resume.py) see only the ``Run``.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pfppo_mega.rollout.base import EngineSetupError
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.collect import build_collector
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
-from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
+from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
-from pfppo_mega.trainer.generation import Generation, MemoryRecorder, build_engine_colocated
+from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
 from pfppo_mega.trainer.passes import PassWork
-from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
-from pfppo_mega.trainer.rollout_split import SplitLayout
+from pfppo_mega.trainer.colocation.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
+from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
 from pfppo_mega.trainer.proximal import choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
@@ -273,7 +273,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                                                              critic=estimator.needs_critic, device=device)
     t = cfg.training
     kernels = get_backend(cfg.kernels, device, log=log)  # the models' device: auto = verified kernels only
-    # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
+    # Colocation (trainer/colocation/offload.py): the trainer's states wait in host memory while the engine
     # generates; the engine sleeps from the end of generation until the next weight sync.
     trained = [m for m in (actor, critic, ref) if m is not None]
     opts = [o for o in (actor_opt, critic_opt) if o is not None]
@@ -286,7 +286,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
     # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size))  # an in-process vLLM resets it
-    # the device-memory ledger of this rank (trainer/ledger.py, the plan's arithmetic): every phase is
+    # the device-memory ledger of this rank (pfppo_mega/ledger.py, the plan's arithmetic): every phase is
     # entered as it runs and checked against the card; the engine is built with the trainer offloaded
     memory = MemoryRecorder.for_run(cfg, model_cfg=model_cfg, arch=arch, tp=tp, pp=pp, dp=par.dp, pp_rank=par.pp_rank,
                                     local_world=local_world, offload=offload, device=device)

@@ -3,7 +3,7 @@
     rollout -> score -> filter -> prepare -> advantages -> update -> sync -> log
 
 each a method with a typed input and output (see ``batch.py``). The loop owns no construction
-(trainer/build.py builds the ``Run``), no resume (trainer/resume.py) and no mode switches: the
+(trainer/build.py builds the ``Run``), no resume (trainer/checkpoint/resume.py) and no mode switches: the
 behaviour policy (plain PPO or the PF-PPO pool, trainer/behaviour.py), the advantage estimator
 (trainer/estimators.py), the policy loss and the engine are strategies chosen once at build time.
 """
@@ -23,7 +23,9 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
 from pfppo_mega.models import engine as mengine
 from pfppo_mega.models import hf_io
-from pfppo_mega.trainer import devicecheck, passes, perf, resume, worst_samples
+from pfppo_mega.trainer.instruments import devicecheck, perf
+from pfppo_mega.trainer import passes, worst_samples
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
@@ -95,7 +97,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, float]:
-        """One step; with PFPPO_DEVICE_CHECK=1 inside a device-check session (trainer/devicecheck.py)."""
+        """One step; with PFPPO_DEVICE_CHECK=1 inside a device-check session (trainer/instruments/devicecheck.py)."""
         if not self.device_check:
             return self._train_step()
         with devicecheck.session(self.run.device):
@@ -115,7 +117,7 @@ class PPOTrainer:
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
         add_guard_counts(run, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before)
         with timer("prepare"):
-            run.gen.phase("prepare")  # the memory ledger's phases (trainer/ledger.py)
+            run.gen.phase("prepare")  # the memory ledger's phases (pfppo_mega/ledger.py)
             prep = self.prepare(sb)
         with timer("advantages"):
             eb = self.advantages(sb, prep)

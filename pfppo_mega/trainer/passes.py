@@ -1,6 +1,6 @@
 """The engine's micro-batching for the trainer's model passes (training.micro_batch_size,
 use_dynamic_bsz, max_tokens_per_micro_batch, response_only_head), and the work those passes did
-(counted per phase and head for the perf/ metrics, trainer/perf.py)."""
+(counted per phase and head for the perf/ metrics, trainer/instruments/perf.py)."""
 
 from __future__ import annotations
 

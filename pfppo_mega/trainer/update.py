@@ -11,7 +11,8 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.models import engine as mengine
-from pfppo_mega.trainer import devicecheck, passes
+from pfppo_mega.trainer.instruments import devicecheck
+from pfppo_mega.trainer import passes
 from pfppo_mega.trainer.batch import ExperienceBatch
 from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps

@@ -133,7 +133,7 @@ def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     # ---- the trainer's EngineSync over its bounded refit groups
     from megatron.core import parallel_state as ps
 
-    from pfppo_mega.trainer.engine_sync import EngineSync
+    from pfppo_mega.trainer.colocation.engine_sync import EngineSync
 
     engine = _engine(path)
     actor, cfg = _actor(path)

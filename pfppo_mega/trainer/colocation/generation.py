@@ -24,13 +24,13 @@ from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import RolloutOutput
 from pfppo_mega.rollout.refit import held_slot_bytes
 from pfppo_mega.tokenizer import Tokenizer
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.batch import GreedyRows, RolloutBatch
-from pfppo_mega.trainer.engine_sync import EngineSync
-from pfppo_mega.trainer.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
+from pfppo_mega.trainer.colocation.engine_sync import EngineSync
+from pfppo_mega.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
                                       reward_model_shape)
-from pfppo_mega.trainer.offload import TrainerOffload
-from pfppo_mega.trainer.rollout_split import SplitLayout, assemble, plan_share
+from pfppo_mega.trainer.colocation.offload import TrainerOffload
+from pfppo_mega.trainer.colocation.rollout_split import SplitLayout, assemble, plan_share
 from pfppo_mega.types import Sample
 
 
@@ -166,7 +166,7 @@ def device_capacity(device: torch.device) -> Optional[int]:
 
 
 class MemoryRecorder:
-    """The trainer's side of the device-memory ledger (trainer/ledger.py): every phase transition
+    """The trainer's side of the device-memory ledger (pfppo_mega/ledger.py): every phase transition
     enters the ledger as the code runs it (which checks the predicted device bytes against the card:
     LedgerOverflow), with what the trainer saw there: its states' bytes on the device
     (TrainerOffload.device_bytes), the refit stream's buffers held (refit.held_slot_bytes) and, on
@@ -396,7 +396,7 @@ class Generation:
     def run_engine(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int, pool=None,
                    what: str, replicated: bool = False) -> RolloutOutput:
         """This rank's rows generated once in the job: with more than one rank, the job's rows are
-        split across every engine and exchanged (trainer/rollout_split.py). ``replicated``: every
+        split across every engine and exchanged (trainer/colocation/rollout_split.py). ``replicated``: every
         rank asks for the same rows (evaluation, the KL probe), not one request per replica."""
         self.record("generate")
         if self.split is None:

@@ -4,7 +4,7 @@ memory at every phase, in the order the code runs the phases.
 One place for the arithmetic. ``pfppo plan`` (pfppo_mega.planning.memory) replays BUILD_ORDER and
 STEP_ORDER through a ``Ledger`` for every pipeline stage and prints its budgets from the records
 (``pfppo plan CONFIG --ledger`` prints the per-phase table); the trainer enters every phase as the
-code executes it (trainer/generation.py, ``MemoryRecorder``) and the ledger checks the predicted
+code executes it (trainer/colocation/generation.py, ``MemoryRecorder``) and the ledger checks the predicted
 device bytes against the card's capacity at each one (LedgerOverflow names the phase, the bytes
 and what holds them). So the plan and the trainer cannot disagree: same holdings, same order.
 
@@ -36,7 +36,7 @@ optimizer, as pfppo_mega.models.gpt builds them):
              their bytes; torch's caching pinned allocator would hold the next power of two of each
              (``pinned.allocator_bytes``).
 
-Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/generation.py call them:
+Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/colocation/generation.py call them:
   build trainer, offload trainer, offload actor weights, build engine, sleep, reload trainer   (once)
   offload trainer, wake weights, refit | switch, offload actor weights, wake kv cache, generate,
   sleep, reload trainer   (every generation: rollout, evaluation, the KL probe)
@@ -325,7 +325,7 @@ class Knobs:
 
 def offload_from_config(cfg) -> bool:
     """training.offload_during_rollout as the trainer applies it on GPUs (null: on): the rollout
-    phase then keeps none of the trainer's states on the GPU (pfppo_mega.trainer.offload)."""
+    phase then keeps none of the trainer's states on the GPU (pfppo_mega.trainer.colocation.offload)."""
     return cfg.training.offload_during_rollout is not False
 
 
