@@ -347,7 +347,7 @@ print(json.dumps({"bad": bad, "skipped": skipped}))
 """
 # DESIGN.md: models/ never imports a task; the built-in task is reached only through the builders
 # (data.build_prompt_data, rewards.build_reward_fn): these load neither it nor the trainer.
-NO_TASK = ("pfppo_mega.types", "pfppo_mega.tokenizer", "pfppo_mega.models.engine", "pfppo_mega.models.gpt",
+NO_TASK = ("pfppo_mega.types", "pfppo_mega.tokenizer", "pfppo_mega.models.passes", "pfppo_mega.models.gpt",
            "pfppo_mega.models.hf_io", "pfppo_mega.data", "pfppo_mega.data.files", "pfppo_mega.rewards",
            "pfppo_mega.rewards.base", "pfppo_mega.rewards.custom")
 

@@ -24,7 +24,7 @@ import common  # noqa: E402
 
 from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
-from pfppo_mega.models import engine, gpt, microbatch  # noqa: E402
+from pfppo_mega.models import passes, gpt, microbatch  # noqa: E402
 from pfppo_mega.types import pack  # noqa: E402
 
 LOSS_RTOL = 1e-6
@@ -95,14 +95,14 @@ def test_forward_passes_match_the_padded_path(world):
         critic.output_layer.weight.normal_()
     inp = _batch()
     m = inp.response_mask.bool()
-    ref = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=4),
-           engine.forward_values(critic, inp, micro_batch_size=4))
+    ref = (*passes.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=4),
+           passes.forward_values(critic, inp, micro_batch_size=4))
     plain = microbatch.Tally()
-    engine.forward_values(critic, inp, micro_batch_size=engine.Batching(4, tally=plain))
-    for batching in (engine.Batching(4, response_only=True), engine.Batching(64, max_tokens=160),
-                     engine.Batching(5, max_tokens=400, response_only=True, tally=microbatch.Tally())):
-        got = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
-               engine.forward_values(critic, inp, micro_batch_size=batching))
+    passes.forward_values(critic, inp, micro_batch_size=passes.Batching(4, tally=plain))
+    for batching in (passes.Batching(4, response_only=True), passes.Batching(64, max_tokens=160),
+                     passes.Batching(5, max_tokens=400, response_only=True, tally=microbatch.Tally())):
+        got = (*passes.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
+               passes.forward_values(critic, inp, micro_batch_size=batching))
         for name, a, b in zip(("logp", "entropy", "values"), ref, got):
             # values reach ~10: fp32 sums in another order (attention over rows cut to other lengths) move ~1 ulp
             torch.testing.assert_close(b[m], a[m], rtol=1e-6, atol=2e-6, msg=lambda s: f"{name} {batching}: {s}")
@@ -118,8 +118,8 @@ def test_forward_passes_match_the_padded_path(world):
 def test_ppo_update_matches_the_padded_path(world, kind):
     batch = common.ppo_batch()
     ref = common.ppo_update(world[kind], batch, micro_batch_size=common.BATCH, dp_rank=0, dp=1)
-    for batching in (engine.Batching(common.BATCH, max_tokens=24, response_only=True),
-                     engine.Batching(3, max_tokens=40), engine.Batching(2, response_only=True)):
+    for batching in (passes.Batching(common.BATCH, max_tokens=24, response_only=True),
+                     passes.Batching(3, max_tokens=40), passes.Batching(2, response_only=True)):
         got = common.ppo_update(world[kind], batch, micro_batch_size=batching, dp_rank=0, dp=1)
         rs, gs = ref.scalars(), got.scalars()
         assert sorted(rs) == sorted(gs)

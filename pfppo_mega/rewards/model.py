@@ -5,7 +5,7 @@ The checkpoint (``reward.model_path``) is a Llama / Qwen2 / Qwen3 / Mistral
 ``*ForSequenceClassification`` with ``num_labels`` 1: the decoder trunk (no LM head) and
 ``score.weight`` [1, H] without bias. It is loaded into the critic's model (megatron GPTModel whose
 output layer is a scalar head, ``gpt.build_critic``) on the actor's ranks, with the actor's
-tensor x pipeline layout, and run through ``engine.forward_values``: every rank of a model replica
+tensor x pipeline layout, and run through ``passes.forward_values``: every rank of a model replica
 passes the same rows and gets the same scores back (the last pipeline stage's scores are
 broadcast to the others; the head is replicated over tensor-parallel ranks); each data-parallel
 rank scores its own rows.
@@ -208,11 +208,11 @@ class RewardModel:
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Scores [B] float32 of token-id rows (collective, see the class docstring)."""
-        from pfppo_mega.models import engine
+        from pfppo_mega.models import passes
 
         inputs = last_token_inputs(sequences)
         mbs = self.micro_batch_size or len(sequences)
-        return engine.forward_values(self.model, inputs, micro_batch_size=mbs)[:, 0]
+        return passes.forward_values(self.model, inputs, micro_batch_size=mbs)[:, 0]
 
     def sequences(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> list[list[int]]:
         """prompt ids + encode(response text) (+ EOS when finished), per row."""

@@ -23,7 +23,7 @@ import torch
 
 from pfppo_mega import pool as pfpool
 from pfppo_mega.pool.correction import ISStats
-from pfppo_mega.pool.registry import broadcast_assignment
+from pfppo_mega.pool.assignment import broadcast_assignment
 from pfppo_mega.rollout.weights import WeightUpdateError
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.batch import ExperienceBatch, RolloutBatch, ScoredBatch, concat_rollouts

@@ -284,7 +284,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
         late=lambda: list(actor.parameters()), log=log)  # the weights a refit reads leave last
 
     # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
-    # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
+    # actor's shards, pool snapshots kept 1/L per node rank, one version assignment (docs/refit.md)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size))  # an in-process vLLM resets it
     # the device-memory ledger of this rank (pfppo_mega/ledger.py, the plan's arithmetic): every phase is
     # entered as it runs and checked against the card; the engine is built with the trainer offloaded

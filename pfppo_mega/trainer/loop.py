@@ -21,7 +21,7 @@ import torch
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
-from pfppo_mega.models import engine as mengine
+from pfppo_mega.models import passes as model_passes
 from pfppo_mega.models import hf_io
 from pfppo_mega.trainer.instruments import devicecheck, perf
 from pfppo_mega.trainer import passes, worst_samples
@@ -232,7 +232,7 @@ class PPOTrainer:
         old_logp, entropy = run.proximal.old_logp(run, inp, rb)                     # entropy None: not recomputed
         ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
         m = inp.response_mask
-        values = None if run.critic is None else mengine.forward_values(
+        values = None if run.critic is None else model_passes.forward_values(
             run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],
                                                               run.passes.prepare_value))   # [B, T]
         devicecheck.expect("prepare: model inputs and results", run.device, inputs=inp, old_logp=old_logp,

@@ -62,7 +62,7 @@ def _weights_equal(engine, original: dict) -> bool:
 
 def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     from pfppo_mega.models import hf_io
-    from pfppo_mega.pool.registry import VersionMismatchError, broadcast_assignment, check_engine_versions
+    from pfppo_mega.pool.assignment import VersionMismatchError, broadcast_assignment, check_engine_versions
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
     from pfppo_mega.rollout import SamplingParams
     from pfppo_mega.rollout.source import NamedTensorSource

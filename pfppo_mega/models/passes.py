@@ -529,7 +529,7 @@ def _require_ddp(model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
                         f"{type(model).__name__}")
     if model.config.calculate_per_token_loss:
         raise ValueError("config.calculate_per_token_loss must be False: the engine normalises losses itself "
-                         "(loss shares, see pfppo_mega.models.engine)")
+                         "(loss shares, see pfppo_mega.models.passes)")
     if model.config.finalize_model_grads_func is None:
         raise ValueError("model.config.finalize_model_grads_func is unset: wrap the model with gpt.wrap_ddp, "
                          "or data-parallel replicas silently drift apart")
