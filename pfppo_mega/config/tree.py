@@ -471,9 +471,7 @@ class AlgorithmConfig(Section):
         "kl_penalty": "kl_estimator",
         "clip_ratio_c": "dual_clip_c",
         "cliprange_value": "value_clip",
-        "pf_ppo.reweight_method": "filtration.reweight_method",
-        "pf_ppo.weight_pow": "filtration.weight_pow",
-    }
+    }  # verl's pf_ppo.* (policy filtration) is read in verl's layout only: here use_pf_ppo is the pool
     # verl's estimator names, accepted as values of kl_estimator.
     KL_VALUE_ALIASES: ClassVar[dict[str, str]] = C.KL_ESTIMATOR_ALIASES
     VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES,
