@@ -118,7 +118,7 @@ def test_refit_carries_each_family_s_own_tensors(results):
 def test_unsupported_checkpoint_is_refused_before_vllm_starts(tmp_path, change, key):
     """What the trainer cannot match is refused by the engine at construction, naming the key and
     value, before any vLLM engine (or import) happens: never a silent approximation."""
-    from pfppo_mega.families import CheckpointError
+    from pfppo_mega.families import ModelDirError
 
     cfg = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 96, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -127,7 +127,7 @@ def test_unsupported_checkpoint_is_refused_before_vllm_starts(tmp_path, change, 
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     if rvllm.unavailable_reason():
         pytest.skip(rvllm.unavailable_reason())
-    with pytest.raises(CheckpointError, match=key):
+    with pytest.raises(ModelDirError, match=key):
         rvllm.VLLMEngine(tmp_path, pad_token_id=0)
 
 

@@ -108,7 +108,7 @@ class Budget:
 
 
 @dataclass
-class KVCache:
+class KVBudget:
     bytes_per_token: float          # per GPU
     budget: float                   # bytes per GPU for the KV cache
     tokens: int                     # per engine replica (each GPU holds its heads of every token)
@@ -142,7 +142,7 @@ class Plan:
     stages: list[StageMemory]
     worst_stage: int
     rollout: Budget
-    kv: KVCache
+    kv: KVBudget
     host: Budget
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -357,7 +357,7 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
     # vLLM schedules at most max_num_seqs sequences at once, whatever its cache holds
     scheduled = min(concurrent, run.max_num_seqs) if run.engine == "vllm" else concurrent
     waves = ceil(per_replica / scheduled) if scheduled else 0
-    kv = KVCache(h.kv_per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
+    kv = KVBudget(h.kv_per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
     host = _host_budget(run, hw, knobs, layout, rt, holdings, records)
 
     util = run.gpu_memory_utilization

@@ -3,7 +3,7 @@
 
     CurrentPolicy      plain PPO: the current weights generate; the rollout after each update
                        refits the engine to them first.
-    SnapshotPool       PF-PPO: a pool of recent snapshots; each prompt group (assign: group) or
+    SnapshotPolicy     PF-PPO: a pool of recent snapshots; each prompt group (assign: group) or
                        the whole step (assign: step) samples one; the rows' importance weights
                        correct for the mixed behaviour policies; every snapshot_interval steps the
                        new weights are captured and the oldest evicted.
@@ -82,7 +82,7 @@ class CurrentPolicy(BehaviourPolicy):
         colocated frame, after the trainer's states have left the device."""
 
 
-class SnapshotPool(BehaviourPolicy):
+class SnapshotPolicy(BehaviourPolicy):
     """PF-PPO's pool (pfppo_mega.pool), sharded 1/L per node rank by EngineSync, starting with the
     current (initial) policy."""
 

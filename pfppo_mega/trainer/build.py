@@ -30,7 +30,7 @@ from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout.base import EngineSetupError
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.collect import build_collector
-from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
+from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPolicy
 from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
@@ -310,8 +310,8 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     n = cfg.actor_rollout.n_samples_per_prompt
     # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
     behaviour: BehaviourPolicy = (
-        SnapshotPool(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
-                     dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
+        SnapshotPolicy(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
+                       dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     params = PolicyLossParams(kernel_policy_loss=kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
                               clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
                               loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip,
