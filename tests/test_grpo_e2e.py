@@ -60,7 +60,7 @@ def test_grpo_with_the_pool_trains_without_a_critic(sft_dir, tmp_path, watched_g
 @pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "gpg", "sapo"])
 def test_verl_losses_train_with_the_pool(sft_dir, tmp_path, policy_loss):  # noqa: F811
     tr, steps = _train(tmp_path, sft_dir, adv_estimator="grpo", policy_loss=policy_loss)
-    assert tr.run.policy_loss_name == policy_loss
+    assert tr.run.policy_loss.name == policy_loss
     for s in steps:
         assert math.isfinite(s["policy/loss"]) and math.isfinite(s["policy/pg_loss"]) and "is/mean" in s
 

@@ -224,7 +224,7 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "work/tokens_generated" in r]
     assert len(steps) == 2
-    rest = tr.run.gen.take_work(tr.run.behaviour.pool)  # what came after the last record (final eval, save)
+    rest = tr.run.gen.take_work(tr.run.behaviour.host_bytes())  # what came after the last record (final eval, save)
     plan_bytes = tr.run.sync.plan_bytes()
     got = sum(r["work/refit_bytes_received"] + r["work/switch_bytes_received"] for r in steps)
     got += rest.refit_bytes + rest.switch_bytes

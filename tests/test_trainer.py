@@ -220,7 +220,7 @@ def test_other_paths_run_finite(sft_dir, tmp_path, is_mode):
                reward={"scaling": "running_zscore", "quantile_clip": 0.95, "clip_range": 3.0,
                        "length_penalty": 0.1})
     tr, metrics, _ = _run(cfg)
-    assert tr.run.behaviour.policy_loss_name == ("tis" if is_mode == "tis" else "ppo_clip")
+    assert tr.run.policy_loss.name == ("tis" if is_mode == "tis" else "ppo_clip")
     for step, m in enumerate(metrics):
         for key in ("policy/pg_loss", "policy/kl_loss", "critic/value_loss", "policy/grad_norm"):
             assert math.isfinite(m[key]), (key, m[key])

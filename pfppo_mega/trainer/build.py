@@ -33,11 +33,12 @@ from pfppo_mega.trainer.collect import build_collector
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPolicy
 from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.estimators import AdvantageEstimator
+from pfppo_mega.trainer.filtration import KeepAll, PolicyFiltration, choose_filtration
 from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
 from pfppo_mega.trainer.passes import PassWork
 from pfppo_mega.trainer.colocation.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
-from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
+from pfppo_mega.trainer.policy_loss import PolicyLoss, PolicyLossParams, choose_policy_loss, get_policy_loss
 from pfppo_mega.trainer.proximal import choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
@@ -111,9 +112,9 @@ class Run:
     behaviour: BehaviourPolicy
     collector: object                   # OneRound | DynamicSampling (trainer/collect.py)
     estimator: AdvantageEstimator
+    filtration: KeepAll | PolicyFiltration  # trainer/filtration.py: algorithm.filtration
     proximal: object                    # Recompute | EngineLogp (trainer/proximal.py): the old log-probs
-    policy_loss: Callable
-    policy_loss_name: str               # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
+    policy_loss: PolicyLoss             # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
     policy_loss_params: PolicyLossParams
     rng: random.Random                  # this DP rank's prompt and sampling-seed stream
     assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
@@ -325,7 +326,8 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
-               behaviour=behaviour, collector=build_collector(cfg, prompts=data.train, log=log, dp=par.dp),
-               estimator=estimator, proximal=choose_proximal(a),
-               policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
+               behaviour=behaviour,
+               collector=build_collector(cfg, prompts=data.train, log=log, pad_id=tokenizer.pad_id, dp=par.dp),
+               estimator=estimator, filtration=choose_filtration(a.filtration, assign_gen), proximal=choose_proximal(a),
+               policy_loss=get_policy_loss(loss_name), policy_loss_params=params, rng=rng,
                assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)

@@ -3,9 +3,14 @@
     rollout -> score -> filter -> prepare -> advantages -> update -> sync -> log
 
 each a method with a typed input and output (see ``batch.py``). The loop owns no construction
-(trainer/build.py builds the ``Run``), no resume (trainer/checkpoint/resume.py) and no mode switches: the
-behaviour policy (plain PPO or the PF-PPO pool, trainer/behaviour.py), the advantage estimator
-(trainer/estimators.py), the policy loss and the engine are strategies chosen once at build time.
+(trainer/build.py builds the ``Run``) and no resume (trainer/checkpoint/resume.py). Strategies chosen
+once at build time, never asked which they are: the behaviour policy (plain PPO or the PF-PPO pool,
+trainer/behaviour.py), the collector (one round or DAPO's dynamic sampling, trainer/collect.py),
+policy filtration (trainer/filtration.py), the proximal log-probs (trainer/proximal.py), the
+advantage estimator (trainer/estimators.py, whose declarations the rollout reads), the policy loss
+(trainer/policy_loss.py) and the engine. What the loop still reads of the config: the reward
+shaping's coefficients (score), where the KL goes, a reward penalty or a loss term (advantages;
+the update adds the loss term), and the evaluation, logging and checkpoint intervals (fit).
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ class PPOTrainer:
         corrupt_before = st.guards["corrupt_snapshots"]
         # rollout + score (DAPO's dynamic sampling repeats them until the batch is full)
         weights_before, engine_before = run.gen.sync.weights_s, run.gen.engine_s
-        scored, rollout_stats = run.collector.collect(self, samples, timer)  # rewards, responses, pool stats
+        scored, rollout_stats = run.collector.collect(samples, rollout=self.rollout, score=self.score, timer=timer)
         timer.seconds["rollout_weights"] = run.gen.sync.weights_s - weights_before  # of which refits, switches
         timer.seconds["rollout_engine"] = run.gen.engine_s - engine_before      # and the engine's generate()
         with timer("score"):
@@ -136,7 +141,7 @@ class PPOTrainer:
             metrics["remax/baseline_mean"] = float(scored.baselines.double().mean())
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
-        metrics.update(run.gen.take_work(getattr(run.behaviour, "pool", None)).metrics())  # since the last record
+        metrics.update(run.gen.take_work(run.behaviour.host_bytes()).metrics())  # since the last record
         metrics.update(perf.step_perf(run, scored, timer.seconds))  # perf/: against the machine's rates
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
@@ -214,14 +219,8 @@ class PPOTrainer:
         return baselines, (guarded.nonfinite, guarded.errors, guarded.timeouts)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
-        """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
-        f = self.run.cfg.algorithm.filtration
-        if not f.enable:
-            return sb
-        w = ppo.filtration_weights(sb.raw_scores, method=f.reweight_method, weight_pow=f.weight_pow)
-        # a host decision: assign_gen is a CPU generator (multinomial refuses it for CUDA weights)
-        idx = ppo.resample_indices(w.cpu(), num_samples=len(sb.raw_scores), generator=self.run.assign_gen)
-        return sb.select(idx.tolist())
+        """Policy filtration (trainer/filtration.py): the rows the update trains on."""
+        return self.run.filtration(sb)
 
     @torch.no_grad()
     def prepare(self, sb: ScoredBatch) -> PreparedBatch:

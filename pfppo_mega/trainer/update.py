@@ -121,8 +121,9 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
     entropy)``, when given, receives each micro-batch's log-probs and entropy (update's Observed)."""
     a = run.cfg.algorithm
     mode, c = a.loss_agg_mode, run.policy_loss_params.loss_scale_factor
-    # The chosen variant's loss aggregates over pg_mask (ppo_clip and verl's losses) or the response mask (tis).
-    pg_norm = model_passes.global_normalizers(eb.inputs.response_mask if run.policy_loss_name == "tis" else eb.pg_mask)
+    # The mask the variant declares its aggregate is over: pg_mask, or every response token (tis).
+    pg_norm = model_passes.global_normalizers(eb.pg_mask if run.policy_loss.trains_on_pg_mask
+                                              else eb.inputs.response_mask)
 
     def loss_fn(logp, entropy, micro: model_passes.MicroBatch):
         r = micro.rows
