@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from pfppo_mega import ledger
 from pfppo_mega.config import load_config
+from pfppo_mega.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
 from pfppo_mega.planning.cli import main as plan_main
 from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
 from pfppo_mega.trainer.colocation import generation
-from pfppo_mega import ledger
 from pfppo_mega.trainer.colocation.generation import Generation, SimulatedCard
-from pfppo_mega.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)

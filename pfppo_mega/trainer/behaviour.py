@@ -22,12 +22,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from pfppo_mega import pool as pfpool
-from pfppo_mega.pool.correction import ISStats
 from pfppo_mega.pool.assignment import broadcast_assignment
+from pfppo_mega.pool.correction import ISStats
 from pfppo_mega.rollout.weights import WeightUpdateError
-from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.batch import ExperienceBatch, RolloutBatch, ScoredBatch, concat_rollouts
 from pfppo_mega.trainer.colocation.generation import Generation
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.types import Sample
 
 Need = Callable[[bool, str], None]  # a checkpoint check: need(ok, what) raises CheckpointError

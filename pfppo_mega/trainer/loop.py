@@ -26,17 +26,17 @@ import torch
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
-from pfppo_mega.models import passes as model_passes
 from pfppo_mega.models import hf_io
-from pfppo_mega.trainer.instruments import devicecheck, perf
+from pfppo_mega.models import passes as model_passes
 from pfppo_mega.trainer import passes, worst_samples
-from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.evaluation import evaluate, kl_probe
-from pfppo_mega.trainer.passes import policy_logp
+from pfppo_mega.trainer.instruments import devicecheck, perf
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
+from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import update
 

@@ -11,10 +11,10 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.models import passes as model_passes
-from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer import passes
 from pfppo_mega.trainer.batch import ExperienceBatch
 from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps
 from pfppo_mega.trainer.policy_loss import PolicyLossInputs
 from pfppo_mega.trainer.seeds import stream_seed
