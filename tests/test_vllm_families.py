@@ -35,7 +35,8 @@ LOGP_TOL = 1e-4  # nats; fp32 engine vs fp32 trainer / fp64 transformers (measur
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm-families") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # this checkout's package, not whichever one the environment installed
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     proc = subprocess.run([sys.executable, str(HERE / "vllm_families_run.py"), str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
