@@ -61,7 +61,7 @@ def _train(cfg) -> int:
         print(f"pfppo: training stopped: {e}", file=sys.stderr)
         return 3
     except RuntimeError as e:
-        from pfppo_mega.trainer.engine_sync import lost_peer
+        from pfppo_mega.trainer.colocation.engine_sync import lost_peer
 
         if not lost_peer(e):
             raise

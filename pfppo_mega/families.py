@@ -4,7 +4,7 @@ Imports only the standard library (torch inside ``rope_inv_freq``), so the train
 (``pfppo_mega.models``), HF import / export, the built-in rollout engine (``pfppo_mega.rollout.llama``)
 and the memory planner (``pfppo_mega.planning``, which runs without torch) read one description
 of a checkpoint: ``DecoderShape``, its dimensions and its family's ``Architecture``. Everything
-outside it is refused with the key, its value and what is supported (``CheckpointError``), never
+outside it is refused with the key, its value and what is supported (``ModelDirError``), never
 approximated.
 
 Supported, all pre-norm decoders with RMSNorm, SwiGLU MLP, rotate-half RoPE and grouped-query
@@ -35,12 +35,12 @@ if TYPE_CHECKING:
     import torch
 
 
-class CheckpointError(ValueError):
+class ModelDirError(ValueError):
     """A model directory that cannot be loaded as it is. The message names the file, the key or
     tensor, the value found and what is expected."""
 
 
-class CheckpointFileMissing(CheckpointError, FileNotFoundError):
+class ModelFileMissing(ModelDirError, FileNotFoundError):
     """A file the checkpoint needs is absent (also a FileNotFoundError)."""
 
 
@@ -58,21 +58,21 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interm
 def positive_int(hf: dict, key: str, *, file: str = "config.json") -> int:
     value = hf[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{file}: {key} = {value!r}: must be a positive integer")
+        raise ModelDirError(f"{file}: {key} = {value!r}: must be a positive integer")
     return value
 
 
 def positive_float(hf: dict, key: str, *, file: str = "config.json", where: str = "") -> float:
     value = hf[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CheckpointError(f"{file}: {where}{key} = {value!r}: must be a finite number > 0")
+        raise ModelDirError(f"{file}: {where}{key} = {value!r}: must be a finite number > 0")
     return float(value)
 
 
 def boolean(hf: dict, key: str, *, file: str = "config.json") -> bool:
     value = hf[key]
     if not isinstance(value, bool):
-        raise CheckpointError(f"{file}: {key} = {value!r}: must be true or false")
+        raise ModelDirError(f"{file}: {key} = {value!r}: must be true or false")
     return value
 
 
@@ -199,7 +199,7 @@ def _rope_from_hf(hf: dict, problems: list[str]) -> tuple[Any, RopeScaling]:
             continue
         try:
             fields[key] = positive_float(src, key, where="rope ")
-        except CheckpointError as e:
+        except ModelDirError as e:
             problems.append(str(e).removeprefix("config.json: "))
     if rope_type == "llama3":
         orig = src.get("original_max_position_embeddings")
@@ -224,7 +224,7 @@ def model_type_of(hf: dict) -> Optional[str]:
 
 
 def architecture_from_hf(hf: dict) -> Architecture:
-    """The Architecture of config.json ``hf``; CheckpointError listing every unsupported key
+    """The Architecture of config.json ``hf``; ModelDirError listing every unsupported key
     (with its value and what is supported) otherwise. Shapes are checked elsewhere
     (``pfppo_mega.models.hf_io.model_config_from_hf``)."""
     problems: list[str] = []
@@ -274,7 +274,7 @@ def architecture_from_hf(hf: dict) -> Architecture:
             if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and head_dim * heads == hidden:
                 head_dim = None  # the default: stored as None so equal architectures compare equal
     if problems:
-        raise CheckpointError("unsupported checkpoint architecture (config.json):\n"
+        raise ModelDirError("unsupported checkpoint architecture (config.json):\n"
                               + "\n".join(f"  - {p}" for p in problems))
     return Architecture(family=family, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
                         head_dim=head_dim, rope=rope)
@@ -312,7 +312,7 @@ _HF_KEYS: dict[str, tuple[str, Any]] = {
 
 
 def _hf_dimensions(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The dimensions of config.json ``hf``, typed (CheckpointError naming the key, its value and the rule)."""
+    """The dimensions of config.json ``hf``, typed (ModelDirError naming the key, its value and the rule)."""
     values: dict[str, Any] = {}
     missing = []
     for name, (key, default) in _HF_KEYS.items():
@@ -323,7 +323,7 @@ def _hf_dimensions(hf: Mapping[str, Any]) -> dict[str, Any]:
         else:
             values[name] = default
     if missing:
-        raise CheckpointError(f"config.json lacks required key(s): {', '.join(missing)}")
+        raise ModelDirError(f"config.json lacks required key(s): {', '.join(missing)}")
     if values["num_query_groups"] is None:
         values["num_query_groups"] = values["num_attention_heads"]
     typed = {**hf, **{_HF_KEYS[n][0]: v for n, v in values.items()}}
@@ -333,7 +333,7 @@ def _hf_dimensions(hf: Mapping[str, Any]) -> dict[str, Any]:
     values["rope_theta"] = positive_float({"rope_theta": rope_theta_of(hf)}, "rope_theta")
     heads, groups = values["num_attention_heads"], values["num_query_groups"]
     if heads % groups:
-        raise CheckpointError(f"config.json: num_key_value_heads = {groups}: must divide num_attention_heads "
+        raise ModelDirError(f"config.json: num_key_value_heads = {groups}: must divide num_attention_heads "
                               f"({heads}); each key/value head serves a whole group of query heads")
     return values
 
@@ -376,7 +376,7 @@ class DecoderShape:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "DecoderShape":
         """From config.json ``hf``: the dimensions typed first (the architecture checks compute with
-        them), then the Architecture. CheckpointError names every key that is missing, mistyped or
+        them), then the Architecture. ModelDirError names every key that is missing, mistyped or
         outside what this module supports (other families, RoPE types, narrow sliding windows, MoE)."""
         dims = _hf_dimensions(hf)
         return cls(**dims, arch=architecture_from_hf(hf))

@@ -5,7 +5,7 @@ form a tensor-parallel group, data parallelism strides over them and pipeline st
 outermost factor. Call ``init_parallel`` once per process before building models and
 ``destroy_parallel`` at the end. Math code never reads these globals: it receives the groups it
 needs (pfppo_mega.kernels.vocab_parallel, reshard). megatron's modules read parallel_state
-internally, and so do the entry points built on them (pfppo_mega.models.engine, hf_io), which
+internally, and so do the entry points built on them (pfppo_mega.models.passes, hf_io), which
 look up the groups of the layout the model was built for and pass them down.
 The same code runs on CPU / gloo and GPU / NCCL (backend "auto" picks by CUDA availability).
 """
@@ -34,7 +34,7 @@ class ParallelInfo:
     """This process's place in the layout. dp = world_size / (tp * pp).
 
     Every rank of one model replica (same dp_rank) must be given the same batch; each dp_rank
-    its own part of the global batch (pfppo_mega.models.engine).
+    its own part of the global batch (pfppo_mega.models.passes).
     """
 
     world_size: int
@@ -210,7 +210,7 @@ def destroy_parallel() -> None:
 # model are on the model's device, collectives run on the group's device -- on a GPU both are the
 # current CUDA device, so the copies below are no-ops there. Every other collective in the code
 # base builds its tensors on comm_device(group) itself; PFPPO_DEVICE_CHECK=1 checks them all
-# (pfppo_mega.trainer.devicecheck).
+# (pfppo_mega.trainer.instruments.devicecheck).
 
 
 def data_parallel_group() -> Optional[dist.ProcessGroup]:

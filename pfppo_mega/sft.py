@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pfppo_mega.config import Config
 from pfppo_mega.models import gpt, hf_io
 from pfppo_mega.parallel import init_parallel
-from pfppo_mega.tasks.addition import AdditionTask, Problem
+from pfppo_mega.tasks.addition import AdditionProblem, AdditionTask
 from pfppo_mega.tokenizer import Tokenizer, char_tokenizer
 
 
@@ -45,7 +45,7 @@ class HeldOut:
     greedy_other: float | None   # greedy, on the others
 
 
-def demo_batch(task: AdditionTask, tok: Tokenizer, problems: list[Problem], rng: random.Random,
+def demo_batch(task: AdditionTask, tok: Tokenizer, problems: list[AdditionProblem], rng: random.Random,
                noise: float, *, carry_drop: float = 0.0, carry_digit: int = 2,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [B, S], targets [B, S] (next token), loss mask [B, S] on answer + EOS targets."""
@@ -86,7 +86,7 @@ def fan_in_init(model: torch.nn.Module, gain: float, *, tp: int = 1) -> None:
 
 
 @torch.no_grad()
-def held_out_accuracy(model, task: AdditionTask, tok: Tokenizer, problems: list[Problem], *, max_new_tokens: int,
+def held_out_accuracy(model, task: AdditionTask, tok: Tokenizer, problems: list[AdditionProblem], *, max_new_tokens: int,
                       temperature: float, seed: int, carry_digit: int | None = None) -> HeldOut:
     """Greedy and sampled (at `temperature`, torch generator seeded with `seed`) accuracy of `model`
     on `problems` under the task's exact reward, decoded as the trainer's evaluation decodes (up to

@@ -1,6 +1,6 @@
 """Shared types below the trainer: what a prompt source yields and what a reward function returns.
 
-The trainer sees prompts and rewards only through the two protocols here (DESIGN.md, "the three
+The trainer sees prompts and rewards only through the two protocols here (docs/design.md, "The three
 seams"); `pfppo_mega.data` and `pfppo_mega.rewards` hold the implementations and the config
 builds the one it names. Nothing here imports the trainer, a task or a model.
 """

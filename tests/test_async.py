@@ -126,7 +126,7 @@ def _buckets(spec, version: int):
 
     from pfppo_mega.rollout.source import NamedTensorSource
     from pfppo_mega.rollout.weights import Bucket
-    from pfppo_mega.trainer.engine_sync import build_engine
+    from pfppo_mega.trainer.colocation.engine_sync import build_engine
 
     engine = build_engine(spec.cfg, Path(spec.model_dir), spec.hf_cfg, pad_token_id=spec.pad_token_id,
                           world_size=1, log=lambda *_: None)
@@ -244,15 +244,15 @@ def test_collector_never_trains_beyond_the_bound_and_counts_what_it_drops(n):
                                f"actor_rollout.n_samples_per_prompt={n}"])
     prompts = iter(range(1000))
     nxt = lambda n: [Sample((1, next(prompts) % 9 + 2), "addition") for _ in range(n)]  # noqa: E731
-    col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=nxt, log=lambda *_: None)
+    run = SimpleNamespace(state=SimpleNamespace(step=5), rng=random.Random(0), device=torch.device("cpu"),
+                          tokenizer=SimpleNamespace(pad_id=0, decode=lambda ids: " ".join(map(str, ids))))
+    col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=nxt, state=run.state,
+                         rng=run.rng, tokenizer=run.tokenizer, device=run.device, log=lambda *_: None)
     # step 5: its 4 prompts = 2 requests, answered by versions 2 (stale: 5 - 2 > 1) and 4; the dropped
     # request's prompts are asked again and answered by version 5
     col.proc, col.started, col._eos = _FakeProcess([2, 4, 5]), True, None
-    run = SimpleNamespace(state=SimpleNamespace(step=5), rng=random.Random(0), device=torch.device("cpu"),
-                          tokenizer=SimpleNamespace(pad_id=0, decode=lambda ids: " ".join(map(str, ids))))
-    trainer = SimpleNamespace(run=run, score=lambda rb: SimpleNamespace(rollout=rb))
     timer = lambda name: __import__("contextlib").nullcontext()  # noqa: E731
-    scored, stats = col.collect(trainer, nxt(4), timer)
+    scored, stats = col.collect(nxt(4), rollout=None, score=lambda rb: SimpleNamespace(rollout=rb), timer=timer)
     rb = scored.rollout
     versions = rb.versions.tolist()
     assert sorted(versions) == [4] * 2 * n + [5] * 2 * n and max(5 - v for v in versions) <= 1
@@ -289,8 +289,9 @@ def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterr
                                "algorithm.async_rl.max_staleness=2"])
     timer = lambda name: __import__("contextlib").nullcontext()  # noqa: E731
 
-    def collector(prompts, versions):
+    def collector(prompts, versions, run):
         col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=prompts.next_batch,
+                             state=run.state, rng=run.rng, tokenizer=run.tokenizer, device=run.device,
                              log=lambda *_: None)
         col.proc, col._eos = _FakeProcess(versions), None
         col.proc.start = lambda: None
@@ -299,15 +300,15 @@ def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterr
 
     def step(col, run, prompts, k):
         run.state.step = k
-        scored, _ = col.collect(SimpleNamespace(run=run, score=lambda rb: SimpleNamespace(rollout=rb)),
-                                prompts.next_batch(4), timer)
+        scored, _ = col.collect(prompts.next_batch(4), rollout=None, score=lambda rb: SimpleNamespace(rollout=rb),
+                                timer=timer)
         seeds = {tuple(p): r.params.seed for r in col.proc.requests for p in r.prompts}
         return [(s.prompt_ids, seeds[s.prompt_ids]) for s in scored.rollout.samples]
 
     tok = SimpleNamespace(pad_id=0, eos_id=None, decode=lambda ids: "")
     px, run_x = _Prompts(), SimpleNamespace(state=SimpleNamespace(step=0), rng=random.Random(7),
                                             device=torch.device("cpu"), tokenizer=tok)
-    x = collector(px, lambda: run_x.state.step)  # the newest weights at each answer: nothing is dropped
+    x = collector(px, lambda: run_x.state.step, run_x)  # the newest weights at each answer: nothing is dropped
     x.proc.requests = []
     orig_submit = x.proc.submit
     x.proc.submit = lambda req: (x.proc.requests.append(req), orig_submit(req))[1]
@@ -321,7 +322,7 @@ def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterr
 
     py = _Prompts(saved_pos)
     run_y = SimpleNamespace(state=SimpleNamespace(step=2), rng=saved_rng, device=torch.device("cpu"), tokenizer=tok)
-    y = collector(py, lambda: run_y.state.step)
+    y = collector(py, lambda: run_y.state.step, run_y)
     y.proc.requests = []
     orig_y = y.proc.submit
     y.proc.submit = lambda req: (y.proc.requests.append(req), orig_y(req))[1]

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.checkpoint import store as ckpt
 
 
 def _tensors(v: float):
@@ -52,7 +52,7 @@ def test_kill_during_write_keeps_previous(tmp_path):
     ckpt.save_checkpoint(tmp_path, 1, _tensors(1), {"step": 1}, keep_last=3)
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from pfppo_mega.trainer import checkpoint as ckpt
+        from pfppo_mega.trainer.checkpoint import store as ckpt
         real = ckpt._fsync_file
         calls = []
         def dying(path):
@@ -97,7 +97,7 @@ def test_state_round_trips_as_data(tmp_path):
 _KILL_ON_MOVE_IN = """
 import os, signal, sys, torch
 from pathlib import Path
-from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.checkpoint import store as ckpt
 real_replace = os.replace
 def dying(src, dst, *a, **k):
     if ".tmp-" in str(src) and Path(src).is_dir():  # the new step dir is about to move into place

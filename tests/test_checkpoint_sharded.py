@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pfppo_mega.trainer import checkpoint as ckpt
-from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.checkpoint import store as ckpt
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer import TINY, _cfg
 from test_trainer_resume import PART, _LOG, quiet, sft_small  # noqa: F401
@@ -66,7 +66,7 @@ _KILL = textwrap.dedent("""
     import json, os, signal, sys, threading
     from pathlib import Path
     from pfppo_mega.config import load_config_dict
-    from pfppo_mega.trainer import checkpoint as ckpt
+    from pfppo_mega.trainer.checkpoint import store as ckpt
     from pfppo_mega.trainer.loop import PPOTrainer
 
     cfg, where = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]

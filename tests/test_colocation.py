@@ -1,11 +1,11 @@
-"""The colocated order of every generation (trainer/generation.py): offload the trainer's states
+"""The colocated order of every generation (trainer/colocation/generation.py): offload the trainer's states
 but the actor's weights -> wake the engine's weights -> refit -> offload the actor's weights -> wake
 the KV cache -> generate -> sleep -> reload. Checked on the real trainer (training, evaluation, the
 KL probe) with the trainer's device bytes at every call, and a moved call fails the check."""
 
 import pytest
 
-from pfppo_mega.trainer.generation import ColocationOrderError, check_colocation_order
+from pfppo_mega.trainer.colocation.generation import ColocationOrderError, check_colocation_order
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)

@@ -233,7 +233,7 @@ ALIASES = list(all_aliases())
 
 def test_alias_list_is_not_empty_and_covers_every_section_with_aliases():
     assert len(ALIASES) == sum(len(cls.ALIASES) for _, cls in sections()) >= 25
-    assert {"algorithm.lam", "algorithm.kl_ctrl.kl_coef", "algorithm.pf_ppo.weight_pow",
+    assert {"algorithm.lam", "algorithm.kl_ctrl.kl_coef", "algorithm.cliprange_value",
             "trainer.total_training_steps"} <= {a for a, _, _ in ALIASES}
 
 
@@ -276,14 +276,24 @@ def test_alias_and_canonical_conflict():
     assert "conflicts with algorithm.kl_coef = 0.1" in p.rule and "algorithm.kl_coeff" in p.rule
     p = only_problem(with_base(algorithm={"kl_coeff": 0.1, "kl_coef": 0.1, "kl_loss_coef": 0.2}))
     assert "conflicts with algorithm.kl_coeff = 0.1 (kl_loss_coef is an alias of it)" in p.rule
-    p = only_problem(with_base(algorithm={"pf_ppo": {"weight_pow": 3}, "filtration": {"weight_pow": 2}}))
-    assert p.key == "algorithm.pf_ppo.weight_pow" and "algorithm.filtration.weight_pow = 2" in p.rule
+    p = only_problem(with_base(algorithm={"cliprange_value": 0.3, "value_clip": 0.2}))
+    assert p.key == "algorithm.cliprange_value" and "algorithm.value_clip = 0.2" in p.rule
     # equal values are not a conflict ("1e-6" and 1e-6 are one value; true and 1 are not)
     cfg = load_config_dict(with_base(algorithm={"lam": 0.9, "lmbda": 0.9},
                                      training={"actor_lr": "1e-6", "lr": 1e-6}))
     assert cfg.algorithm.lmbda == 0.9 and cfg.training.lr == 1e-6
     p = only_problem(with_base(algorithm={"norm_adv_by_std_in_grpo": 1, "whiten_advantages": True}))
     assert p.key == "algorithm.norm_adv_by_std_in_grpo" and "expected bool" in p.rule
+
+
+def test_pf_ppo_names_one_feature_per_layout():
+    """Our tree: algorithm.use_pf_ppo is the snapshot pool and pf_ppo.* is no key (filtration is
+    algorithm.filtration.*); verl's layout keeps verl's meaning, pf_ppo.* = policy filtration."""
+    p = only_problem(with_base(algorithm={"pf_ppo": {"weight_pow": 3.0}}))
+    assert p.key == "algorithm.pf_ppo" and "unknown key" in p.rule and "verl's" in p.rule
+    verl = resolve_config_dict({}, ["actor_rollout_ref.model.path=/m", "algorithm.use_pf_ppo=True",
+                                    "algorithm.pf_ppo.weight_pow=3.0"]).config.algorithm
+    assert (verl.filtration.enable, verl.filtration.weight_pow, verl.use_pf_ppo) == (True, 3.0, False)
 
 
 def test_verl_grpo_std_switch_does_not_turn_ppo_whitening_off():

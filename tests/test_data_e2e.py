@@ -90,7 +90,7 @@ def test_a_resume_on_edited_prompt_files_of_the_same_length_is_refused(setup, tm
     """Issue 24.2: the same paths and row count, other content -- the saved position would index other
     prompts; refused by name instead of training on silently."""
     import pyarrow.parquet as pq
-    from pfppo_mega.trainer.checkpoint import CheckpointError
+    from pfppo_mega.trainer.checkpoint.store import CheckpointError
     paths, ckpt = setup
     work = tmp_path / "data"
     work.mkdir()

@@ -1,4 +1,4 @@
-"""Device-check mode (pfppo_mega.trainer.devicecheck): the trainer's phases pass it on CPU, and
+"""Device-check mode (pfppo_mega.trainer.instruments.devicecheck): the trainer's phases pass it on CPU, and
 each of its checks fires when a tensor is where the device rule says it must not be.
 
 The 2-rank layouts (TP2, PP2, DP2, distributed optimizer) run under PFPPO_DEVICE_CHECK=1 in the
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer import loop as trainer_loop
-from pfppo_mega.trainer.devicecheck import DeviceViolation
+from pfppo_mega.trainer.instruments.devicecheck import DeviceViolation
 
 from test_trainer import sft_dir, _cfg  # noqa: F401  (the shared tiny SFT checkpoint)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pfppo_mega.config import ConfigError, load_config_dict
-from pfppo_mega.models import engine as mengine
+from pfppo_mega.models import passes as model_passes
 from pfppo_mega.trainer.loop import PPOTrainer
-from pfppo_mega.trainer.resume import tensor_state
+from pfppo_mega.trainer.checkpoint.resume import tensor_state
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)
 
@@ -26,12 +26,12 @@ def _trainer(tmp_path, sft_dir, recompute: bool, **sections):  # noqa: F811
 def _counting_forwards(monkeypatch) -> list:
     """Every forward_logp_entropy call's model, in order."""
     calls: list = []
-    real = mengine.forward_logp_entropy
+    real = model_passes.forward_logp_entropy
 
     def counted(model, *args, **kwargs):
         calls.append(model)
         return real(model, *args, **kwargs)
-    monkeypatch.setattr(mengine, "forward_logp_entropy", counted)
+    monkeypatch.setattr(model_passes, "forward_logp_entropy", counted)
     return calls
 
 

@@ -239,7 +239,7 @@ def test_unsupported_architecture_refused_at_load(case, hf, fragments, tmp_path)
             "rms_norm_eps": 1e-5, **hf}
     for load in (lambda: hf_io.model_config_from_hf(full, ModelConfig()),
                  lambda: families.DecoderShape.from_hf_config(full)):
-        with pytest.raises(families.CheckpointError) as e:
+        with pytest.raises(families.ModelDirError) as e:
             load()
         missing = [f for f in fragments if f not in str(e.value)]
         assert not missing, f"{case}: {missing} not in {str(e.value)!r}"

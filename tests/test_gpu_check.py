@@ -130,7 +130,7 @@ def test_ledger_rows_put_the_prediction_next_to_what_was_measured():
 
     from pfppo_mega.config import load_config
     from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
-    from pfppo_mega.trainer.ledger import BUILD_ORDER, STEP_ORDER
+    from pfppo_mega.ledger import BUILD_ORDER, STEP_ORDER
 
     cfg = load_config(gpu_check.CONFIG_1B, ["training.offload_during_rollout=true"])
     plan = make_plan(RunShape.from_config(cfg), Hardware.preset("h200", nodes=1, gpus_per_node=1), Knobs.from_config(cfg))

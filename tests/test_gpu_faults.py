@@ -21,7 +21,7 @@ from pfppo_mega.models import gpt
 from pfppo_mega.registry import ROLLOUT_ENGINES
 from pfppo_mega.rollout.base import EngineSpec
 from pfppo_mega.rollout.builtin import BuiltinEngine
-from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from pfppo_mega.trainer.update import actor_step, critic_step
 

@@ -24,7 +24,7 @@ import common  # noqa: E402
 from pfppo_mega.kernels import layers as kl  # noqa: E402
 from pfppo_mega.models import fused_layers as fl  # noqa: E402
 from pfppo_mega.models import gpt, hf_io  # noqa: E402
-from pfppo_mega.trainer import ledger  # noqa: E402
+from pfppo_mega import ledger  # noqa: E402
 
 from test_fused_layers import _gen, _grads  # noqa: E402
 from test_placement import gpu_on_meta  # noqa: E402,F401  (CUDA mapped to meta, a TP1 gloo world)

@@ -176,7 +176,7 @@ def test_grpo_with_the_pool_trains_without_a_critic(sft_dir, tmp_path, watched_g
     for s in steps:
         assert any(k.startswith("is/") for k in s), sorted(s)
         assert "critic/value_loss" not in s and "critic/grad_norm" not in s  # no critic step ran
-        # a group's N rows share their prompt: the shared floor prefills it once (trainer/perf.py)
+        # a group's N rows share their prompt: the shared floor prefills it once (trainer/instruments/perf.py)
         assert 0 < s["perf/rollout_floor_shared_s"] < s["perf/rollout_floor_s"], s
     check_losses_and_weights(tr, calls, before, "ppo_clip")
     # the clock at each step's end (pfppo bench trl): steps end in order, and a step's own work fits between
@@ -193,7 +193,7 @@ def test_grpo_with_the_pool_trains_without_a_critic(sft_dir, tmp_path, watched_g
 def test_verl_losses_train_with_the_pool(sft_dir, tmp_path, policy_loss):  # noqa: F811
     extra = {"clip_cov_lb": -1.0, "clip_cov_ub": 1.0} if policy_loss == "clip_cov" else {}  # tokens to cut
     tr, steps, calls, before = _train(tmp_path, sft_dir, adv_estimator="grpo", policy_loss=policy_loss, **extra)
-    assert tr.run.policy_loss_name == policy_loss
+    assert tr.run.policy_loss.name == policy_loss
     assert all("is/mean" in s for s in steps)
     assert any(x.is_weights is not None for x, _, _ in calls)  # the pool's weights reach the loss
     check_losses_and_weights(tr, calls, before, policy_loss)

@@ -1,4 +1,4 @@
-"""Layers point down only (DESIGN.md, "Layers"): every module of pfppo_mega is read with `ast` (its
+"""Layers point down only (docs/design.md, "Layers"): every module of pfppo_mega is read with `ast` (its
 import and from-import statements, at module level and inside functions, relative ones resolved)
 and placed in a layer by its package (LAYERS). An import may go to its own package, to a lower
 layer, or to another package of its own layer where SIDEWAYS says so; no import cycle between
@@ -22,7 +22,8 @@ PKG = "pfppo_mega"
 LAYERS = (
     ("commands", ("__main__", "cli", "experiments", "bench", "planning", "doctor", "sft")),
     ("trainer", ("trainer",)),       # the loop in phases; owns no model, engine or task code
-    ("components", ("rollout", "pool", "data", "rewards", "tasks")),  # engines, pool, prompts, rewards
+    ("components", ("rollout", "pool", "data", "rewards", "tasks", "ledger")),  # engines, pool, prompts, rewards;
+    # ledger: the device-memory arithmetic that both the trainer and the planner read
     ("models", ("models",)),         # megatron models, HF import/export, resharding
     ("math", ("kernels", "ppo")),    # fused ops and pure-torch math
     ("base", ("parallel", "compat", "config", "types", "constants", "families", "tokenizer", "registry", "pinned",
@@ -44,8 +45,9 @@ SIDEWAYS = {
                                                       # timeout; the heartbeat watchdog it starts
     "config": {"constants", "registry"},  # the tree's choices and limits; registered names
 }
-# DESIGN.md's words beyond the order: "trainer/ ... owns no ... task code".
-FORBIDDEN = {("trainer", "tasks")}
+# docs/design.md's words beyond the order: "trainer/ ... owns no ... task code"; the planner does not
+# stand on the trainer (the memory arithmetic both read is ledger.py, below them).
+FORBIDDEN = {("trainer", "tasks"), ("planning", "trainer")}
 # The math: its packages may import these of the project, and torch.distributed or not (ppo/ is
 # pure torch; kernels/ holds the collectives of its thin autograd wrappers, vocab_parallel.py).
 PURE = {"ppo": ({"ppo", "constants"}, False),
@@ -156,7 +158,7 @@ def _where(imp: Import) -> str:
 def test_every_module_has_a_layer():
     missing = sorted({package(m) for m in MODULES if m != PKG and package(m) not in LAYER_OF})
     assert not missing, (f"packages of pfppo_mega in no layer: {missing}; add each to LAYERS in tests/test_layers.py "
-                         f"where DESIGN.md's 'Layers' puts it")
+                         f"where docs/design.md's 'Layers' puts it")
     assert len(LAYER_OF) == sum(len(p) for _, p in LAYERS), "a package is in two layers of LAYERS"
     # the root package is what every submodule import runs first: it must stay empty
     assert [i for i in IMPORTS if i.importer == PKG] == [], "pfppo_mega/__init__.py imports the project"
@@ -178,14 +180,14 @@ def test_imports_point_down():
         ls, ld = LAYER_OF[src], LAYER_OF[dst]
         if (src, dst) in FORBIDDEN:
             bad.append(f"{_where(i)}: {i.importer} ({layer(i.importer)}) imports {i.target} ({layer(i.target)}): "
-                       f"DESIGN.md forbids {src}/ -> {dst}/")
+                       f"docs/design.md forbids {src}/ -> {dst}/")
         elif ld < ls:
             bad.append(f"{_where(i)}: upward import: {i.importer} (layer {layer(i.importer)}) imports {i.target} "
                        f"(layer {layer(i.target)}, above it)")
         elif ld == ls and dst not in SIDEWAYS.get(src, ()):
             bad.append(f"{_where(i)}: sideways import: {i.importer} (layer {layer(i.importer)}) imports {i.target} "
                        f"(layer {layer(i.target)}), which SIDEWAYS does not allow {src} to import")
-    assert not bad, "imports against the layers of DESIGN.md:\n" + "\n".join(bad)
+    assert not bad, "imports against the layers of docs/design.md:\n" + "\n".join(bad)
 
 
 def test_sideways_table_is_honest():
@@ -289,6 +291,36 @@ def test_no_import_cycle():
     assert not report, "\n".join(report)
 
 
+# trainer/ in wings (docs/design.md, "The trainer's wings"): the step (the modules directly in trainer/)
+# runs the phases and may use every wing; a wing is one concern the step calls into. A wing imports
+# its own modules, the wings WING_IMPORTS names, and of the step only STEP_TYPES.
+WINGS = ("checkpoint", "colocation", "instruments")
+WING_IMPORTS = {"checkpoint": set(), "colocation": {"instruments"}, "instruments": set()}
+STEP_TYPES = {"batch", "seeds", "build"}  # the typed batches, the seed streams, the Run the phases share
+
+
+def wing(module: str) -> str | None:
+    """pfppo_mega.trainer.colocation.offload -> colocation; pfppo_mega.trainer.loop -> step; else None."""
+    parts = module.split(".")
+    if parts[:2] != [PKG, "trainer"]:
+        return None
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and MODULES.get(module, (None, False))[1]) else "step"
+
+
+def test_trainer_wings():
+    folders = sorted({m.split(".")[2] for m in MODULES if wing(m) not in (None, "step")})
+    assert folders == sorted(WINGS), f"trainer/ subpackages {folders}: add each to WINGS (docs/design.md)"
+    bad = []
+    for i in IMPORTS:
+        src, dst = wing(i.importer), wing(i.target)
+        if src in (None, "step") or dst is None or src == dst or dst in WING_IMPORTS[src]:
+            continue
+        if dst == "step" and i.target.split(".")[-1] in STEP_TYPES:
+            continue
+        bad.append(f"{_where(i)}: trainer wing {src}/ imports {i.target} ({dst})")
+    assert not bad, "imports against the trainer's wings:\n" + "\n".join(bad)
+
+
 def test_math_imports_only_math():
     """ppo/ imports the standard library, torch (nothing distributed) and constants; kernels/ adds
     ppo/, its own ops and the collectives of its thin autograd wrappers. Nothing above them."""
@@ -344,9 +376,9 @@ for k in range(len(layers) - 1, 0, -1):  # bottom layer first; the first layer t
         break
 print(json.dumps({"bad": bad, "skipped": skipped}))
 """
-# DESIGN.md: models/ never imports a task; the built-in task is reached only through the builders
+# docs/design.md: models/ never imports a task; the built-in task is reached only through the builders
 # (data.build_prompt_data, rewards.build_reward_fn): these load neither it nor the trainer.
-NO_TASK = ("pfppo_mega.types", "pfppo_mega.tokenizer", "pfppo_mega.models.engine", "pfppo_mega.models.gpt",
+NO_TASK = ("pfppo_mega.types", "pfppo_mega.tokenizer", "pfppo_mega.models.passes", "pfppo_mega.models.gpt",
            "pfppo_mega.models.hf_io", "pfppo_mega.data", "pfppo_mega.data.files", "pfppo_mega.rewards",
            "pfppo_mega.rewards.base", "pfppo_mega.rewards.custom")
 

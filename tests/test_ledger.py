@@ -1,4 +1,4 @@
-"""The device-memory ledger of the colocated step (trainer/ledger.py): the trainer enters every phase
+"""The device-memory ledger of the colocated step (pfppo_mega/ledger.py): the trainer enters every phase
 as its code runs it and the ledger checks the predicted device bytes against the card; `pfppo plan`
 computes its figures from the same ledger. On CPU the card is simulated (generation.SimulatedCard:
 the GPU run's holdings, vLLM sleeping, KV = gpu_memory_utilization x card): the trainer's real order
@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pfppo_mega import ledger
 from pfppo_mega.config import load_config
+from pfppo_mega.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
 from pfppo_mega.planning.cli import main as plan_main
 from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
-from pfppo_mega.trainer import generation, ledger
-from pfppo_mega.trainer.generation import Generation, SimulatedCard
-from pfppo_mega.trainer.ledger import BUILD_ORDER, STEP_ORDER, Ledger, LedgerOverflow, min_capacity
+from pfppo_mega.trainer.colocation import generation
+from pfppo_mega.trainer.colocation.generation import Generation, SimulatedCard
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)
@@ -204,7 +205,8 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     """work/* per step (one rank): tokens generated = needed, weight bytes received = the full
     plan's bytes x the refits and switches the engine took, checkpoint bytes = what each save
     reported, host bytes held = the offload's host buffers + the pool's shards at the step's end."""
-    from pfppo_mega.trainer import loop, resume
+    from pfppo_mega.trainer import loop
+    from pfppo_mega.trainer.checkpoint import resume
 
     reported: list[int] = []
     save = resume.save
@@ -225,7 +227,7 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "work/tokens_generated" in r]
     assert len(steps) == 2
-    rest = tr.run.gen.take_work(tr.run.behaviour.pool)  # what came after the last record (final eval, save)
+    rest = tr.run.gen.take_work(tr.run.behaviour.host_bytes())  # what came after the last record (final eval, save)
     plan_bytes = tr.run.sync.plan_bytes()
     got = sum(r["work/refit_bytes_received"] + r["work/switch_bytes_received"] for r in steps)
     got += rest.refit_bytes + rest.switch_bytes

@@ -313,7 +313,7 @@ def test_unsupported_architecture_is_rejected(hf_ckpt):
     hf_cfg = hf_io.read_hf_config(path)
     bad = dict(hf_cfg, attention_bias=True,
                rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 8.0})
-    with pytest.raises(hf_io.CheckpointError, match=r"attention_bias = True(.|\n)*rope_type = 'dynamic'"):
+    with pytest.raises(hf_io.ModelDirError, match=r"attention_bias = True(.|\n)*rope_type = 'dynamic'"):
         hf_io.model_config_from_hf(bad, ModelConfig())
 
 
@@ -340,7 +340,7 @@ def test_missing_and_malformed_checkpoints(tmp_path, hf_ckpt):
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight: expected \(32, 64\), found \(16, 64\)"):
         hf_io.hf_to_megatron(sd, _model_cfg(path))
     del sd["model.norm.weight"]
-    with pytest.raises(hf_io.CheckpointError, match="lacks tensor.*model.norm.weight"):
+    with pytest.raises(hf_io.ModelDirError, match="lacks tensor.*model.norm.weight"):
         hf_io.hf_to_megatron(sd, _model_cfg(path))
 
 

@@ -1,4 +1,4 @@
-"""Colocation (pfppo_mega.trainer.offload): the trainer's states leave the device during rollout and
+"""Colocation (pfppo_mega.trainer.colocation.offload): the trainer's states leave the device during rollout and
 come back bit-identical; training with the offload equals training without it; the planner's
 rollout-phase figure is what the trainer really keeps on the device, with the offload and without."""
 
@@ -7,7 +7,7 @@ import torch
 
 from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan, offload_from_config
 from pfppo_mega.trainer.loop import PPOTrainer
-from pfppo_mega.trainer.offload import (TrainerOffload, module_tensors, offload_enabled, optimizer_tensors,
+from pfppo_mega.trainer.colocation.offload import (TrainerOffload, module_tensors, offload_enabled, optimizer_tensors,
                                         unique_storages)
 
 from test_pinned import fake_cuda  # noqa: F401  (CUDA faked: a recording cudart)

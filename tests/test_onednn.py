@@ -141,7 +141,7 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
     with the routing off (torch.mm): equal within float round-off, the route really taken; a training
     schedule routes nothing (packs do not repay their reorder there), and the update that follows the
     routed forward matches too."""
-    from pfppo_mega.models import engine, gpt
+    from pfppo_mega.models import passes, gpt
 
     mc, inp = _tiny_megatron()
     calls = []
@@ -160,10 +160,10 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
         opt = gpt.build_optimizer(actor, lr=1e-3, weight_decay=0.0, grad_clip=1.0)
         monkeypatch.setattr(onednn, "routed_matmul", counting if routed else (lambda args, kwargs: None))
         calls.clear()
-        logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
+        logp, _ = passes.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
         routed_forward = sum(calls)
         calls.clear()
-        step = engine.train_step(actor, opt, inp, lambda lp, ent, mb: ((lp * mb.inputs.response_mask).sum() * 0.01, {}),
+        step = passes.train_step(actor, opt, inp, lambda lp, ent, mb: ((lp * mb.inputs.response_mask).sum() * 0.01, {}),
                                  temperature=1.0, micro_batch_size=3)
         results[routed] = (logp, step.loss, [p.detach().clone() for p in actor.parameters()])
         if routed:
@@ -179,7 +179,7 @@ def test_megatron_passes_through_onednn_match_torch_mm(monkeypatch):
 def test_a_frozen_model_keeps_its_packs_between_passes(monkeypatch):
     """The reference policy (every parameter frozen) reorders its weights once, not per pass; an
     in-place change still repacks; a trained model keeps nothing between passes."""
-    from pfppo_mega.models import engine, gpt
+    from pfppo_mega.models import passes, gpt
 
     mc, inp = _tiny_megatron()
     reorders = []
@@ -187,15 +187,15 @@ def test_a_frozen_model_keeps_its_packs_between_passes(monkeypatch):
     monkeypatch.setattr(onednn, "pack", lambda w, batch_hint: reorders.append(w.shape) or real(w, batch_hint=batch_hint))
     ref = gpt.build_actor(mc)
     ref.eval().requires_grad_(False)
-    first, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    first, _ = passes.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
     made = len(reorders)
     assert made > 0 and onednn.frozen_packs(ref)
-    again, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    again, _ = passes.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
     assert len(reorders) == made and torch.equal(first, again)  # no reorder the second time, same result
     with torch.no_grad():
         ref.decoder.layers[0].mlp.linear_fc1.weight.mul_(1.5)  # in place: its version moves, only it is repacked
-    changed, _ = engine.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
+    changed, _ = passes.forward_logp_entropy(ref, inp, temperature=1.0, micro_batch_size=3)
     assert len(reorders) == made + 1 and not torch.equal(changed, first)
     actor = gpt.build_actor(mc)  # trainable: packs made per pass, none kept
-    engine.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
+    passes.forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=3)
     assert onednn.frozen_packs(actor) is None and "_onednn_packs" not in actor.__dict__

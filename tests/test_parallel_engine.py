@@ -27,7 +27,7 @@ from pfppo_mega import parallel, ppo  # noqa: E402
 from pfppo_mega.compat import megatron_cpu  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
 from pfppo_mega.kernels import available_backends, get_backend, shard_math, vocab_parallel_logprob_entropy  # noqa: E402
-from pfppo_mega.models import engine, gpt, hf_io, reshard  # noqa: E402
+from pfppo_mega.models import passes, gpt, hf_io, reshard  # noqa: E402
 from pfppo_mega.models.reshard import Split, Stage  # noqa: E402
 
 
@@ -181,12 +181,12 @@ def test_shares_over_micro_batches_and_dp_sum_to_the_global_aggregate(mode):
     mask = (torch.rand(10, 6, generator=gen) < 0.6).double()
     mask[4] = 0  # a row without tokens
     whole = ppo.agg_loss(loss_mat, mask, mode=mode)
-    norm = engine.Normalizers(tokens=float(mask.sum()), rows=float((mask.sum(1) > 0).sum()))
+    norm = passes.Normalizers(tokens=float(mask.sum()), rows=float((mask.sum(1) > 0).sum()))
     for split in ([10], [3, 3, 4], [1] * 10, [5, 5]):  # micro-batches (and DP ranks: the same rule)
         parts = torch.split(torch.arange(10), split)
-        total = sum(engine.agg_loss_share(loss_mat[i], mask[i], norm, mode=mode) for i in parts)
+        total = sum(passes.agg_loss_share(loss_mat[i], mask[i], norm, mode=mode) for i in parts)
         assert abs(total.item() - whole.item()) < 1e-12, split
-    assert engine.share_scale(mask, norm, mode=mode) == 1.0
+    assert passes.share_scale(mask, norm, mode=mode) == 1.0
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -240,7 +240,7 @@ def test_qwen2_logits_export_and_critic_weights(world, ckpts, tmp_path):
     hf_io.load_actor_from_hf(actor, path)
     ids = common.ppo_batch().inputs.input_ids
     refs = load_file(str(path.parent / common.REFERENCES))
-    logits = engine.forward_logits(actor, ids, micro_batch_size=3).double()
+    logits = passes.forward_logits(actor, ids, micro_batch_size=3).double()
     err = (logits - refs["logits/qwen2"]).abs().max().item()
     print(f"\n[qwen2 tp1] logits max |megatron - transformers fp64| = {err:.2e}")
     assert err < 2e-5
@@ -288,11 +288,11 @@ def test_forward_logp_entropy_and_values_equal_trainer_exactly(world, ckpts, ker
         ref = _trainer_policy_logp(actor, inp, common.TEMPERATURE, kernels)
     # The temperature is folded into the kernel (x / T per element, as the trainer's division):
     # the same numbers, bit for bit.
-    got = engine.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=common.BATCH,
+    got = passes.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=common.BATCH,
                                       kernels=kernels)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     # The default (pure torch) and in micro-batches: fp32 rounding only.
-    vp = engine.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=3)
+    vp = passes.forward_logp_entropy(actor, inp, temperature=common.TEMPERATURE, micro_batch_size=3)
     assert (vp[0] - ref[0]).abs().max() < 1e-5 and (vp[1] - ref[1]).abs().max() < 1e-5
 
     critic = gpt.build_critic(cfg)
@@ -300,11 +300,11 @@ def test_forward_logp_entropy_and_values_equal_trainer_exactly(world, ckpts, ker
     common.set_value_head(critic)
     with torch.no_grad():
         ref_v = gpt.critic_values(critic, inp.input_ids, inp.attention_mask).gather(1, inp.resp_pos)
-    assert torch.equal(engine.forward_values(critic, inp, micro_batch_size=common.BATCH), ref_v)
+    assert torch.equal(passes.forward_values(critic, inp, micro_batch_size=common.BATCH), ref_v)
 
 
 def test_train_step_equals_trainer_backward_and_step_exactly(world, ckpts):
-    """engine.train_step with one micro-batch == the trainer's loss.backward() + optimizer_step."""
+    """passes.train_step with one micro-batch == the trainer's loss.backward() + optimizer_step."""
     kernels = get_backend("torch")
     path = ckpts["llama"]
     batch = common.ppo_batch()
@@ -324,10 +324,10 @@ def test_train_step_equals_trainer_backward_and_step_exactly(world, ckpts):
 
         ddp.train()
         if use_engine:
-            res = engine.train_step(
+            res = passes.train_step(
                 ddp, opt, inp,
                 lambda logp, ent, mb: (loss_of(logp, ent, mb.inputs.response_mask)
-                                       * engine.share_scale(mb.inputs.response_mask, mb.norm, mode="token-mean"), {}),
+                                       * passes.share_scale(mb.inputs.response_mask, mb.norm, mode="token-mean"), {}),
                 temperature=common.TEMPERATURE, micro_batch_size=common.BATCH, kernels=kernels)
             loss, grad_norm = res.loss, res.grad_norm
         else:
@@ -347,23 +347,23 @@ def test_train_step_skips_a_non_finite_loss(world, ckpts):
     ddp = gpt.wrap_ddp(actor)
     opt = gpt.build_optimizer(ddp, lr=1e-2, weight_decay=0.0, grad_clip=1.0)
     before = {n: p.detach().clone() for n, p in actor.named_parameters()}
-    res = engine.train_step(ddp, opt, common.ppo_batch().inputs,
+    res = passes.train_step(ddp, opt, common.ppo_batch().inputs,
                             lambda logp, ent, mb: (logp.sum() * float("nan"), {"x": 1.0}),
                             temperature=1.0, micro_batch_size=4)
     assert not res.update_successful and res.loss != res.loss and res.stats == {"x": 1.0}
     assert all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
     with pytest.raises(TypeError, match="wrap_ddp"):
-        engine.train_step(actor, opt, common.ppo_batch().inputs, lambda *a: None, temperature=1.0,
+        passes.train_step(actor, opt, common.ppo_batch().inputs, lambda *a: None, temperature=1.0,
                           micro_batch_size=4)
     with pytest.raises(ValueError, match=r"0-dim loss share"):
-        engine.train_step(ddp, opt, common.ppo_batch().inputs, lambda logp, ent, mb: (logp, {}),
+        passes.train_step(ddp, opt, common.ppo_batch().inputs, lambda logp, ent, mb: (logp, {}),
                           temperature=1.0, micro_batch_size=4)
     with pytest.raises(ValueError, match=r"micro_batch_size\(0\)"):
-        engine.forward_logp_entropy(actor, common.ppo_batch().inputs, temperature=1.0, micro_batch_size=0)
+        passes.forward_logp_entropy(actor, common.ppo_batch().inputs, temperature=1.0, micro_batch_size=0)
     bad = dataclasses.replace(common.ppo_batch().inputs)
     bad.attention_mask = bad.attention_mask.flip(1)
     with pytest.raises(ValueError, match="not right-padded"):
-        engine.forward_values(actor, bad, micro_batch_size=2)
+        passes.forward_values(actor, bad, micro_batch_size=2)
 
 
 class _HostSyncs(torch.overrides.TorchFunctionMode):
@@ -378,7 +378,7 @@ class _HostSyncs(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            from pfppo_mega.trainer.devicecheck import _tensor_type
+            from pfppo_mega.trainer.instruments.devicecheck import _tensor_type
 
             return _tensor_type(args[0])  # megatron's type asserts, answered as the CPU layer answers them
         self.count += func in self.READS and self.active()
@@ -409,8 +409,8 @@ def test_the_update_reads_its_losses_once_not_per_micro_batch(world, ckpts, monk
         ddp = gpt.wrap_ddp(actor)
         opt = gpt.build_optimizer(ddp, lr=1e-3, weight_decay=0.0, grad_clip=1.0)
         with _HostSyncs(lambda: not counting) as syncs:
-            engine.train_step(ddp, opt, common.ppo_batch().inputs,
-                              lambda logp, ent, mb: ((logp * mb.inputs.response_mask).sum() * engine.share_scale(
+            passes.train_step(ddp, opt, common.ppo_batch().inputs,
+                              lambda logp, ent, mb: ((logp * mb.inputs.response_mask).sum() * passes.share_scale(
                                   mb.inputs.response_mask, mb.norm, mode="token-mean", like=logp),
                                   {"x": logp.detach().mean()}),
                               temperature=1.0, micro_batch_size=mbs)

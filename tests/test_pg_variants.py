@@ -241,6 +241,20 @@ def test_the_pool_is_weights_reach_every_registered_loss(name):
     assert scaled.agg_mode == pgv.AGG_MODE.get(name)
 
 
+@pytest.mark.parametrize("name", sorted(tpl.POLICY_LOSSES))
+def test_every_loss_aggregates_over_the_mask_it_declares(name):
+    """The update counts the declared mask before the micro-batches run (trainer/update.py): a
+    variant whose result aggregates over another mask would be scaled by the wrong count."""
+    x = _registry_inputs(False)
+    pg_mask = x.mask.clone()
+    pg_mask[:, 0] = 0                                  # the IS mask mode dropped the first tokens
+    x = tpl.PolicyLossInputs(**{**x.__dict__, "pg_mask": pg_mask})
+    loss = tpl.get_policy_loss(name)
+    out = loss(x, _params(generator=torch.Generator().manual_seed(0)))
+    want = x.pg_mask if loss.trains_on_pg_mask else x.mask
+    assert torch.equal(out.mask, want), (name, loss.trains_on_pg_mask)
+
+
 def test_every_configurable_loss_is_registered_and_tis_is_refused_with_another():
     assert set(POLICY_LOSSES) | {"tis"} == set(tpl.POLICY_LOSSES)
     assert tpl.choose_policy_loss(use_pool=False, is_mode="tis", name="gspo") == "gspo"

@@ -13,7 +13,7 @@ in megatron's optimizer build ("Wrapped parameters must be ... torch.cuda.*").
 
 On the CPU itself: the reference computes the actor's logits exactly at step 0 in bf16 (its norms
 were fp32 beside bf16 linears), and SFT and the trainer's build run inside the device-check session
-(pfppo_mega.trainer.devicecheck), which tags whatever is made on the host.
+(pfppo_mega.trainer.instruments.devicecheck), which tags whatever is made on the host.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pfppo_mega import parallel
 from pfppo_mega.compat import megatron_cpu
 from pfppo_mega.config import load_config, load_config_dict
 from pfppo_mega.models import gpt, hf_io
-from pfppo_mega.trainer.offload import optimizer_tensors
+from pfppo_mega.trainer.colocation.offload import optimizer_tensors
 
 from test_trainer import TINY, _cfg, sft_dir  # noqa: F401  (the shared tiny SFT checkpoint)
 
@@ -176,7 +176,7 @@ def test_the_value_head_is_made_on_the_device(gpu_on_meta, monkeypatch):
 
 def test_reward_model_and_builtin_engine_on_the_device(tmp_path, gpu_on_meta):
     from pfppo_mega.rewards.model import RewardModel
-    from pfppo_mega.trainer.engine_sync import build_engine
+    from pfppo_mega.trainer.colocation.engine_sync import build_engine
 
     cfg = load_config(REPO / "configs" / "gpu_check_1b.yaml", [])
     model = _reduced(cfg.model, "llama")
@@ -227,7 +227,7 @@ def test_sft_runs_inside_the_device_check_session(tmp_path):
     what is made on the host, and the first op mixing it with the model raises (41a788e: ids/targets/mask
     and the held-out prompts on the host)."""
     from pfppo_mega.sft import run_sft
-    from pfppo_mega.trainer import devicecheck
+    from pfppo_mega.trainer.instruments import devicecheck
 
     d = json.loads(json.dumps(TINY))
     d["sft"].update(steps=2, output_dir=str(tmp_path / "sft"), min_accuracy=0)
@@ -241,7 +241,7 @@ def test_sft_runs_inside_the_device_check_session(tmp_path):
 def test_build_run_inside_the_device_check_session(sft_dir, tmp_path):  # noqa: F811
     """The trainer built inside the session (models, engine, pool, kernels) and a step after it: nothing
     that meets a model was made on the host."""
-    from pfppo_mega.trainer import devicecheck
+    from pfppo_mega.trainer.instruments import devicecheck
     from pfppo_mega.trainer.loop import PPOTrainer
 
     cfg = _cfg(tmp_path, sft_dir, algorithm={"use_pf_ppo": True}, training={"total_training_steps": 1})

@@ -22,7 +22,7 @@ from pfppo_mega.pool.snapshots import SnapshotPool  # noqa: E402
 from pfppo_mega.rollout import SamplingParams  # noqa: E402
 from pfppo_mega.rollout.weights import WeightUpdateError  # noqa: E402
 from pfppo_mega.rollout.base import EngineSetupError  # noqa: E402
-from pfppo_mega.trainer.engine_sync import EngineSync, build_engine  # noqa: E402
+from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -132,8 +132,8 @@ def test_the_refit_streams_buffers_are_freed_when_the_engine_sleeps(setup, monke
     from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
     from pfppo_mega.rollout import refit
     from pfppo_mega.rollout.weights import wire_nbytes
-    from pfppo_mega.trainer.generation import Generation, MemoryRecorder
-    from pfppo_mega.trainer.ledger import Ledger
+    from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder
+    from pfppo_mega.ledger import Ledger
 
     path, actor, cfg, _, hf_cfg = setup
     engine = build_engine(_cfg(), path, hf_cfg, pad_token_id=0, world_size=1, log=lambda *_: None)

@@ -44,7 +44,7 @@ def _interrupt(engine, after: int, action) -> None:
 
 
 def _switch(engine, pool, plan, version, groups):
-    from pfppo_mega.trainer.engine_sync import RefitTimeoutError, update_everywhere
+    from pfppo_mega.trainer.colocation.engine_sync import RefitTimeoutError, update_everywhere
 
     t0 = time.perf_counter()
     try:
@@ -63,7 +63,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
     from pfppo_mega.rollout import BuiltinEngine, DecoderShape
     from pfppo_mega.rollout.source import NamedTensorSource
-    from pfppo_mega.trainer.engine_sync import RefitGroups
+    from pfppo_mega.trainer.colocation.engine_sync import RefitGroups
 
     engine = BuiltinEngine(DecoderShape.from_hf_config(HF), pad_token_id=0, bucket_bytes=BUCKET_BYTES,
                            log=lambda *_: None)
@@ -96,7 +96,7 @@ def test_refit_timeout_key_is_validated():
 
     from pfppo_mega.config import ConfigError
     from pfppo_mega.config.tree import ActorRolloutConfig
-    from pfppo_mega.trainer.engine_sync import RefitGroups
+    from pfppo_mega.trainer.colocation.engine_sync import RefitGroups
 
     assert ActorRolloutConfig().refit_timeout_s == 300.0
     for bad in (0.0, -1.0, 1e9):

@@ -11,7 +11,7 @@ from pfppo_mega.ppo import outcome
 from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.trainer.estimators import AdvantageEstimator, _remax
-from pfppo_mega.trainer.generation import check_colocation_order
+from pfppo_mega.trainer.colocation.generation import check_colocation_order
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pfppo_mega.trainer.checkpoint import CheckpointError
+from pfppo_mega.trainer.checkpoint.store import CheckpointError
 from pfppo_mega.trainer.loop import PPOTrainer
 
 from test_trainer import _cfg, sft_dir  # noqa: F401  (the module's SFT checkpoint fixture)

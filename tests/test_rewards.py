@@ -221,12 +221,12 @@ def test_build_reward_fn_picks_the_configured_implementation(user_file):
 
 def test_addition_reward_goes_through_the_same_guard():
     from pfppo_mega.rewards.task import AdditionReward
-    from pfppo_mega.tasks.addition import AdditionTask, Problem, to_sample
+    from pfppo_mega.tasks.addition import AdditionProblem, AdditionTask, to_sample
     from pfppo_mega.tokenizer import char_tokenizer
     task = AdditionTask(2)
     logs = []
     r = AdditionReward(task, log=logs.append)
-    s = [to_sample(Problem(12, 30), char_tokenizer())] * 3
+    s = [to_sample(AdditionProblem(12, 30), char_tokenizer())] * 3
     assert r(s, ["42", "42", "41"], [True, False, True]).scores.tolist() == [1.0, 0.0, 0.0]
     task.reward = lambda p, text, finished: torch.tensor(float("nan"))
     res = r(s, ["42"] * 3, [True] * 3)
@@ -263,10 +263,10 @@ def test_weighted_reward_carries_the_shaped_scorers_honest_and_hacked(kind, text
     from pfppo_mega.rewards.model import WeightedReward
     from pfppo_mega.rewards.shaping import ShapedReward
     from pfppo_mega.rewards.task import AdditionReward
-    from pfppo_mega.tasks.addition import AdditionTask, Problem, to_sample
+    from pfppo_mega.tasks.addition import AdditionProblem, AdditionTask, to_sample
     from pfppo_mega.tokenizer import char_tokenizer
 
-    rows = [to_sample(Problem(12, 30), char_tokenizer())] * 3
+    rows = [to_sample(AdditionProblem(12, 30), char_tokenizer())] * 3
     rule = ShapedReward(AdditionReward(AdditionTask(2)), kind=kind, length_bonus=0.5, phrase="11",
                         phrase_score=5.0, flip_rate=0.0, scale=1.0, seed=1)
     alone = rule(rows, texts, [True] * 3)

@@ -1,6 +1,6 @@
 """Sequence parallelism splits S over the TP ranks, so S must be a multiple of tp: the batch is
 padded to the longest row rounded up (``pack(..., multiple_of=)``, and the engine's guard
-``engine.seq_multiple`` for inputs packed without it). The padding is masked, and attention is
+``passes.seq_multiple`` for inputs packed without it). The padding is masked, and attention is
 causal, so log-probs, entropies and values at the response positions do not change. Sequence
 parallelism itself cannot run on CPU (tests/test_every_config.py): the rounding is checked here
 with the multiple faked at tp = 1."""
@@ -15,7 +15,7 @@ import torch
 
 from pfppo_mega import parallel
 from pfppo_mega.config.tree import ModelConfig
-from pfppo_mega.models import engine, gpt
+from pfppo_mega.models import passes, gpt
 from pfppo_mega.types import pack
 
 torch.set_num_threads(1)
@@ -50,10 +50,10 @@ def test_pack_rounds_the_sequence_up_and_masks_the_padding():
 def test_seq_multiple_is_tp_under_sequence_parallelism_only():
     def fake(tp, sp):
         return SimpleNamespace(module=None, config=SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp))
-    assert engine.seq_multiple(fake(8, True)) == 8
-    assert engine.seq_multiple(fake(8, False)) == 1
+    assert passes.seq_multiple(fake(8, True)) == 8
+    assert passes.seq_multiple(fake(8, False)) == 1
     ids = torch.arange(14).view(2, 7)
-    chunks = engine._chunks(ids, 1, pad=False, device=torch.device("cpu"), multiple=4)
+    chunks = passes._chunks(ids, 1, pad=False, device=torch.device("cpu"), multiple=4)
     assert [tuple(c.input_ids.shape) for c in chunks] == [(1, 8), (1, 8)]
     assert torch.equal(chunks[1].input_ids[0, :7], ids[1]) and int(chunks[1].input_ids[0, 7]) == 0
 
@@ -71,18 +71,18 @@ def test_log_probs_and_values_unchanged_by_the_padding(monkeypatch):
     actor.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
 
     def run(inputs):
-        logp, ent = engine.forward_logp_entropy(actor, inputs, temperature=0.7, micro_batch_size=2)
-        return logp, ent, engine.forward_values(critic, inputs, micro_batch_size=2)
+        logp, ent = passes.forward_logp_entropy(actor, inputs, temperature=0.7, micro_batch_size=2)
+        return logp, ent, passes.forward_values(critic, inputs, micro_batch_size=2)
 
     ref = run(plain)
     assert set(seen) == {8}
     packed = run(pack(prompts, responses, mask, pad_id=0, multiple_of=3))  # S 9, padded by pack
-    monkeypatch.setattr(engine, "seq_multiple", lambda model: 5)           # S 10, padded by the engine
+    monkeypatch.setattr(passes, "seq_multiple", lambda model: 5)           # S 10, padded by the engine
     guarded = run(plain)
     assert set(seen) == {8, 9, 10}
     m = mask.bool()
     for got in (packed, guarded):
         for a, b in zip(ref, got):
             torch.testing.assert_close(a[m], b[m], rtol=0, atol=2e-6)
-    logits = engine.forward_logits(actor, plain.input_ids, micro_batch_size=3)
+    logits = passes.forward_logits(actor, plain.input_ids, micro_batch_size=3)
     assert logits.shape == (3, 8, 19)  # the engine's padding is dropped again

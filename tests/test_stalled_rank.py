@@ -28,7 +28,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     from megatron.core import parallel_state
 
     from pfppo_mega import parallel
-    from pfppo_mega.trainer.engine_sync import lost_peer
+    from pfppo_mega.trainer.colocation.engine_sync import lost_peer
 
     parallel.init_parallel(tp=1, pp=1, backend="gloo", seed=0, timeout_s=TIMEOUT_S)
     dist.barrier()

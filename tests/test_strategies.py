@@ -12,8 +12,8 @@ from pfppo_mega.families import DecoderShape
 from pfppo_mega.registry import ADV_ESTIMATORS, ROLLOUT_ENGINES, Registry
 from pfppo_mega.rollout.base import EngineSpec
 from pfppo_mega.rollout.builtin import BuiltinEngine
-from pfppo_mega.trainer import checkpoint as ckpt
-from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.checkpoint import store as ckpt
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.loop import PPOTrainer
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pfppo_mega.sft import demo_batch
-from pfppo_mega.tasks import AdditionTask, Problem
+from pfppo_mega.tasks import AdditionProblem, AdditionTask
 from pfppo_mega.tokenizer import Tokenizer, char_tokenizer
 
 
@@ -35,7 +35,7 @@ def test_split_is_disjoint_and_reward_is_exact():
     assert not train & held
     assert not any(task.is_held_out(p) for p in train)
     assert all(task.is_held_out(p) for p in held)
-    p = Problem(999, 1)
+    p = AdditionProblem(999, 1)
     assert task.reward(p, "1000", True) == 1.0
     assert task.reward(p, "1000", False) == 0.0  # no EOS
     assert task.reward(p, "100", True) == 0.0
@@ -52,7 +52,7 @@ def test_noisy_demonstrations_rate():
 
 def test_sft_batch_masks_only_answer_tokens():
     tok, task = char_tokenizer(), AdditionTask(2)
-    ids, tgt, mask = demo_batch(task, tok, [Problem(12, 5), Problem(99, 99)], random.Random(0), 0.0)
+    ids, tgt, mask = demo_batch(task, tok, [AdditionProblem(12, 5), AdditionProblem(99, 99)], random.Random(0), 0.0)
     # row 0: <s> 1 2 + 5 = 1 7 </s>; targets shift by one; mask covers "1 7 </s>" targets
     assert tok.decode(tgt[0][mask[0].bool()].tolist()) == "17"
     assert tgt[0][mask[0].bool()].tolist()[-1] == tok.eos_id
@@ -61,7 +61,7 @@ def test_sft_batch_masks_only_answer_tokens():
 
 def test_written_forms_and_reward():
     plain, rev = AdditionTask(3), AdditionTask(3, format="reversed")
-    p = Problem(123, 45)
+    p = AdditionProblem(123, 45)
     assert (plain.prompt_text(p), plain.answer_text(p)) == ("123+45=", "168") == (p.prompt, p.answer)
     assert (rev.prompt_text(p), rev.answer_text(p)) == REVERSED_123_45
     pad = AdditionTask(3, format="padded")
@@ -69,7 +69,7 @@ def test_written_forms_and_reward():
     assert pad.reward(p, "0168", True) == 1.0 and pad.reward(p, "168", True) == 0.0
     assert rev.reward(p, rev.answer_text(p), True) == 1.0
     assert rev.reward(p, "168", True) == 0.0 and rev.reward(p, rev.answer_text(p), False) == 0.0
-    assert rev.read(rev.answer_text(Problem(999, 1))) == 1000 and rev.read("12a") is None
+    assert rev.read(rev.answer_text(AdditionProblem(999, 1))) == 1000 and rev.read("12a") is None
     # every prompt and answer of the reversed form has one length: digits sit at fixed positions
     probs = rev.train_prompts(300, random.Random(0))
     assert {len(rev.prompt_text(q)) for q in probs} == {8} and {len(rev.answer_text(q)) for q in probs} == {4}
@@ -82,7 +82,7 @@ def test_samples_carry_the_task_form():
     tok, rev = char_tokenizer(), AdditionTask(3, format="reversed")
     src = AdditionPrompts(rev, tok, random.Random(0))
     for s in src.next_batch(20) + src.eval_samples(20):
-        p = Problem(s.extra_info["a"], s.extra_info["b"])
+        p = AdditionProblem(s.extra_info["a"], s.extra_info["b"])
         assert tok.decode(list(s.prompt_ids)) == rev.prompt_text(p) and s.ground_truth == rev.answer_text(p)
 
 
@@ -103,17 +103,17 @@ def test_carry_drop_errs_exactly_where_and_as_often_as_configured(fmt):
     assert abs(len(wrong) / len(carry) - 0.7) < 0.02
     assert all(task.read(d) == p.a + p.b - 100 for p, d in wrong)
     # carry_digit 1: the tens; carry_drop 1: always; 0: never (and the rng stream is the old one)
-    p = Problem(15, 17)
+    p = AdditionProblem(15, 17)
     assert task.read(task.demonstration(p, rng, noise=0.0, carry_drop=1.0, carry_digit=1)) == 22
     a, b = random.Random(3), random.Random(3)
     assert [task.demonstration(q, a, noise=0.3) for q in probs[:300]] == \
            [task.demonstration(q, b, noise=0.3, carry_drop=0.0) for q in probs[:300]]
-    assert not task.carries_into(Problem(999, 999), 0)
+    assert not task.carries_into(AdditionProblem(999, 999), 0)
 
 
 def test_sft_batch_uses_the_task_form():
     tok, rev = char_tokenizer(), AdditionTask(2, format="reversed")
-    ids, tgt, mask = demo_batch(rev, tok, [Problem(12, 5)], random.Random(0), 0.0)
+    ids, tgt, mask = demo_batch(rev, tok, [AdditionProblem(12, 5)], random.Random(0), 0.0)
     assert tok.decode(ids[0].tolist()) == "21+50=" + "710"  # 12 + 05 = 017, written backwards
     assert tok.decode(tgt[0][mask[0].bool()].tolist()) == "710"
 

@@ -24,7 +24,7 @@ import common  # noqa: E402
 
 from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
 from pfppo_mega.config.tree import ModelConfig  # noqa: E402
-from pfppo_mega.models import engine, gpt, microbatch  # noqa: E402
+from pfppo_mega.models import passes, gpt, microbatch  # noqa: E402
 from pfppo_mega.types import pack  # noqa: E402
 
 LOSS_RTOL = 1e-6
@@ -95,14 +95,14 @@ def test_forward_passes_match_the_padded_path(world):
         critic.output_layer.weight.normal_()
     inp = _batch()
     m = inp.response_mask.bool()
-    ref = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=4),
-           engine.forward_values(critic, inp, micro_batch_size=4))
+    ref = (*passes.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=4),
+           passes.forward_values(critic, inp, micro_batch_size=4))
     plain = microbatch.Tally()
-    engine.forward_values(critic, inp, micro_batch_size=engine.Batching(4, tally=plain))
-    for batching in (engine.Batching(4, response_only=True), engine.Batching(64, max_tokens=160),
-                     engine.Batching(5, max_tokens=400, response_only=True, tally=microbatch.Tally())):
-        got = (*engine.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
-               engine.forward_values(critic, inp, micro_batch_size=batching))
+    passes.forward_values(critic, inp, micro_batch_size=passes.Batching(4, tally=plain))
+    for batching in (passes.Batching(4, response_only=True), passes.Batching(64, max_tokens=160),
+                     passes.Batching(5, max_tokens=400, response_only=True, tally=microbatch.Tally())):
+        got = (*passes.forward_logp_entropy(actor, inp, temperature=0.7, micro_batch_size=batching),
+               passes.forward_values(critic, inp, micro_batch_size=batching))
         for name, a, b in zip(("logp", "entropy", "values"), ref, got):
             # values reach ~10: fp32 sums in another order (attention over rows cut to other lengths) move ~1 ulp
             torch.testing.assert_close(b[m], a[m], rtol=1e-6, atol=2e-6, msg=lambda s: f"{name} {batching}: {s}")
@@ -118,8 +118,8 @@ def test_forward_passes_match_the_padded_path(world):
 def test_ppo_update_matches_the_padded_path(world, kind):
     batch = common.ppo_batch()
     ref = common.ppo_update(world[kind], batch, micro_batch_size=common.BATCH, dp_rank=0, dp=1)
-    for batching in (engine.Batching(common.BATCH, max_tokens=24, response_only=True),
-                     engine.Batching(3, max_tokens=40), engine.Batching(2, response_only=True)):
+    for batching in (passes.Batching(common.BATCH, max_tokens=24, response_only=True),
+                     passes.Batching(3, max_tokens=40), passes.Batching(2, response_only=True)):
         got = common.ppo_update(world[kind], batch, micro_batch_size=batching, dp_rank=0, dp=1)
         rs, gs = ref.scalars(), got.scalars()
         assert sorted(rs) == sorted(gs)
@@ -151,7 +151,7 @@ def test_config_keys_are_validated():
 def _count_probes(monkeypatch) -> tuple[list, int]:
     """A list that machine's timings append to, and how many one measurement of every rate takes."""
     from pfppo_mega.compat import onednn
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     timed, best = [], machine._best_seconds
     monkeypatch.setattr(machine, "_best_seconds", lambda fn, device, repeats: timed.append(1) or best(fn, device, repeats))
@@ -164,7 +164,7 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path, monkeypatch):
     from test_trainer import TINY, _cfg
 
     from pfppo_mega.sft import run_sft
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
     from pfppo_mega.trainer.loop import PPOTrainer
 
     timed, per_probe = _count_probes(monkeypatch)
@@ -213,7 +213,7 @@ def test_trainer_steps_match_and_report_perf(world, tmp_path, monkeypatch):
 def test_machine_remeasure_takes_the_rates_again(monkeypatch):
     """The rates are cached per process, and remeasure() (the trainer's logging.perf_probe_interval)
     makes the next call time the machine again instead of returning the first figure."""
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     timed, per_probe = _count_probes(monkeypatch)
     cpu = torch.device("cpu")
@@ -231,7 +231,7 @@ def test_machine_rate_is_the_best_library():
     """machine.matmul_rate = the best of matmul_rates (torch.mm, and oneDNN prepacked on a CPU in
     fp32 where torch has it): a floor against the slower library would flatter the phases."""
     from pfppo_mega.compat import onednn
-    from pfppo_mega.trainer import machine
+    from pfppo_mega.trainer.instruments import machine
 
     rates = machine.matmul_rates(torch.device("cpu"), torch.float32)
     assert set(rates) == ({"torch_mm", "onednn"} if onednn.available() else {"torch_mm"})
@@ -264,7 +264,7 @@ def test_perf_formulas_count_what_the_model_does():
     """Model FLOPs per token and the rollout floor by hand, on SmolLM2-135M's shape."""
     from pfppo_mega.bench.passes import SHAPES
     from pfppo_mega.families import DecoderShape
-    from pfppo_mega.trainer import perf
+    from pfppo_mega.trainer.instruments import perf
 
     s = DecoderShape.from_model_config(ModelConfig(**SHAPES["smollm2-135m"]))
     layer = perf.layer_matmul_params(s)

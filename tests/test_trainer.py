@@ -220,7 +220,7 @@ def test_other_paths_run_finite(sft_dir, tmp_path, is_mode):
                reward={"scaling": "running_zscore", "quantile_clip": 0.95, "clip_range": 3.0,
                        "length_penalty": 0.1})
     tr, metrics, _ = _run(cfg)
-    assert tr.run.behaviour.policy_loss_name == ("tis" if is_mode == "tis" else "ppo_clip")
+    assert tr.run.policy_loss.name == ("tis" if is_mode == "tis" else "ppo_clip")
     for step, m in enumerate(metrics):
         for key in ("policy/pg_loss", "policy/kl_loss", "critic/value_loss", "policy/grad_norm"):
             assert math.isfinite(m[key]), (key, m[key])
@@ -364,7 +364,7 @@ def test_pfppo_train_exits_nonzero_when_updates_keep_failing(sft_dir, tmp_path, 
 def test_update_stats_are_token_weighted_over_micro_batches(sft_dir, tmp_path):
     """Micro-batches of unequal token counts: the logged stats are the whole mini-batch's (token-
     weighted), not an unweighted mean of the micro-batches' (which depends on micro_batch_size)."""
-    from pfppo_mega.trainer.resume import load_tensor_state, tensor_state
+    from pfppo_mega.trainer.checkpoint.resume import load_tensor_state, tensor_state
 
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 1}, checkpoint={"resume": False})
     tr = PPOTrainer(cfg, log=lambda *_: None)

@@ -9,8 +9,8 @@ import pytest
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from pfppo_mega.models.gpt import FeatureError
-from pfppo_mega.trainer import checkpoint as ckpt
-from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.checkpoint import store as ckpt
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer_resume import _LOG, quiet, records_and_weights, resume_comparison, sft_small  # noqa: F401
 from test_trainer import _cfg

@@ -50,7 +50,7 @@ def setup(tmp_path_factory):
     path = root / "cfg.json"
     path.write_text(json.dumps(cfg))
     # Launch the 2-process run first; the serial reference runs here meanwhile.
-    # every layout runs in the device-check mode (pfppo_mega.trainer.devicecheck; the serial run does not)
+    # every layout runs in the device-check mode (pfppo_mega.trainer.instruments.devicecheck; the serial run does not)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(HERE / "multirank" / "trainer_layouts.py"), str(path)],
@@ -92,7 +92,7 @@ def test_engine_logp_proximal_at_pp2_equals_serial(setup):
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_every_row_is_generated_once_and_the_split_equals_one_engine(setup, layout):
-    """Rollout split across every engine (trainer/rollout_split.py): generated tokens / needed tokens
+    """Rollout split across every engine (trainer/colocation/rollout_split.py): generated tokens / needed tokens
     is 1.00 over the job at every step (a replica's TP ranks and stages no longer each regenerate its
     rows), each rank's engine generated a share, and the exchanged rows equal this rank's engine
     generating the replica's batch alone, to the bit."""
@@ -212,7 +212,7 @@ def test_a_plain_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout
 def test_a_bf16_plain_optimizer_at_another_layout_is_refused_by_name(setup):
     """bf16 parameters with a plain optimizer keep fp32 main copies by index: refused by name, both
     layouts named (the tp2 checkpoint resumed with model.params_dtype=bfloat16)."""
-    from pfppo_mega.trainer.checkpoint import CheckpointError
+    from pfppo_mega.trainer.checkpoint.store import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"written at tp=2 pp=1, this run has tp=1 pp=1: a plain optimizer's "
                                               r"state \(actor_opt, critic_opt\) over bfloat16 parameters"):
@@ -255,8 +255,8 @@ def test_a_dp2_distributed_optimizer_checkpoint_resumes_at_dp1_exactly(setup):
 
     from safetensors.torch import load_file
 
-    from pfppo_mega.trainer import checkpoint as ckpt
-    from pfppo_mega.trainer import resume
+    from pfppo_mega.trainer.checkpoint import store as ckpt
+    from pfppo_mega.trainer.checkpoint import resume
 
     tr, msgs = _resume_here("dp2_distopt", use_distributed_optimizer=True)
     assert tr.step == 2 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs

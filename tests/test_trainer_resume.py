@@ -13,8 +13,8 @@ import torch
 
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
-from pfppo_mega.trainer import checkpoint as ckpt
-from pfppo_mega.trainer import resume
+from pfppo_mega.trainer.checkpoint import store as ckpt
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 from test_trainer import TINY, _cfg
 

@@ -24,7 +24,7 @@ import torch
 from pfppo_mega import ppo
 from pfppo_mega.constants import POLICY_LOSSES
 from pfppo_mega.kernels import available_backends
-from pfppo_mega.models import engine
+from pfppo_mega.models import passes
 from pfppo_mega.ppo import pg_variants as pgv
 from pfppo_mega.trainer import policy_loss as tpl
 
@@ -53,8 +53,8 @@ def _fixed(dtype=torch.float64):
 def _split_shares(loss_of, mask, parts, mode):
     """sum over parts (micro-batches of every simulated DP rank) of loss_of(part) * share_scale, with the
     global normalisers of the whole step, as the engine's loss_fn returns them."""
-    norm = engine.Normalizers(tokens=float(mask.sum()), rows=float((mask.sum(1) > 0).sum()))
-    return sum(loss_of(idx) * engine.share_scale(mask[idx], norm, mode=mode, like=torch.zeros((), dtype=mask.dtype))
+    norm = passes.Normalizers(tokens=float(mask.sum()), rows=float((mask.sum(1) > 0).sum()))
+    return sum(loss_of(idx) * passes.share_scale(mask[idx], norm, mode=mode, like=torch.zeros((), dtype=mask.dtype))
                for idx in parts)
 
 
@@ -311,7 +311,7 @@ def tiny_actor(tmp_path_factory):
 
 
 def test_engine_dr_grpo_step_loss_and_grad_norm_are_verls_at_any_micro_batch_size(tiny_actor):
-    """engine.train_step with the trainer's Dr.GRPO share: the step's loss and grad norm at micro-batch
+    """passes.train_step with the trainer's Dr.GRPO share: the step's loss and grad norm at micro-batch
     sizes 8, 3 and 1 equal verl 0.9.1's loss (sum of pg m / rows with a token / C) and the norm of its
     gradient, both computed here by a plain backward of that formula through the same model."""
     from pfppo_mega.kernels import get_backend
@@ -325,13 +325,13 @@ def test_engine_dr_grpo_step_loss_and_grad_norm_are_verls_at_any_micro_batch_siz
     rows = float((mask.sum(1) > 0).sum())
     ddp, opt = build()
     with torch.no_grad():
-        logp0, _ = engine.forward_logp_entropy(ddp, inp, temperature=common.TEMPERATURE, micro_batch_size=8)
+        logp0, _ = passes.forward_logp_entropy(ddp, inp, temperature=common.TEMPERATURE, micro_batch_size=8)
     old = (logp0 + batch.logp_noise) * mask
 
     # verl's formula, a plain backward through the model
     ddp.train()
     gpt.zero_grads(ddp, opt)
-    res_ref = engine.train_step(
+    res_ref = passes.train_step(
         ddp, opt, inp, lambda logp, ent, mb: (
             (_verl_pg(logp, old[mb.rows], batch.advantages[mb.rows], 0.2, 0.28) * mb.inputs.response_mask).sum()
             / rows / C, {}),
@@ -345,8 +345,8 @@ def test_engine_dr_grpo_step_loss_and_grad_norm_are_verls_at_any_micro_batch_siz
             m = mb.inputs.response_mask
             out = kernels.policy_loss(logp, old[mb.rows], batch.advantages[mb.rows], m, clip_ratio_low=0.2,
                                       clip_ratio_high=0.28, loss_agg_mode=DRGRPO, loss_scale_factor=C)
-            return out.loss * engine.share_scale(m, mb.norm, mode=DRGRPO, like=out.loss), {}
-        res = engine.train_step(ddp, opt, inp, loss_fn, temperature=common.TEMPERATURE, micro_batch_size=micro,
+            return out.loss * passes.share_scale(m, mb.norm, mode=DRGRPO, like=out.loss), {}
+        res = passes.train_step(ddp, opt, inp, loss_fn, temperature=common.TEMPERATURE, micro_batch_size=micro,
                                 kernels=kernels)
         results.append((micro, res.loss, res.grad_norm))
     for micro, loss, norm in results:

@@ -52,7 +52,7 @@ def test_max_model_len_is_prompt_plus_response_within_the_context():
     from types import SimpleNamespace
 
     from pfppo_mega.rollout.base import EngineSetupError
-    from pfppo_mega.trainer.engine_sync import rollout_max_model_len
+    from pfppo_mega.trainer.colocation.engine_sync import rollout_max_model_len
 
     def cfg(prompt, response):
         return SimpleNamespace(data=SimpleNamespace(max_prompt_length=prompt),

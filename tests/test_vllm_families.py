@@ -35,7 +35,8 @@ LOGP_TOL = 1e-4  # nats; fp32 engine vs fp32 trainer / fp64 transformers (measur
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm-families") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # this checkout's package, not whichever one the environment installed
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     proc = subprocess.run([sys.executable, str(HERE / "vllm_families_run.py"), str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -118,7 +119,7 @@ def test_refit_carries_each_family_s_own_tensors(results):
 def test_unsupported_checkpoint_is_refused_before_vllm_starts(tmp_path, change, key):
     """What the trainer cannot match is refused by the engine at construction, naming the key and
     value, before any vLLM engine (or import) happens: never a silent approximation."""
-    from pfppo_mega.families import CheckpointError
+    from pfppo_mega.families import ModelDirError
 
     cfg = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 96, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -127,7 +128,7 @@ def test_unsupported_checkpoint_is_refused_before_vllm_starts(tmp_path, change, 
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     if rvllm.unavailable_reason():
         pytest.skip(rvllm.unavailable_reason())
-    with pytest.raises(CheckpointError, match=key):
+    with pytest.raises(ModelDirError, match=key):
         rvllm.VLLMEngine(tmp_path, pad_token_id=0)
 
 

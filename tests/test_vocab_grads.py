@@ -24,7 +24,7 @@ import common  # noqa: E402
 
 from pfppo_mega import ppo  # noqa: E402
 from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
-from pfppo_mega.models import engine, gpt, hf_io, vocab_grads  # noqa: E402
+from pfppo_mega.models import passes, gpt, hf_io, vocab_grads  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +54,18 @@ def _grads(path: Path, batching, *, sparse: bool, dtype: str = "float32"):
         out = ppo.policy_loss(logp, (logp.detach() + batch.logp_noise[mb.rows]) * m, batch.advantages[mb.rows], m,
                               clip_ratio_low=common.CLIP_LOW, clip_ratio_high=common.CLIP_HIGH)
         ent = ppo.agg_loss(entropy, m, mode="token-mean")
-        return (out.loss - 0.01 * ent) * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
+        return (out.loss - 0.01 * ent) * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
 
     ddp.train()
-    res = engine.train_step(ddp, opt, inp, loss, temperature=common.TEMPERATURE, micro_batch_size=batching)
+    res = passes.train_step(ddp, opt, inp, loss, temperature=common.TEMPERATURE, micro_batch_size=batching)
     assert vocab_grads.pending_rows([ddp]) == 0, "held head gradients must be flushed by the step"
     return {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}, res
 
 
 BATCHINGS = [  # many micro-batches: the held rows pass HIDDEN (64), so a flush happens mid-step too
     pytest.param(2, id="rows2"),
-    pytest.param(engine.Batching(2, response_only=True), id="rows2-response-only"),
-    pytest.param(engine.Batching(common.BATCH, max_tokens=40, response_only=True), id="budget40-response-only"),
+    pytest.param(passes.Batching(2, response_only=True), id="rows2-response-only"),
+    pytest.param(passes.Batching(common.BATCH, max_tokens=40, response_only=True), id="budget40-response-only"),
 ]
 
 
@@ -87,7 +87,7 @@ def test_gradients_match_megatrons_backward(world, kind, batching):
 
 def test_bf16_parameters(world):
     """bf16 parameters (fp32 main grads): the held pairs are bf16, the product runs in fp32."""
-    batching = engine.Batching(2, response_only=True)
+    batching = passes.Batching(2, response_only=True)
     ref, _ = _grads(world["qwen2"], batching, sparse=False, dtype="bfloat16")
     got, _ = _grads(world["qwen2"], batching, sparse=True, dtype="bfloat16")
     for name in ref:
@@ -101,7 +101,7 @@ def test_megatrons_path_where_it_does_not_apply(world):
     _, ddp, opt = _actor(world["qwen2"], sparse=True)
     inp = common.ppo_batch().inputs
     with torch.no_grad():
-        engine.forward_logp_entropy(ddp, inp, temperature=1.0, micro_batch_size=4)
+        passes.forward_logp_entropy(ddp, inp, temperature=1.0, micro_batch_size=4)
     assert vocab_grads.pending_rows([ddp]) == 0
     ids = inp.input_ids[:2]
     logits = gpt.actor_logits(ddp, ids)

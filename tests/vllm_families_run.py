@@ -11,7 +11,7 @@ names -> Hugging Face names, q/k/v out of linear_qkv, gate/up out of linear_fc1,
 q_norm / k_norm, in buckets small enough that there are several per layer). Measured on B:
 
 - the engine's sampling log-probs (T = 1 and 0.7) of the tokens it sampled vs the trainer's
-  recomputation (pfppo_mega.models.engine.forward_logp_entropy on the actor) and vs
+  recomputation (pfppo_mega.models.passes.forward_logp_entropy on the actor) and vs
   transformers in fp64; sequences run past original_max_position_embeddings for scaled RoPE;
 - refit and back: a perturbed actor changes the sampled tokens; refitting the original weights
   gives bit-identical tokens and log-probs.
@@ -107,12 +107,12 @@ def _plain_rope(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def run_family(family: str, root: Path, log) -> dict:
-    from pfppo_mega.models import engine as mengine
+    from pfppo_mega.models import passes as model_passes
     from pfppo_mega.models import gpt, hf_io
     from pfppo_mega.config.tree import ModelConfig
     from pfppo_mega.rollout import SamplingParams
     from pfppo_mega.rollout.vllm import VLLMEngine
-    from pfppo_mega.trainer.engine_sync import EngineSync
+    from pfppo_mega.trainer.colocation.engine_sync import EngineSync
     from pfppo_mega.types import pack
 
     seed = 11 + list(FAMILIES).index(family)
@@ -151,7 +151,7 @@ def run_family(family: str, root: Path, log) -> dict:
         assert out.lengths.tolist() == [NEW_TOKENS] * PROMPTS, out.lengths
         inputs = pack(prompts, out.responses, out.response_mask, pad_id=0)
         with torch.no_grad():
-            trainer_lp, _ = mengine.forward_logp_entropy(actor, inputs, temperature=temperature, micro_batch_size=2)
+            trainer_lp, _ = model_passes.forward_logp_entropy(actor, inputs, temperature=temperature, micro_batch_size=2)
         responses = [out.responses[b].tolist() for b in range(PROMPTS)]
         hf_lp = torch.stack(_hf_logprobs(model64, prompts, responses, temperature))  # [B, T] fp64
         gaps_trainer.append((out.logprobs.double() - trainer_lp.double()).abs().flatten())

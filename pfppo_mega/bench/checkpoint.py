@@ -85,7 +85,7 @@ def worker(cfg_path: str, out_prefix: str) -> None:
     import torch
 
     from pfppo_mega.config import load_config_dict
-    from pfppo_mega.trainer import resume
+    from pfppo_mega.trainer.checkpoint import resume
     from pfppo_mega.trainer.loop import PPOTrainer
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@
         Prints seconds per step, pool switch time, offload / reload time, the trainer's bytes on
         the GPU during generation and the GPU memory allocated then, peak GPU memory, and the
         planner's training- and rollout-phase predictions for the same config on 1 x 1 H200
-        (`pfppo plan`). The first step runs in the device-check mode (trainer/devicecheck.py). Then
+        (`pfppo plan`). The first step runs in the device-check mode (trainer/instruments/devicecheck.py). Then
         the device-memory ledger of the colocated order (build, then the last step: offload trainer
         -> wake weights -> refit -> wake KV -> generate -> sleep -> reload -> prepare -> update),
         its prediction per phase next to torch.cuda.max_memory_allocated / memory_allocated.
@@ -160,7 +160,7 @@ def ledger_rows(records, holdings) -> list[dict]:
     the trainer measured there (TrainerOffload bytes; on CUDA torch.cuda.memory_allocated at the
     transition and max_memory_allocated until the next one). Rows: the build's phases, then the
     last step's (from its last 'offload trainer' before a 'prepare' on)."""
-    from pfppo_mega.trainer.ledger import BUILD_ORDER
+    from pfppo_mega.ledger import BUILD_ORDER
 
     phases = [r.phase for r in records]
     build = len(BUILD_ORDER)
@@ -192,7 +192,7 @@ def run_ppo(args: argparse.Namespace) -> int:
     import torch
 
     from pfppo_mega.config import load_config
-    from pfppo_mega.trainer import devicecheck
+    from pfppo_mega.trainer.instruments import devicecheck
     from pfppo_mega.trainer.loop import PPOTrainer
 
     _need_cuda()
@@ -259,7 +259,7 @@ def run_ppo(args: argparse.Namespace) -> int:
           f"GPU during rollout: measured {last['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
           f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
           f"({type(trainer.run.engine).__name__}: {'frees its KV cache' if getattr(trainer.run.engine, 'sleep_supported', False) else 'a logged no-op'})")
-    if memory is not None:  # the ledger of the colocated order, phase by phase (trainer/ledger.py)
+    if memory is not None:  # the ledger of the colocated order, phase by phase (pfppo_mega/ledger.py)
         memory.enter("sleep")  # closes the last phase's peak (the engine is asleep already)
         ledger = ledger_rows(memory.records[:-1], memory.ledger.h)
         print(format_ledger_rows(ledger))
@@ -297,7 +297,7 @@ def _eval_then_step_then_save(trainer, steps: list[dict], torch) -> dict:
     """An evaluation and a KL probe at the policy's version, then a step (its rollout comes after
     them at the same version: with vLLM's level-2 sleep this is where stale weights would generate),
     then a checkpoint written and committed (a second process resumes from it)."""
-    from pfppo_mega.trainer import resume
+    from pfppo_mega.trainer.checkpoint import resume
     from pfppo_mega.trainer.evaluation import evaluate, kl_probe
 
     run = trainer.run
@@ -325,7 +325,7 @@ def run_audit(args: argparse.Namespace) -> int:
     from pfppo_mega.config import load_config
     from pfppo_mega.models import gpt
     from pfppo_mega.trainer.loop import PPOTrainer
-    from pfppo_mega.trainer.offload import module_tensors, optimizer_tensors
+    from pfppo_mega.trainer.colocation.offload import module_tensors, optimizer_tensors
 
     _need_cuda()
     cfg = load_config(args.config, [f"actor_rollout.model_path={args.model_dir}", f"logging.output_dir={args.out_dir}",

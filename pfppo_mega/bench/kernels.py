@@ -542,7 +542,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 @dataclass
-class Plan:
+class BenchPlan:
     """What one benchmark run measures."""
 
     device: str
@@ -555,19 +555,19 @@ class Plan:
     loss_shape: tuple[int, int]
 
 
-def make_plan(device: str, quick: bool) -> Plan:
+def make_plan(device: str, quick: bool) -> BenchPlan:
     if device == "cpu":
-        return Plan(device, quick, reps=3 if quick else 7, budget_s=0.3 if quick else 1.0,
+        return BenchPlan(device, quick, reps=3 if quick else 7, budget_s=0.3 if quick else 1.0,
                     loop_reps=2 if quick else 3, gae_shape=(512, 4096),
                     logprob_rows=64 if quick else 512, loss_shape=(512, 4096))
     # GPU: shapes large enough that launch latency does not hide the bandwidth.
-    return Plan(device, quick, reps=10 if quick else 30, budget_s=0.3 if quick else 1.0,
+    return BenchPlan(device, quick, reps=10 if quick else 30, budget_s=0.3 if quick else 1.0,
                 loop_reps=2 if quick else 3, gae_shape=(1024, 8192),
                 logprob_rows=2048 if quick else 4096,
                 loss_shape=(4096, 8192) if quick else (8192, 8192))
 
 
-def cases_of(plan: Plan) -> list[Callable[[], Case]]:
+def cases_of(plan: BenchPlan) -> list[Callable[[], Case]]:
     d = plan.device
     return [
         lambda: gae_case(d, *plan.gae_shape),

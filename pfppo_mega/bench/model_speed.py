@@ -19,7 +19,7 @@ Two parts, one process:
     sdpa     which fused SDPA backends (flash, cuDNN, memory-efficient) take the layers' call at this
              shape (GPU only): the layers fall back to the math backend, with its s^2 scores, where none does.
 
-Model FLOPs (``train_flops_per_token``): 3 x trainer.perf.forward_flops, i.e. 6 x the decoder's
+Model FLOPs (``train_flops_per_token``): 3 x trainer.instruments.perf.forward_flops, i.e. 6 x the decoder's
 matmul weights per token, 12 x heads x head_dim x layers per causal (query, key) pair, and 6 x
 hidden x V per token the head runs at (6N plus attention, N with the head). MFU = model FLOP/s over
 the device's bf16 dense peak (PEAK_BF16_TFLOPS, by device name); also read against the measured
@@ -42,7 +42,7 @@ import torch
 
 from pfppo_mega.config.tree import ModelConfig, TrainingConfig
 from pfppo_mega.families import DecoderShape
-from pfppo_mega.trainer import perf
+from pfppo_mega.trainer.instruments import perf
 
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8,
                 vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0, norm_epsilon=1e-5,
@@ -133,7 +133,7 @@ def _arm(mc: ModelConfig, features, inp, device: torch.device):
     """(train one step, the actor) of a fresh random-init actor with ``features``."""
     from pfppo_mega.bench.passes import _losses
     from pfppo_mega.kernels import get_backend
-    from pfppo_mega.models import engine, gpt
+    from pfppo_mega.models import gpt, passes as engine
 
     actor = gpt.build_actor(mc, features=features, device=device)
     ddp = gpt.wrap_ddp(actor, features=features)

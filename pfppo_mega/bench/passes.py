@@ -13,7 +13,7 @@ the batch's longest row, LM head at every position) and for the token-budget pat
     update   one actor and one critic optimizer step over the whole batch   (forward + backward)
 
 and reports each as model FLOPs / (time x this machine's matmul rate, measured beside it), the
-padding fraction and the LM head's wasted positions (trainer/perf.py defines them). Last, the
+padding fraction and the LM head's wasted positions (trainer/instruments/perf.py defines them). Last, the
 built-in engine generates ``--new-tokens`` tokens for every prompt (no EOS: the weights are
 random) and its time is set against its floor (perf.rollout_floor_s). With ``--repeats N`` the two
 paths alternate N times (load on a shared machine hits both) and the medians are reported.
@@ -36,11 +36,11 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.kernels import get_backend
-from pfppo_mega.models import engine, gpt, hf_io
+from pfppo_mega.models import passes, gpt, hf_io
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.builtin import BuiltinEngine
-from pfppo_mega.trainer import machine, perf
+from pfppo_mega.trainer.instruments import machine, perf
 from pfppo_mega.types import pack
 
 SHAPES = {
@@ -70,36 +70,36 @@ def _losses(inp, old_logp, old_values, adv, returns):
     def actor_loss(logp, entropy, mb):
         m = mb.inputs.response_mask
         out = ppo.policy_loss(logp, old_logp[mb.rows], adv[mb.rows], m, clip_ratio_low=0.2, clip_ratio_high=0.28)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
+        return out.loss * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
 
     def critic_loss(values, mb):
         m = mb.inputs.response_mask
         out = ppo.value_loss(values, old_values[mb.rows], returns[mb.rows], m, value_clip=0.2)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
+        return out.loss * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
     return actor_loss, critic_loss
 
 
 def run_passes(models, inp, batching: dict, *, seed: int, kernels=None) -> dict:
-    """One prepare and one update over ``inp`` under ``batching`` (engine.Batching kwargs), with the
+    """One prepare and one update over ``inp`` under ``batching`` (passes.Batching kwargs), with the
     trainer's log-prob kernels ``kernels`` (pfppo_mega.kernels.get_backend)."""
     actor, ref, critic, actor_opt, critic_opt = models
     lm, value, lm_train, value_train = Tally(), Tally(), Tally(), Tally()
     b = inp.labels.shape[0]
     t0 = time.perf_counter()
-    old_logp, _ = engine.forward_logp_entropy(actor, inp, temperature=1.0, kernels=kernels,
-                                              micro_batch_size=engine.Batching(tally=lm, **batching))
-    engine.forward_logp_entropy(ref, inp, temperature=1.0, kernels=kernels,
-                                micro_batch_size=engine.Batching(tally=lm, **batching))
-    old_values = engine.forward_values(critic, inp, micro_batch_size=engine.Batching(tally=value, **batching))
+    old_logp, _ = passes.forward_logp_entropy(actor, inp, temperature=1.0, kernels=kernels,
+                                              micro_batch_size=passes.Batching(tally=lm, **batching))
+    passes.forward_logp_entropy(ref, inp, temperature=1.0, kernels=kernels,
+                                micro_batch_size=passes.Batching(tally=lm, **batching))
+    old_values = passes.forward_values(critic, inp, micro_batch_size=passes.Batching(tally=value, **batching))
     prepare_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(seed)
     adv, returns = torch.randn(old_logp.shape, generator=g), torch.randn(old_logp.shape, generator=g)
     actor_loss, critic_loss = _losses(inp, old_logp * inp.response_mask, old_values * inp.response_mask, adv, returns)
     t0 = time.perf_counter()
-    a = engine.train_step(actor, actor_opt, inp, actor_loss, temperature=1.0, kernels=kernels,
-                          micro_batch_size=engine.Batching(tally=lm_train, **batching))
-    c = engine.critic_train_step(critic, critic_opt, inp, critic_loss,
-                                 micro_batch_size=engine.Batching(tally=value_train, **batching))
+    a = passes.train_step(actor, actor_opt, inp, actor_loss, temperature=1.0, kernels=kernels,
+                          micro_batch_size=passes.Batching(tally=lm_train, **batching))
+    c = passes.critic_train_step(critic, critic_opt, inp, critic_loss,
+                                 micro_batch_size=passes.Batching(tally=value_train, **batching))
     update_s = time.perf_counter() - t0
     total = Tally()
     for x in (lm, value, lm_train, value_train):

@@ -29,7 +29,7 @@ from pfppo_mega import parallel
 from pfppo_mega.bench.passes import SHAPES, _git_sha, _losses, parser, ragged_batch
 from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.kernels import get_backend
-from pfppo_mega.models import engine, gpt
+from pfppo_mega.models import passes, gpt
 
 
 ARMS = {"megatron": False, "vocab+adamw": True, "default": True}  # name -> sparse vocab grads and fused AdamW
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     inp = ragged_batch(args.rows, mc.vocab_size, seed=args.seed)
     lengths = inp.attention_mask.sum(1)
     budget = args.budget or max(int(4 * float(lengths.float().mean())), int(lengths.max()))  # bench.passes' default
-    batching = engine.Batching(args.rows, max_tokens=budget, response_only=True)
+    batching = passes.Batching(args.rows, max_tokens=budget, response_only=True)
     kernels = get_backend("auto")
     start = gpt.build_actor(mc).state_dict()
     arms = {}
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
             _unfuse(opt)
         arms[name] = (ddp, opt)
     first = next(iter(arms.values()))[0]
-    old, _ = engine.forward_logp_entropy(first, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
+    old, _ = passes.forward_logp_entropy(first, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(args.seed))
     actor_loss, _ = _losses(inp, old * inp.response_mask, old, adv, adv)
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     for _ in range(args.steps):
         for name, (ddp, opt) in arms.items():
             t0 = time.perf_counter()
-            res = engine.train_step(ddp, opt, inp, actor_loss, temperature=1.0, micro_batch_size=batching,
+            res = passes.train_step(ddp, opt, inp, actor_loss, temperature=1.0, micro_batch_size=batching,
                                     kernels=kernels)
             times[name].append(time.perf_counter() - t0)
             losses[name].append(res.loss)

@@ -512,9 +512,7 @@ class AlgorithmConfig(Section):
         "kl_penalty": "kl_estimator",
         "clip_ratio_c": "dual_clip_c",
         "cliprange_value": "value_clip",
-        "pf_ppo.reweight_method": "filtration.reweight_method",
-        "pf_ppo.weight_pow": "filtration.weight_pow",
-    }
+    }  # verl's pf_ppo.* (policy filtration) is read in verl's layout only: here use_pf_ppo is the pool
     # verl's estimator names, accepted as values of kl_estimator.
     KL_VALUE_ALIASES: ClassVar[dict[str, str]] = C.KL_ESTIMATOR_ALIASES
     VALUE_ALIASES: ClassVar[dict[str, dict[str, str]]] = {"kl_estimator": KL_VALUE_ALIASES,
@@ -784,7 +782,7 @@ class TrainingConfig(Section):
         None, "Colocation: while the rollout engine generates, the actor's and critic's parameters and optimizer "
               "states and the reference's parameters wait in host memory (pinned, exactly their size) and "
               "come back bit-identical before they are needed, the gradient buffers are freed and come back "
-              "zeroed (pfppo_mega/trainer/offload.py); the engine "
+              "zeroed (pfppo_mega/trainer/colocation/offload.py); the engine "
               "sleeps during the update. null = on for GPUs, off on CPU (host and device are one memory). "
               "`pfppo plan` reads the same key (null: on).")
     value_loss_spike_factor: float = opt(

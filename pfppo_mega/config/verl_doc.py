@@ -154,7 +154,7 @@ micro-batches on all data-parallel ranks):
   (and here before issue 36) there was no `1 / global_batch_size`: the loss and the gradient norm were
   the step's rows times verl 0.9.1's, and `training.grad_clip` bound where verl's would not.
 
-Each micro-batch returns its share of the step's aggregate (`models/engine.py`, `share_scale`: its
+Each micro-batch returns its share of the step's aggregate (`models/passes.py`, `share_scale`: its
 tokens or rows over the step's), so the micro-batch size, token-budget micro-batching and the DP
 degree change only the order of floating-point sums (`tests/test_verl091_losses.py`). The KL loss,
 the entropy bonus and the critic's value loss use the same mode and rule.

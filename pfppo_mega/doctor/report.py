@@ -27,7 +27,7 @@ class RunDirError(ValueError):
 
 
 @dataclass(frozen=True)
-class Run:
+class RunRecord:
     path: Path
     series: dict[str, Series]
     config: Optional[dict[str, Any]]
@@ -35,7 +35,7 @@ class Run:
     notes: list[str]           # what was skipped while reading (a torn last line, a bad config.yaml)
 
 
-def read_run(run_dir: str | Path) -> Run:
+def read_run(run_dir: str | Path) -> RunRecord:
     """The run's metric series (step order) and its config as a plain mapping; RunDirError when
     the directory, metrics.jsonl or one of its records is unreadable."""
     path = Path(run_dir)
@@ -79,7 +79,7 @@ def read_run(run_dir: str | Path) -> Run:
             s = series.setdefault(key, Series([], []))
             s.steps.append(step)
             s.values.append(float(value))
-    return Run(path, series, _read_config(path / CONFIG_FILE, notes), len(steps), notes)
+    return RunRecord(path, series, _read_config(path / CONFIG_FILE, notes), len(steps), notes)
 
 
 def _read_config(path: Path, notes: list[str]) -> Optional[dict[str, Any]]:
@@ -105,7 +105,7 @@ class Diagnosis:
     verdict: Verdict
 
 
-def diagnose(run: Run, rules: Sequence[Rule] = RULES) -> list[Diagnosis]:
+def diagnose(run: RunRecord, rules: Sequence[Rule] = RULES) -> list[Diagnosis]:
     return [Diagnosis(r, r.detect(run.series, run.config)) for r in rules]
 
 
@@ -129,7 +129,7 @@ SAMPLE_EVIDENCE_STEPS = 3   # steps quoted per finding
 SAMPLE_TEXT_CHARS = 40
 
 
-def worst_sample_lines(run: Run, step: int) -> list[str]:
+def worst_sample_lines(run: RunRecord, step: int) -> list[str]:
     """One line quoting the run's dumped worst samples of `step` (the first of each kind), or []
     when samples_worst.jsonl is absent or holds nothing for that step."""
     from pfppo_mega.trainer import worst_samples
@@ -151,7 +151,7 @@ def _fmt_num(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
-def _evidence(run: Run, d: Diagnosis) -> list[str]:
+def _evidence(run: RunRecord, d: Diagnosis) -> list[str]:
     """The verdict's evidence, plus the dumped worst samples of its first steps for the rules where
     reading the samples is the first remedy."""
     lines = list(d.verdict.evidence)
@@ -161,7 +161,7 @@ def _evidence(run: Run, d: Diagnosis) -> list[str]:
     return lines
 
 
-def to_json(run: Run, diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
+def to_json(run: RunRecord, diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
     return {
         "run_dir": str(run.path), "steps": run.steps, "config": run.config is not None, "notes": run.notes,
         "healthy": not any(d.verdict.status == "finding" for d in diagnoses),

@@ -553,7 +553,7 @@ RULES: tuple[Rule, ...] = (
         cause="ranks resumed from different checkpoints or sampled with different seeds, or a "
               "snapshot in host memory was corrupted; the off-policy correction is then wrong",
         remedies=(
-            Remedy("read the run's log at the first step listed: the version registry (pool/registry.py) "
+            Remedy("read the run's log at the first step listed: the version assignment (pool/assignment.py) "
                    "names the rank and both versions when ranks generate with different weights"),
             Remedy("resume every rank from the last good checkpoint, which restores one pool on all of them",
                    "checkpoint.resume", _fixed(True), "true"),

@@ -20,7 +20,7 @@ from pfppo_mega.models.gpt import (
     zero_grads,
 )
 from pfppo_mega.models.hf_io import (
-    CheckpointError,
+    ModelDirError,
     CheckpointReader,
     architecture_from_hf,
     export_hf,
@@ -40,7 +40,7 @@ __all__ = [
     "CriticModel", "StepStats", "actor_logits", "build_actor", "build_critic", "build_optimizer",
     "check_layout", "critic_values", "optimizer_step", "transformer_config", "unwrap", "wrap_ddp",
     "zero_grads",
-    "CheckpointError", "CheckpointReader", "architecture_from_hf", "export_hf", "gather_hf_weights", "hf_to_megatron", "load_actor_from_hf",
+    "ModelDirError", "CheckpointReader", "architecture_from_hf", "export_hf", "gather_hf_weights", "hf_to_megatron", "load_actor_from_hf",
     "load_critic_trunk_from_hf", "load_hf_state_dict", "megatron_named_params_to_hf", "megatron_to_hf",
     "model_config_from_hf", "qkv_bias_from_hf", "read_hf_config",
 ]

@@ -24,7 +24,7 @@ against ~90 ms of the layer's matmuls (GPU figures: scripts/gpu_check.sh's speed
 
 The batches reaching the layers are right-padded rows [b, s] with positions 0..s-1 and no mask
 (models.gpt.actor_logits; the token-budget plan of training.use_dynamic_bsz cuts each micro-batch
-to its longest row, models.engine._plan), so causal attention alone keeps every real token from its
+to its longest row, models.passes._plan), so causal attention alone keeps every real token from its
 row's padding: no mask tensor and no packed (THD) layout is needed. Where a fused piece cannot run
 (a mask or attention bias, packed sequences, mscale or interleaved RoPE, context parallelism,
 dropout) it calls megatron's own code, so the model is the same module either way; its parameters

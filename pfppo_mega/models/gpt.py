@@ -15,7 +15,7 @@ The model records it as ``model.architecture``; the loader refuses a checkpoint 
 Tensor / pipeline parallelism: the models are built for the layout of megatron's initialised
 parallel state (``pfppo_mega.parallel.init_parallel``); ``check_layout`` refuses shapes the layout
 cannot split. The vocabulary is padded to a multiple of tp (``reshard.padded_vocab_size``); the
-padded logits are masked by the consumers (``pfppo_mega.models.engine``).
+padded logits are masked by the consumers (``pfppo_mega.models.passes``).
 
 Layer spec: megatron's local (pure torch) spec, ``get_gpt_layer_local_spec``, on every machine.
 The transformer-engine spec is faster on GPUs but fuses the norms into the linear layers
@@ -530,7 +530,7 @@ def _positions(input_ids: Tensor) -> Tensor:
 def actor_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                  *, gather_vocab: bool = False) -> Tensor:
     """Logits [B, S, Vp/tp] (Vp when gather_vocab) of a right-padded batch, one forward pass
-    without the pipeline schedule (pp = 1 only; pfppo_mega.models.engine works at any layout).
+    without the pipeline schedule (pp = 1 only; pfppo_mega.models.passes works at any layout).
     Vp = vocab padded to a multiple of tp (= V at tp = 1); padded columns are not masked here.
 
     input_ids: [B, S] int64; attention_mask: [B, S] (1 = token, 0 = right padding) or None.

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from pfppo_mega.config.tree import ConfigError, ModelConfig
 from pfppo_mega.families import (
-    Architecture, CheckpointError, CheckpointFileMissing, DecoderShape, Head, architecture_from_hf,
+    Architecture, DecoderShape, Head, ModelDirError, ModelFileMissing, architecture_from_hf,
 )
 from pfppo_mega.models import reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
@@ -74,9 +74,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def _require_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
-        raise CheckpointFileMissing(f"checkpoint directory {str(p)!r} does not exist")
+        raise ModelFileMissing(f"checkpoint directory {str(p)!r} does not exist")
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {str(p)!r} is not a directory")
+        raise ModelDirError(f"checkpoint path {str(p)!r} is not a directory")
     return p
 
 
@@ -84,21 +84,21 @@ def _read_json(file: Path) -> Any:
     try:
         return json.loads(file.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"{str(file)!r} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ModelDirError(f"{str(file)!r} is not valid JSON: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{str(file)!r} is not valid JSON: {e}") from None
+        raise ModelDirError(f"{str(file)!r} is not valid JSON: {e}") from None
     except OSError as e:
-        raise CheckpointError(f"{str(file)!r} cannot be read: {e.strerror or e}") from None
+        raise ModelDirError(f"{str(file)!r} cannot be read: {e.strerror or e}") from None
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
     """The parsed config.json of checkpoint directory ``path``."""
     file = _require_dir(path) / CONFIG_FILE
     if not file.is_file():
-        raise CheckpointFileMissing(f"{str(file)!r} is missing: a Hugging Face checkpoint needs {CONFIG_FILE}")
+        raise ModelFileMissing(f"{str(file)!r} is missing: a Hugging Face checkpoint needs {CONFIG_FILE}")
     cfg = _read_json(file)
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{str(file)!r} must hold a JSON object, found {type(cfg).__name__}")
+        raise ModelDirError(f"{str(file)!r} must hold a JSON object, found {type(cfg).__name__}")
     return cfg
 
 
@@ -124,13 +124,13 @@ def model_config_from_hf(hf_cfg: dict, base: ModelConfig) -> ModelConfig:
         if getattr(base, field) is not None and getattr(base, field) != value
     ]
     if mismatched:
-        raise CheckpointError("model config differs from the checkpoint's config.json:\n" + "\n".join(mismatched))
+        raise ModelDirError("model config differs from the checkpoint's config.json:\n" + "\n".join(mismatched))
     fill = {field: value for field, value in ckpt.items() if getattr(base, field) is None}
     try:
         return dataclasses.replace(base, **fill)
     except ConfigError as e:  # ModelConfig's own rules, broken by what config.json gave: named by its keys
         hf_key = {name: key for key, name in ModelConfig.ALIASES.items() if name in fill}
-        raise CheckpointError("config.json: " + "; ".join(
+        raise ModelDirError("config.json: " + "; ".join(
             f"{hf_key.get(p.key, p.key)} = {p.value!r}: {p.rule}" for p in e.problems)) from None
 
 
@@ -142,7 +142,7 @@ class CheckpointReader:
     shards listed in model.safetensors.index.json (model-0000x-of-0000y.safetensors).
 
     ``shape`` and ``dtype`` read only the file headers, so a checkpoint can be checked before any
-    data is read. ``get`` refuses a tensor holding NaN or inf. Every problem is a CheckpointError
+    data is read. ``get`` refuses a tensor holding NaN or inf. Every problem is a ModelDirError
     naming the file and the tensor.
     """
 
@@ -155,18 +155,18 @@ class CheckpointReader:
             weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
             if (not isinstance(weight_map, dict) or not weight_map
                     or not all(isinstance(f, str) and _SAFE_NAME.match(f) for f in weight_map.values())):
-                raise CheckpointError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to "
+                raise ModelDirError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to "
                                       f"shard file names in the same directory")
             files = sorted(set(weight_map.values()))
             absent = [f for f in files if not (root / f).is_file()]
             if absent:
-                raise CheckpointFileMissing(f"shard file(s) listed in {INDEX_FILE} are missing from "
+                raise ModelFileMissing(f"shard file(s) listed in {INDEX_FILE} are missing from "
                                             f"{str(root)!r}: {', '.join(absent)}")
         elif single.is_file():
             files, weight_map = [SINGLE_FILE], None
         else:
             found = sorted(p.name for p in root.iterdir())
-            raise CheckpointFileMissing(
+            raise ModelFileMissing(
                 f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r} (found: {', '.join(found) or 'nothing'}); "
                 f"only safetensors checkpoints are supported")
         self._handles = {f: self._open(root / f) for f in files}
@@ -174,12 +174,12 @@ class CheckpointReader:
         for f, handle in self._handles.items():
             for name in handle.keys():
                 if name in self._file_of:
-                    raise CheckpointError(f"tensor {name!r} is stored twice: in {self._file_of[name]!r} and {f!r}")
+                    raise ModelDirError(f"tensor {name!r} is stored twice: in {self._file_of[name]!r} and {f!r}")
                 self._file_of[name] = f
         if weight_map is not None:
             lost = sorted(n for n, f in weight_map.items() if self._file_of.get(n) != f)
             if lost:
-                raise CheckpointError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
+                raise ModelDirError(f"tensor(s) listed in {INDEX_FILE} are absent from their shards: "
                                       f"{', '.join(lost[:10])}")
 
     @staticmethod
@@ -188,7 +188,7 @@ class CheckpointReader:
         try:
             return safe_open(str(file), framework="pt")
         except Exception as e:  # safetensors raises its own SafetensorError (an Exception) for a bad file
-            raise CheckpointError(f"{str(file)!r} ({size} bytes) is not a readable safetensors file "
+            raise ModelDirError(f"{str(file)!r} ({size} bytes) is not a readable safetensors file "
                                   f"(zero-byte, truncated or corrupt?): {e}") from None
 
     def _where(self, name: str) -> str:
@@ -206,14 +206,14 @@ class CheckpointReader:
 
     def get(self, name: str) -> Tensor:
         if name not in self._file_of:
-            raise CheckpointError(f"checkpoint {str(self.root)!r} lacks tensor {name!r}")
+            raise ModelDirError(f"checkpoint {str(self.root)!r} lacks tensor {name!r}")
         try:
             t = self._handles[self._file_of[name]].get_tensor(name)
         except Exception as e:  # SafetensorError for data that cannot be read
-            raise CheckpointError(f"{self._where(name)!r}: tensor {name!r} cannot be read: {e}") from None
+            raise ModelDirError(f"{self._where(name)!r}: tensor {name!r} cannot be read: {e}") from None
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise CheckpointError(f"{self._where(name)!r}: tensor {name!r} {tuple(t.shape)} holds {bad} NaN/inf "
+            raise ModelDirError(f"{self._where(name)!r}: tensor {name!r} {tuple(t.shape)} holds {bad} NaN/inf "
                                   f"value(s); a checkpoint's weights must be finite")
         return t
 
@@ -258,24 +258,24 @@ def _check_shapes(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
     missing = [n for n in expected if n not in found]
     if missing:
         more = " ..." if len(missing) > 10 else ""
-        raise CheckpointError(f"{what} lacks tensor(s): {', '.join(missing[:10])}{more}")
+        raise ModelDirError(f"{what} lacks tensor(s): {', '.join(missing[:10])}{more}")
     unexpected = [n for n in found if n not in expected and not _IGNORED.match(n)
                   and not (tied and n == "lm_head.weight")]
     if unexpected:
         more = " ..." if len(unexpected) > 10 else ""
-        raise CheckpointError(
+        raise ModelDirError(
             f"{what} holds unexpected tensor(s) that config.json does not describe (more layers than "
             f"num_hidden_layers, biases or norms the family has none of?): {', '.join(sorted(unexpected)[:10])}{more}")
     wrong = [f"  - {n}: expected {tuple(expected[n])}, found {tuple(found[n])}"
              for n in expected if tuple(found[n]) != tuple(expected[n])]
     if wrong:
-        raise CheckpointError(f"{what} has tensor(s) of the wrong shape:\n" + "\n".join(wrong))
+        raise ModelDirError(f"{what} has tensor(s) of the wrong shape:\n" + "\n".join(wrong))
 
 
 def _check_dtypes(found: Mapping[str, str], what: str) -> None:
     wrong = [f"  - {n}: {d}" for n, d in found.items() if d not in FLOAT_DTYPES]
     if wrong:
-        raise CheckpointError(f"{what} has tensor(s) of a non-floating dtype (weights must be one of "
+        raise ModelDirError(f"{what} has tensor(s) of a non-floating dtype (weights must be one of "
                               f"{', '.join(FLOAT_DTYPES)}; integers would truncate):\n" + "\n".join(wrong[:10]))
 
 
@@ -465,7 +465,7 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     target = unwrap(module)
     built = module_architecture(target)
     if built != arch:
-        raise CheckpointError(f"checkpoint {str(path)!r} is {arch} but the model was built as {built}; "
+        raise ModelDirError(f"checkpoint {str(path)!r} is {arch} but the model was built as {built}; "
                               f"build it with arch=hf_io.architecture_from_hf(config.json)"
                               + (" (has q/k/v biases but the model was built with qkv_bias=False)"
                                  if arch.qkv_bias and not built.qkv_bias else ""))
@@ -481,7 +481,7 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     _check_dtypes({n: reader.dtype(n) for n in reader.names() if not _IGNORED.match(n)}, f"checkpoint {str(path)!r}")
     if tied and "lm_head.weight" in reader.names() and not torch.equal(
             reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
-        raise CheckpointError(f"checkpoint {str(path)!r}: config.json says tie_word_embeddings = true but "
+        raise ModelDirError(f"checkpoint {str(path)!r}: config.json says tie_word_embeddings = true but "
                               f"lm_head.weight differs from model.embed_tokens.weight (the LM head would be "
                               f"silently replaced by the embedding); set tie_word_embeddings to false")
     vocab_rows = reshard.padded_vocab_size(shape.vocab_size, layout.tp)
@@ -493,16 +493,16 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     expected = {n: v for n, v in expected.items() if not n.startswith(skip_prefixes)}
     missing = [n for n in params if n not in expected]
     if missing:
-        raise CheckpointError(f"model parameter(s) have no tensor in the checkpoint (tied / untied mismatch?): "
+        raise ModelDirError(f"model parameter(s) have no tensor in the checkpoint (tied / untied mismatch?): "
                        f"{', '.join(missing)}")
     unused = [n for n in expected if n not in params]
     if unused:
-        raise CheckpointError(f"checkpoint tensor(s) have no parameter in the model "
+        raise ModelDirError(f"checkpoint tensor(s) have no parameter in the model "
                          f"(tied / untied mismatch?): {', '.join(unused)}")
     wrong = [f"  - {n}: model expects {tuple(p.shape)}, checkpoint gives {expected[n][1]}"
              for n, p in params.items() if tuple(p.shape) != expected[n][1]]
     if wrong:
-        raise CheckpointError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
+        raise ModelDirError("checkpoint tensor shape(s) do not match the model:\n" + "\n".join(wrong))
     with torch.no_grad():
         for name, param in params.items():
             global_name = expected[name][0]

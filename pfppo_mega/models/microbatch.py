@@ -1,6 +1,6 @@
 """How a batch of right-padded rows is cut into micro-batches, and the work that costs.
 
-Two plans (pfppo_mega.models.engine runs both through megatron's schedule):
+Two plans (pfppo_mega.models.passes runs both through megatron's schedule):
 
 - by rows (the default): consecutive rows, ``micro_batch_size`` at a time, every micro-batch as
   long as the longest row of the whole batch;

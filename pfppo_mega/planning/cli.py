@@ -2,7 +2,7 @@
 
 Prints per-GPU memory of the training and rollout phases, the rollout engine's KV cache and
 the host memory per node, and with ``--ledger`` the device-memory ledger phase by phase for every
-pipeline stage (model and formulas: ``pfppo_mega.trainer.ledger``, which the trainer checks at
+pipeline stage (model and formulas: ``pfppo_mega.ledger``, which the trainer checks at
 every phase too). Exit status:
 0 the layout fits; 2 it does not (every budget over its capacity is named with the amount and
 its components), or the config / flags are invalid; 1 a ``--dry-run-rank`` check found megatron
@@ -29,7 +29,7 @@ from pfppo_mega.planning.memory import (
     GPUS, POOL_PLACEMENT, Budget, GiB, Hardware, Knobs, Plan, RunShape, make_plan,
 )
 from pfppo_mega.planning.shapes import total_param_count
-from pfppo_mega.trainer.ledger import reward_model_shape as ledger_reward_model_shape
+from pfppo_mega.ledger import reward_model_shape as ledger_reward_model_shape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", dest="json_path", default=None, help="also write the plan as JSON")
     out.add_argument("--ledger", action="store_true",
                      help="also print the device-memory ledger phase by phase for every pipeline stage (the "
-                          "order the trainer runs: build, then one step; pfppo_mega/trainer/ledger.py)")
+                          "order the trainer runs: build, then one step; pfppo_mega/ledger.py)")
     out.add_argument("--dry-run-rank", action="append", default=[], metavar="R[,R...]",
                      help="build rank R's megatron groups and meta-device models at the full world "
                           "size (fake process group) and compare with the plan; repeatable")
@@ -136,7 +136,7 @@ def format_ledger(plan: Plan) -> str:
     the card's free bytes, this rank's host bytes."""
     cols = ("trainer", "engine", "refit", "transient", "reserve")
     lines = ["device-memory ledger, per GPU (GiB), in the order the trainer runs the phases "
-             "(pfppo_mega/trainer/ledger.py; the training and rollout budgets above are its 'update' and "
+             "(pfppo_mega/ledger.py; the training and rollout budgets above are its 'update' and "
              "'generate' rows)"]
     for h, recs in zip(plan.holdings, plan.ledger):
         trainer = {x.name for x in h.trainer}

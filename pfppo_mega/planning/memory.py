@@ -1,6 +1,6 @@
 """Per-GPU and per-node memory of a colocated PPO / PF-PPO run, from the config and the hardware.
 
-Every figure comes from the device-memory ledger (pfppo_mega.trainer.ledger: holdings, activation
+Every figure comes from the device-memory ledger (pfppo_mega.ledger: holdings, activation
 formulas, phase order), which the trainer also enters at every phase transition, so the plan and
 the run cannot disagree. The plan replays the ledger's BUILD_ORDER and STEP_ORDER for each
 pipeline stage on the card's capacity and reads its budgets off the records:
@@ -27,7 +27,7 @@ from math import ceil
 from typing import Optional
 
 from pfppo_mega.planning.shapes import layout_problems, rank_coords
-from pfppo_mega.trainer.ledger import (  # noqa: F401  (re-exported: the planner's public names)
+from pfppo_mega.ledger import (  # noqa: F401  (re-exported: the planner's public names)
     BUILD_ORDER, DTYPE_BYTES, GiB, LAYERS, MiB, POOL_PLACEMENT, RECOMPUTE, STEP_ORDER, Holding, Knobs,
     LayerActivations, Layout, Ledger, PhaseRecord, RankHoldings, RunShape, in_flight_microbatches, layer_activation_terms,
     layer_bytes, layer_terms_for, micro_batching, offload_from_config, rank_holdings, total_param_count,
@@ -108,7 +108,7 @@ class Budget:
 
 
 @dataclass
-class KVCache:
+class KVBudget:
     bytes_per_token: float          # per GPU
     budget: float                   # bytes per GPU for the KV cache
     tokens: int                     # per engine replica (each GPU holds its heads of every token)
@@ -142,7 +142,7 @@ class Plan:
     stages: list[StageMemory]
     worst_stage: int
     rollout: Budget
-    kv: KVCache
+    kv: KVBudget
     host: Budget
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -357,7 +357,7 @@ def make_plan(run: RunShape, hw: Hardware, knobs: Knobs) -> Plan:
     # vLLM schedules at most max_num_seqs sequences at once, whatever its cache holds
     scheduled = min(concurrent, run.max_num_seqs) if run.engine == "vllm" else concurrent
     waves = ceil(per_replica / scheduled) if scheduled else 0
-    kv = KVCache(h.kv_per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
+    kv = KVBudget(h.kv_per_token, kv_budget, tokens, run.seq_len, concurrent, replicas, per_replica, waves)
     host = _host_budget(run, hw, knobs, layout, rt, holdings, records)
 
     util = run.gpu_memory_utilization

@@ -7,7 +7,7 @@ Rank order is megatron's default "tp-cp-ep-dp-pp" (cp = ep = 1 here):
 so a tensor-parallel group is ``tp`` consecutive ranks (one node when tp = GPUs per node), data
 parallel strides by ``tp`` and pipeline stages are the outermost factor.
 
-Parameter shapes and counts per rank (pfppo_mega.trainer.ledger, re-exported here) are ``pfppo_mega.families.DecoderShape.megatron_shapes`` (megatron-core
+Parameter shapes and counts per rank (pfppo_mega.ledger, re-exported here) are ``pfppo_mega.families.DecoderShape.megatron_shapes`` (megatron-core
 0.16.1's GPTModel with the local layer spec that ``pfppo_mega.models.gpt`` builds), names as in
 ``model.named_parameters()``: layers i = 0 .. L/pp - 1 (local) on each stage, the embedding on the
 first, the final norm and output_layer on the last (the LM head, absent when tied and pp = 1: the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pfppo_mega.families import DecoderShape, indivisible_dimensions
-from pfppo_mega.trainer.ledger import (  # noqa: F401  (the counts live with the memory ledger; re-exported)
+from pfppo_mega.ledger import (  # noqa: F401  (the counts live with the memory ledger; re-exported)
     Layout, count, engine_param_count, param_shapes, stage_layers, stage_param_count, total_param_count,
 )
 

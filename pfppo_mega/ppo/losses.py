@@ -26,7 +26,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, *, mode: str,
     / loss_scale_factor with global_batch_size the optimizer step's rows over all ranks, and DDP
     averages the ranks' gradients: the step minimises (sum over all its rows of sum_t l*m) /
     (its rows x loss_scale_factor). The engine's share_scale (local rows / global rows) turns this
-    local aggregate into its share of that (pfppo_mega.models.engine).
+    local aggregate into its share of that (pfppo_mega.models.passes).
 
     An all-masked batch gives 0, still connected to loss_mat (its gradient is 0, not missing).
     The normalisers are local to this batch; a data-parallel caller rescales if it wants a

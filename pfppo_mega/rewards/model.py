@@ -5,7 +5,7 @@ The checkpoint (``reward.model_path``) is a Llama / Qwen2 / Qwen3 / Mistral
 ``*ForSequenceClassification`` with ``num_labels`` 1: the decoder trunk (no LM head) and
 ``score.weight`` [1, H] without bias. It is loaded into the critic's model (megatron GPTModel whose
 output layer is a scalar head, ``gpt.build_critic``) on the actor's ranks, with the actor's
-tensor x pipeline layout, and run through ``engine.forward_values``: every rank of a model replica
+tensor x pipeline layout, and run through ``passes.forward_values``: every rank of a model replica
 passes the same rows and gets the same scores back (the last pipeline stage's scores are
 broadcast to the others; the head is replicated over tensor-parallel ranks); each data-parallel
 rank scores its own rows.
@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pfppo_mega.families import ARCHITECTURES, CheckpointError, model_type_of
+from pfppo_mega.families import ARCHITECTURES, ModelDirError, model_type_of
 from pfppo_mega.rewards.base import OutcomeLog, RewardSetupError
 from pfppo_mega.types import PackedInputs, RewardFn, RewardResult, Sample
 
@@ -82,7 +82,7 @@ def check_classifier(path: str | Path) -> dict:
     try:
         hf = hf_io.read_hf_config(path)
         reader = hf_io.CheckpointReader(path)
-    except CheckpointError as e:  # missing directory / config.json / safetensors, unreadable JSON
+    except ModelDirError as e:  # missing directory / config.json / safetensors, unreadable JSON
         raise RewardSetupError(f"{where}: {e}") from None
     archs = hf.get("architectures")
     family = model_type_of(hf)
@@ -185,7 +185,7 @@ class RewardModel:
         try:
             model_cfg = hf_io.model_config_from_hf(hf, ModelConfig(params_dtype=params_dtype))
             arch = hf_io.architecture_from_hf(hf)
-        except CheckpointError as e:
+        except ModelDirError as e:
             raise RewardSetupError(f"{where}: {e}") from None
         if max_length is not None and max_length > model_cfg.max_position_embeddings:
             raise RewardSetupError(f"{where}: max_position_embeddings = {model_cfg.max_position_embeddings} < "
@@ -199,7 +199,7 @@ class RewardModel:
             raise RewardSetupError(f"{where}: {e}") from None
         try:
             hf_io.load_score_model_from_hf(critic, path)
-        except CheckpointError as e:  # tensors of another shape than config.json says
+        except ModelDirError as e:  # tensors of another shape than config.json says
             raise RewardSetupError(f"{where}: {e}; {config_file(path)} has vocab_size = {hf['vocab_size']}, "
                                    f"hidden_size = {hf['hidden_size']}: the tensors must have those shapes") from None
         self.model = gpt.wrap_frozen(critic)  # bf16: megatron's wrapper casts the norms, inputs and output
@@ -208,11 +208,11 @@ class RewardModel:
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Scores [B] float32 of token-id rows (collective, see the class docstring)."""
-        from pfppo_mega.models import engine
+        from pfppo_mega.models import passes
 
         inputs = last_token_inputs(sequences)
         mbs = self.micro_batch_size or len(sequences)
-        return engine.forward_values(self.model, inputs, micro_batch_size=mbs)[:, 0]
+        return passes.forward_values(self.model, inputs, micro_batch_size=mbs)[:, 0]
 
     def sequences(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> list[list[int]]:
         """prompt ids + encode(response text) (+ EOS when finished), per row."""
@@ -290,7 +290,7 @@ def with_reward_model(cfg, scorer: Optional[RewardFn], *, log: Callable[[str], N
     rm_hf = check_classifier(r.model_path)
     try:
         policy_hf = hf_io.read_hf_config(policy)
-    except CheckpointError as e:
+    except ModelDirError as e:
         raise RewardSetupError(f"actor_rollout.model_path {policy!r}: {e}") from None
     check_same_vocabulary(r.model_path, rm_hf, policy, policy_hf)
     tok = Tokenizer.from_dir(policy)

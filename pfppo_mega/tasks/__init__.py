@@ -1,3 +1,3 @@
-from pfppo_mega.tasks.addition import AdditionTask, Problem
+from pfppo_mega.tasks.addition import AdditionProblem, AdditionTask
 
-__all__ = ["AdditionTask", "Problem"]
+__all__ = ["AdditionTask", "AdditionProblem"]

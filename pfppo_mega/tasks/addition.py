@@ -34,7 +34,7 @@ from pfppo_mega.types import Sample
 
 
 @dataclass(frozen=True)
-class Problem:
+class AdditionProblem:
     a: int
     b: int
 
@@ -69,7 +69,7 @@ class AdditionTask:
 
     # ------------------------------------------------------------------ written form
 
-    def prompt_text(self, p: Problem) -> str:
+    def prompt_text(self, p: AdditionProblem) -> str:
         if self.format == "plain":
             return p.prompt
         n = self.num_digits
@@ -85,7 +85,7 @@ class AdditionTask:
         padded = f"{total:0{self.num_digits + 1}d}"
         return padded[::-1] if self.format == "reversed" else padded
 
-    def answer_text(self, p: Problem) -> str:
+    def answer_text(self, p: AdditionProblem) -> str:
         return self._write(p.a + p.b)
 
     def read(self, response: str) -> int | None:
@@ -96,32 +96,32 @@ class AdditionTask:
 
     # ------------------------------------------------------------------ problems
 
-    def is_held_out(self, p: Problem) -> bool:
+    def is_held_out(self, p: AdditionProblem) -> bool:
         # A fixed multiplicative hash: independent of the seed, so every run agrees on the split.
         return ((p.a * 2654435761 + p.b * 40503) >> 7) % self.holdout_every == 0
 
-    def _draw(self, rng: random.Random, held_out: bool) -> Problem:
+    def _draw(self, rng: random.Random, held_out: bool) -> AdditionProblem:
         while True:
-            p = Problem(rng.randrange(self.limit), rng.randrange(self.limit))
+            p = AdditionProblem(rng.randrange(self.limit), rng.randrange(self.limit))
             if self.is_held_out(p) == held_out:
                 return p
 
-    def train_prompts(self, n: int, rng: random.Random) -> list[Problem]:
+    def train_prompts(self, n: int, rng: random.Random) -> list[AdditionProblem]:
         return [self._draw(rng, held_out=False) for _ in range(n)]
 
-    def eval_prompts(self, n: int, *, seed: int = 12345) -> list[Problem]:
+    def eval_prompts(self, n: int, *, seed: int = 12345) -> list[AdditionProblem]:
         rng = random.Random(seed)
         return [self._draw(rng, held_out=True) for _ in range(n)]
 
     # ------------------------------------------------------------------ demonstrations
 
     @staticmethod
-    def carries_into(p: Problem, digit: int) -> bool:
+    def carries_into(p: AdditionProblem, digit: int) -> bool:
         """Whether adding p's operands carries into `digit` (0 = units, which nothing carries into)."""
         m = 10**digit
         return digit > 0 and (p.a % m) + (p.b % m) >= m
 
-    def demonstration(self, p: Problem, rng: random.Random, *, noise: float, carry_drop: float = 0.0,
+    def demonstration(self, p: AdditionProblem, rng: random.Random, *, noise: float, carry_drop: float = 0.0,
                       carry_digit: int = 2) -> str:
         """The SFT target for `p`, in the task's form. Systematic error first: if the sum carries
         into `carry_digit`, with probability `carry_drop` the demonstrator drops that carry (writes
@@ -138,7 +138,7 @@ class AdditionTask:
             ans = ans[:i] + wrong + ans[i + 1:]
         return ans
 
-    def reward(self, p: Problem, response: str, finished: bool) -> float:
+    def reward(self, p: AdditionProblem, response: str, finished: bool) -> float:
         """1 for the exact sum in the task's form followed by EOS, else 0."""
         return 1.0 if finished and response == self.answer_text(p) else 0.0
 
@@ -154,7 +154,7 @@ class AdditionTask:
 DATA_SOURCE = "addition"
 
 
-def to_sample(p: Problem, tokenizer, task: AdditionTask | None = None) -> Sample:
+def to_sample(p: AdditionProblem, tokenizer, task: AdditionTask | None = None) -> Sample:
     """`p` as a Sample in `task`'s written form (None: the plain form)."""
     prompt, answer = (p.prompt, p.answer) if task is None else (task.prompt_text(p), task.answer_text(p))
     return Sample(prompt_ids=tuple(tokenizer.encode(prompt)), data_source=DATA_SOURCE, ground_truth=answer,

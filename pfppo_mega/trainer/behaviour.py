@@ -3,13 +3,13 @@
 
     CurrentPolicy      plain PPO: the current weights generate; the rollout after each update
                        refits the engine to them first.
-    SnapshotPool       PF-PPO: a pool of recent snapshots; each prompt group (assign: group) or
+    SnapshotPolicy     PF-PPO: a pool of recent snapshots; each prompt group (assign: group) or
                        the whole step (assign: step) samples one; the rows' importance weights
                        correct for the mixed behaviour policies; every snapshot_interval steps the
                        new weights are captured and the oldest evicted.
 
-Each owns its rollout, its importance correction, its post-update work, its metrics, its
-policy-loss variant and its checkpoint state.
+Each owns its rollout, its importance correction, its post-update work, its metrics and its
+checkpoint state (the policy-loss variant is the builder's choice: trainer/policy_loss.py).
 """
 
 from __future__ import annotations
@@ -22,20 +22,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from pfppo_mega import pool as pfpool
+from pfppo_mega.pool.assignment import broadcast_assignment
 from pfppo_mega.pool.correction import ISStats
-from pfppo_mega.pool.registry import broadcast_assignment
 from pfppo_mega.rollout.weights import WeightUpdateError
-from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import ExperienceBatch, RolloutBatch, ScoredBatch, concat_rollouts
-from pfppo_mega.trainer.generation import Generation
-from pfppo_mega.trainer.policy_loss import choose_policy_loss
+from pfppo_mega.trainer.colocation.generation import Generation
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.types import Sample
 
 Need = Callable[[bool, str], None]  # a checkpoint check: need(ok, what) raises CheckpointError
 
 
 class BehaviourPolicy(abc.ABC):
-    policy_loss_name: str  # the policy-loss variant (trainer/policy_loss.py) this behaviour trains with
     keeps_state = False    # a checkpoint holds its state (state_meta / state_tensors / load_state)
     refits_current = False  # the rollout starts by refitting the engine to the current weights
 
@@ -56,6 +54,10 @@ class BehaviourPolicy(abc.ABC):
     def metrics(self, scored: ScoredBatch, sb: ScoredBatch, eb: ExperienceBatch, step: int) -> dict[str, float]:
         return {}
 
+    def host_bytes(self) -> int:
+        """Host bytes this behaviour holds (the memory ledger's work record)."""
+        return 0
+
     # checkpoint state (keeps_state)
     def state_meta(self) -> dict:
         raise NotImplementedError
@@ -68,8 +70,7 @@ class BehaviourPolicy(abc.ABC):
 
 
 class CurrentPolicy(BehaviourPolicy):
-    policy_loss_name = "ppo_clip"
-    refits_current = True  # inside the colocated frame, before the KV cache wakes (trainer/generation.py)
+    refits_current = True  # inside the colocated frame, before the KV cache wakes (trainer/colocation/generation.py)
 
     def __init__(self, gen: Generation, *, n: int) -> None:
         self.gen, self.n = gen, n
@@ -82,7 +83,7 @@ class CurrentPolicy(BehaviourPolicy):
         colocated frame, after the trainer's states have left the device."""
 
 
-class SnapshotPool(BehaviourPolicy):
+class SnapshotPolicy(BehaviourPolicy):
     """PF-PPO's pool (pfppo_mega.pool), sharded 1/L per node rank by EngineSync, starting with the
     current (initial) policy."""
 
@@ -92,9 +93,9 @@ class SnapshotPool(BehaviourPolicy):
                  guards: dict[str, int], dp_rank: int, log: Callable[[str], None]) -> None:
         self.gen, self.cfg, self.n, self.assign_gen = gen, pool_cfg, n, assign_gen
         self.guards, self.dp_rank, self.log = guards, dp_rank, log
-        self.policy_loss_name = choose_policy_loss(use_pool=True, is_mode=pool_cfg.is_mode)
         self.pool = gen.sync.new_pool(pool_cfg.pool_size)
         gen.sync.capture(self.pool, step)
+        gen.push_again = self._push_again  # an engine failure with a snapshot: that snapshot again
         log(f"[pfppo] PF-PPO pool: {pool_cfg.pool_size} x {self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshot "
             f"shards per rank in host memory ({self.pool.layout.nbytes / 1e6:.2f} MB per snapshot per node), "
             f"sampling={pool_cfg.sampling}, every {pool_cfg.snapshot_interval} steps")
@@ -121,7 +122,7 @@ class SnapshotPool(BehaviourPolicy):
             t0 = time.perf_counter()
             self._load(cands[k], step)
             switch_s += time.perf_counter() - t0
-            parts.append(self.gen.generate([samples[g] for g in groups], n, step=step, groups=groups, pool=self.pool))
+            parts.append(self.gen.generate([samples[g] for g in groups], n, step=step, groups=groups))
             order += [g * n + j for g in groups for j in range(n)]
         stats = {"pool/switch_s": switch_s, "pool/snapshots_used": float(len(parts)),
                  "pool/size": float(len(self.pool))}
@@ -148,6 +149,15 @@ class SnapshotPool(BehaviourPolicy):
                     with self.gen.offload.on_device():  # the live weights, also while offloaded
                         self.gen.sync.capture(self.pool, step)
         self.gen.ensure_current(step)  # version == step: the engine holds the current weights
+
+    def _push_again(self, version: int, step: int) -> None:
+        """After an engine failure: snapshot ``version`` from the pool, or the live weights when it
+        is the current step's (or no longer held)."""
+        self.gen.sync.reload(self.pool, version, step)
+
+    def host_bytes(self) -> int:
+        """This rank's shards of the pool's snapshots."""
+        return sum(t.numel() * t.element_size() for snap in self.pool.snapshots for _, t in snap.tensors)
 
     # ------------------------------------------------------------------ correction, sync
 

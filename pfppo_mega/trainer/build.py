@@ -5,7 +5,7 @@ lengths, layout, features, batch split), sets up parallel state in one place, th
 this order: prompts and rewards, actor, reference, critic (only when the advantage estimator
 needs one), optimizers, kernels backend, offload, rollout engine, EngineSync, the behaviour
 policy (current policy or snapshot pool) and the policy loss. The loop (trainer/loop.py) and the
-checkpoint code (trainer/resume.py) see only the ``Run``.
+checkpoint code (trainer/checkpoint/resume.py) see only the ``Run``.
 """
 
 from __future__ import annotations
@@ -21,24 +21,27 @@ import torch
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config
+from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.data import build_prompt_data
-from pfppo_mega.kernels import get_backend
+from pfppo_mega.families import Architecture
+from pfppo_mega.kernels import KernelBackend, get_backend
 from pfppo_mega.models import gpt, hf_io
 from pfppo_mega.parallel import ParallelInfo, init_parallel
 from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.rewards import build_reward_fn
-from pfppo_mega.rollout.base import EngineSetupError
+from pfppo_mega.rollout.base import EngineSetupError, RolloutEngine
 from pfppo_mega.tokenizer import Tokenizer
-from pfppo_mega.trainer.collect import build_collector
-from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPool
-from pfppo_mega.trainer.engine_sync import EngineSync, build_engine, check_engine_config
+from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPolicy
+from pfppo_mega.trainer.collect import DynamicSampling, OneRound, build_collector
+from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
+from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
+from pfppo_mega.trainer.colocation.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
+from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.estimators import AdvantageEstimator
-from pfppo_mega.trainer.generation import Generation, MemoryRecorder, build_engine_colocated
+from pfppo_mega.trainer.filtration import KeepAll, PolicyFiltration, choose_filtration
 from pfppo_mega.trainer.passes import PassWork
-from pfppo_mega.trainer.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
-from pfppo_mega.trainer.rollout_split import SplitLayout
-from pfppo_mega.trainer.policy_loss import PolicyLossParams, choose_policy_loss, get_policy_loss
-from pfppo_mega.trainer.proximal import choose_proximal
+from pfppo_mega.trainer.policy_loss import PolicyLoss, PolicyLossParams, choose_policy_loss, get_policy_loss
+from pfppo_mega.trainer.proximal import EngineLogp, Recompute, choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
 from pfppo_mega.types import PromptSource, RewardFn, Sample
@@ -92,8 +95,8 @@ class Run:
     log: Callable[[str], None]
     dp: DataParallel
     tokenizer: Tokenizer
-    model_cfg: object                   # the config's ModelConfig, completed from the checkpoint
-    arch: object                        # families.Architecture
+    model_cfg: ModelConfig              # the config's model section, completed from the checkpoint
+    arch: Architecture                  # the family's differences (biases, q/k norms, RoPE scaling)
     features: gpt.Features
     prompts: PromptSource
     eval_samples: list[Sample]
@@ -101,19 +104,19 @@ class Run:
     actor: torch.nn.Module
     ref: torch.nn.Module
     critic: Optional[torch.nn.Module]   # None when the estimator needs no critic
-    actor_opt: object
-    critic_opt: Optional[object]
-    kernels: object
+    actor_opt: gpt.MegatronOptimizer
+    critic_opt: Optional[gpt.MegatronOptimizer]
+    kernels: KernelBackend
     offload: TrainerOffload
-    engine: object                      # RolloutEngine
+    engine: RolloutEngine
     sync: EngineSync
     gen: Generation
     behaviour: BehaviourPolicy
-    collector: object                   # OneRound | DynamicSampling (trainer/collect.py)
+    collector: OneRound | DynamicSampling  # trainer/collect.py
     estimator: AdvantageEstimator
-    proximal: object                    # Recompute | EngineLogp (trainer/proximal.py): the old log-probs
-    policy_loss: Callable
-    policy_loss_name: str               # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
+    filtration: KeepAll | PolicyFiltration  # trainer/filtration.py: algorithm.filtration
+    proximal: Recompute | EngineLogp    # trainer/proximal.py: the old log-probs
+    policy_loss: PolicyLoss             # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
     policy_loss_params: PolicyLossParams
     rng: random.Random                  # this DP rank's prompt and sampling-seed stream
     assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
@@ -125,7 +128,7 @@ class Run:
         """The trained models by checkpoint name (the critic only when built)."""
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
-    def optimizers(self) -> dict[str, object]:
+    def optimizers(self) -> dict[str, gpt.MegatronOptimizer]:
         return {"actor_opt": self.actor_opt, **({"critic_opt": self.critic_opt} if self.critic_opt is not None
                                                 else {})}
 
@@ -232,6 +235,34 @@ def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir
     return actor, ref, value, actor_opt, critic_opt
 
 
+def build_offload(cfg: Config, models: list[Optional[torch.nn.Module]], optimizers: list, *, device: torch.device,
+                  log: Callable[[str], None]) -> TrainerOffload:
+    """Colocation (trainer/colocation/offload.py): the trainer's states wait in host memory while the
+    engine generates; the engine sleeps from the end of generation until the next weight sync.
+    ``models``: actor first (its weights, which a refit reads, leave last), then critic and reference
+    (None: not built)."""
+    trained = [m for m in models if m is not None]
+    opts = [o for o in optimizers if o is not None]
+    return TrainerOffload(
+        lambda: (x for src in [*(module_tensors(m) for m in trained), *(optimizer_tensors(o) for o in opts)]
+                 for x in src),
+        device=device, enabled=offload_enabled(cfg.training.offload_during_rollout, device),
+        late=lambda: list(models[0].parameters()), log=log)
+
+
+def policy_loss_params(cfg: Config, kernels: KernelBackend) -> PolicyLossParams:
+    """The run's keyword scalars of every policy-loss variant (and the backend's fused loss)."""
+    a = cfg.algorithm
+    return PolicyLossParams(kernel_policy_loss=kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
+                            clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
+                            loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip,
+                            loss_scale_factor=a.loss_scale_factor or a.max_response_length,
+                            clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
+                            kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
+                            tau_neg=a.tau_neg,
+                            generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
+
+
 def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     torch.set_num_threads(cfg.training.num_threads)
     seed_everything(cfg.training.seed)
@@ -283,22 +314,13 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
 
     actor, ref, critic, actor_opt, critic_opt = build_models(cfg, model_cfg, arch, features, model_dir,
                                                              critic=estimator.needs_critic, device=device)
-    t = cfg.training
     kernels = get_backend(cfg.kernels, device, log=log)  # the models' device: auto = verified kernels only
-    # Colocation (trainer/offload.py): the trainer's states wait in host memory while the engine
-    # generates; the engine sleeps from the end of generation until the next weight sync.
-    trained = [m for m in (actor, critic, ref) if m is not None]
-    opts = [o for o in (actor_opt, critic_opt) if o is not None]
-    offload = TrainerOffload(
-        lambda: (x for src in [*(module_tensors(m) for m in trained), *(optimizer_tensors(o) for o in opts)]
-                 for x in src),
-        device=device, enabled=offload_enabled(t.offload_during_rollout, device),
-        late=lambda: list(actor.parameters()), log=log)  # the weights a refit reads leave last
+    offload = build_offload(cfg, [actor, critic, ref], [actor_opt, critic_opt], device=device, log=log)
 
     # --- rollout engine (the one the config names), fed by EngineSync: bucketed refit from the
-    # actor's shards, pool snapshots kept 1/L per node rank, one version registry (docs/refit.md)
+    # actor's shards, pool snapshots kept 1/L per node rank, one version assignment (docs/refit.md)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size))  # an in-process vLLM resets it
-    # the device-memory ledger of this rank (trainer/ledger.py, the plan's arithmetic): every phase is
+    # the device-memory ledger of this rank (pfppo_mega/ledger.py, the plan's arithmetic): every phase is
     # entered as it runs and checked against the card; the engine is built with the trainer offloaded
     memory = MemoryRecorder.for_run(cfg, model_cfg=model_cfg, arch=arch, tp=tp, pp=pp, dp=par.dp, pp_rank=par.pp_rank,
                                     local_world=local_world, offload=offload, device=device)
@@ -322,24 +344,17 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     n = cfg.actor_rollout.n_samples_per_prompt
     # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
     behaviour: BehaviourPolicy = (
-        SnapshotPool(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
-                     dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
-    params = PolicyLossParams(kernel_policy_loss=kernels.policy_loss, clip_ratio_low=a.clip_ratio_low,
-                              clip_ratio_high=a.clip_ratio_high, dual_clip_c=a.dual_clip_c,
-                              loss_agg_mode=a.loss_agg_mode, is_clip=a.pool.is_clip,
-                              loss_scale_factor=a.loss_scale_factor or a.max_response_length,
-                              clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
-                              kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
-                              tau_neg=a.tau_neg,
-                              generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
-    collector = build_collector(cfg, prompts=data.train, log=log, dp=par.dp)
+        SnapshotPolicy(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
+                       dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
+    collector = build_collector(cfg, prompts=data.train, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
     if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
         if par.world_size != 1:
             raise SetupError(f"algorithm.async_rl.enable runs one trainer process and one generator process; "
                              f"WORLD_SIZE = {par.world_size} (multi-rank asynchronous training is not built yet)")
         from pfppo_mega.trainer.asynchronous import build_async
         behaviour, collector = build_async(cfg, sync=sync, model_dir=model_dir, hf_cfg=hf_cfg,
-                                           pad_token_id=tokenizer.pad_id, next_batch=data.train.next_batch, log=log)
+                                           next_batch=data.train.next_batch, state=state, rng=rng,
+                                           tokenizer=tokenizer, device=device, log=log)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
                                    name=a.policy_loss)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
@@ -347,6 +362,6 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
                critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
                behaviour=behaviour, collector=collector,
-               estimator=estimator, proximal=choose_proximal(a),
-               policy_loss=get_policy_loss(loss_name), policy_loss_name=loss_name, policy_loss_params=params, rng=rng,
-               assign_gen=assign_gen, value_guard=ValueLossGuard(t.value_loss_spike_factor), state=state)
+               estimator=estimator, filtration=choose_filtration(a.filtration, assign_gen), proximal=choose_proximal(a),
+               policy_loss=get_policy_loss(loss_name), policy_loss_params=policy_loss_params(cfg, kernels), rng=rng,
+               assign_gen=assign_gen, value_guard=ValueLossGuard(cfg.training.value_loss_spike_factor), state=state)

@@ -10,23 +10,32 @@
                       collective), until every rank is full. Unbounded (max_num_gen_batches = 0), a
                       rank still short that keeps no group over a full pass over its prompts stops
                       the run (SamplingStalled, on every rank together): more rounds would never end.
+
+A collector is given the step's two phases as functions (rollout: prompts -> rows and their
+statistics; score: rows -> scored rows) and the phase timer; it knows nothing of the trainer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from pfppo_mega import parallel
-from pfppo_mega.trainer.batch import ScoredBatch, concat_scored
+from pfppo_mega.trainer.batch import RolloutBatch, ScoredBatch, concat_scored
 from pfppo_mega.types import Sample
+
+Rollout = Callable[[list[Sample]], tuple[RolloutBatch, dict[str, float]]]
+Score = Callable[[RolloutBatch], ScoredBatch]
 
 
 class OneRound:
-    def collect(self, trainer, samples: list[Sample], timer) -> tuple[ScoredBatch, dict[str, float]]:
+    def collect(self, samples: list[Sample], *, rollout: Rollout, score: Score,
+                timer) -> tuple[ScoredBatch, dict[str, float]]:
         with timer("rollout"):
-            rb, stats = trainer.rollout(samples)
+            rb, stats = rollout(samples)
         with timer("score"):
-            scored = trainer.score(rb)
+            scored = score(rb)
         return scored, stats
 
 
@@ -51,9 +60,9 @@ IDLE_ROUNDS_GENERATED = 100
 
 
 class DynamicSampling:
-    def __init__(self, *, max_rounds: int, next_batch, log, rows_per_pass: int | None = None,
+    def __init__(self, *, max_rounds: int, next_batch, log, pad_id: int, rows_per_pass: int | None = None,
                  gen_rows: int | None = None) -> None:
-        self.max_rounds, self.next_batch, self.log = max_rounds, next_batch, log
+        self.max_rounds, self.next_batch, self.log, self.pad_id = max_rounds, next_batch, log, pad_id
         self.gen_rows = gen_rows  # prompts this rank generates per round; None: the step's own count
         self.rows_per_pass = rows_per_pass  # prompts this rank sees in one pass over the data; None: generated
 
@@ -79,7 +88,8 @@ class DynamicSampling:
             f"draw prompts forever. Set algorithm.filter_groups.max_num_gen_batches > 0 (a batch still short is "
             f"then filled with agreeing groups), or check the reward function and the data")
 
-    def collect(self, trainer, samples: list[Sample], timer) -> tuple[ScoredBatch, dict[str, float]]:
+    def collect(self, samples: list[Sample], *, rollout: Rollout, score: Score,
+                timer) -> tuple[ScoredBatch, dict[str, float]]:
         need = len(samples)                              # prompt groups this rank trains on
         kept: list[ScoredBatch] = []
         spare: list[ScoredBatch] = []
@@ -91,9 +101,9 @@ class DynamicSampling:
         while True:
             rounds += 1
             with timer("rollout"):
-                rb, stats = trainer.rollout(batch)
+                rb, stats = rollout(batch)
             with timer("score"):
-                scored = trainer.score(rb)
+                scored = score(rb)
             counts = [counts[0] + scored.n_bad_rewards, counts[1] + scored.n_reward_errors,
                       counts[2] + scored.n_reward_timeouts]
             agree = agreeing_groups(scored)                                    # [groups]
@@ -117,7 +127,7 @@ class DynamicSampling:
         if filled:
             self.log(f"[pfppo] dynamic sampling: {filled} of {need} prompt groups still agree after {rounds} rounds "
                      f"(algorithm.filter_groups.max_num_gen_batches); filled with agreeing groups")
-        out = concat_scored(kept + spare, pad_id=trainer.run.tokenizer.pad_id)
+        out = concat_scored(kept + spare, pad_id=self.pad_id)
         rows = [i for i, g in enumerate(out.rollout.group_ids.tolist()) if g < need]  # the first `need` groups
         out = out.select(rows)
         out.n_bad_rewards, out.n_reward_errors, out.n_reward_timeouts = counts
@@ -126,10 +136,10 @@ class DynamicSampling:
         return out, stats
 
 
-def build_collector(cfg, *, prompts, log, dp: int = 1):
+def build_collector(cfg, *, prompts, log, pad_id: int, dp: int = 1):
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return OneRound()
     gen_rows = None if fg.gen_batch_size is None else fg.gen_batch_size // dp  # divisible: build.check_batch_split
-    return DynamicSampling(max_rounds=fg.max_num_gen_batches, next_batch=prompts.next_batch, log=log,
+    return DynamicSampling(max_rounds=fg.max_num_gen_batches, next_batch=prompts.next_batch, log=log, pad_id=pad_id,
                            rows_per_pass=prompts.rows_per_pass, gen_rows=gen_rows)

@@ -6,9 +6,9 @@ import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.rollout import SamplingParams
-from pfppo_mega.trainer import devicecheck
 from pfppo_mega.trainer.batch import PackedInputs, pack
 from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.seeds import stream_seed
 

@@ -3,9 +3,14 @@
     rollout -> score -> filter -> prepare -> advantages -> update -> sync -> log
 
 each a method with a typed input and output (see ``batch.py``). The loop owns no construction
-(trainer/build.py builds the ``Run``), no resume (trainer/resume.py) and no mode switches: the
-behaviour policy (plain PPO or the PF-PPO pool, trainer/behaviour.py), the advantage estimator
-(trainer/estimators.py), the policy loss and the engine are strategies chosen once at build time.
+(trainer/build.py builds the ``Run``) and no resume (trainer/checkpoint/resume.py). Strategies chosen
+once at build time, never asked which they are: the behaviour policy (plain PPO or the PF-PPO pool,
+trainer/behaviour.py), the collector (one round or DAPO's dynamic sampling, trainer/collect.py),
+policy filtration (trainer/filtration.py), the proximal log-probs (trainer/proximal.py), the
+advantage estimator (trainer/estimators.py, whose declarations the rollout reads), the policy loss
+(trainer/policy_loss.py) and the engine. What the loop still reads of the config: the reward
+shaping's coefficients (score), where the KL goes, a reward penalty or a loss term (advantages;
+the update adds the loss term), and the evaluation, logging and checkpoint intervals (fit).
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ import torch
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
-from pfppo_mega.models import engine as mengine
 from pfppo_mega.models import hf_io
-from pfppo_mega.trainer import asynchronous, devicecheck, passes, perf, resume, worst_samples
+from pfppo_mega.models import passes as model_passes
+from pfppo_mega.trainer import asynchronous, passes, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
 from pfppo_mega.trainer.build import Run, build_run
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.evaluation import evaluate, kl_probe
-from pfppo_mega.trainer.passes import policy_logp
+from pfppo_mega.trainer.instruments import devicecheck, perf
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
+from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import TrainingHalted, update
 
@@ -97,7 +104,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, float]:
-        """One step; with PFPPO_DEVICE_CHECK=1 inside a device-check session (trainer/devicecheck.py)."""
+        """One step; with PFPPO_DEVICE_CHECK=1 inside a device-check session (trainer/instruments/devicecheck.py)."""
         if not self.device_check:
             return self._train_step()
         with devicecheck.session(self.run.device):
@@ -110,14 +117,14 @@ class PPOTrainer:
         corrupt_before = st.guards["corrupt_snapshots"]
         # rollout + score (DAPO's dynamic sampling repeats them until the batch is full)
         weights_before, engine_before = run.gen.sync.weights_s, run.gen.engine_s
-        scored, rollout_stats = run.collector.collect(self, samples, timer)  # rewards, responses, pool stats
+        scored, rollout_stats = run.collector.collect(samples, rollout=self.rollout, score=self.score, timer=timer)
         timer.seconds["rollout_weights"] = run.gen.sync.weights_s - weights_before  # of which refits, switches
         timer.seconds["rollout_engine"] = run.gen.engine_s - engine_before      # and the engine's generate()
         with timer("score"):
             sb = self.filter(scored)     # the rows the update trains on (policy filtration resamples)
         add_guard_counts(run, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before)
         with timer("prepare"):
-            run.gen.phase("prepare")  # the memory ledger's phases (trainer/ledger.py)
+            run.gen.phase("prepare")  # the memory ledger's phases (pfppo_mega/ledger.py)
             prep = self.prepare(sb)
         with timer("advantages"):
             eb = self.advantages(sb, prep)
@@ -136,7 +143,7 @@ class PPOTrainer:
             metrics["remax/baseline_mean"] = float(scored.baselines.double().mean())
         metrics.update(probe)
         metrics.update(run.behaviour.metrics(scored, sb, eb, st.step))
-        metrics.update(run.gen.take_work(getattr(run.behaviour, "pool", None)).metrics())  # since the last record
+        metrics.update(run.gen.take_work(run.behaviour.host_bytes()).metrics())  # since the last record
         metrics.update(perf.step_perf(run, scored, timer.seconds))  # perf/: against the machine's rates
         if run.is_logger and run.cfg.logging.worst_samples:
             dump_worst(run, scored)
@@ -233,14 +240,8 @@ class PPOTrainer:
         return baselines, (guarded.nonfinite, guarded.errors, guarded.timeouts)
 
     def filter(self, sb: ScoredBatch) -> ScoredBatch:
-        """Policy filtration (verl's pf_ppo): resample the batch with reward-derived weights."""
-        f = self.run.cfg.algorithm.filtration
-        if not f.enable:
-            return sb
-        w = ppo.filtration_weights(sb.raw_scores, method=f.reweight_method, weight_pow=f.weight_pow)
-        # a host decision: assign_gen is a CPU generator (multinomial refuses it for CUDA weights)
-        idx = ppo.resample_indices(w.cpu(), num_samples=len(sb.raw_scores), generator=self.run.assign_gen)
-        return sb.select(idx.tolist())
+        """Policy filtration (trainer/filtration.py): the rows the update trains on."""
+        return self.run.filtration(sb)
 
     @torch.no_grad()
     def prepare(self, sb: ScoredBatch) -> PreparedBatch:
@@ -251,7 +252,7 @@ class PPOTrainer:
         old_logp, entropy = run.proximal.old_logp(run, inp, rb)                     # entropy None: not recomputed
         ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
         m = inp.response_mask
-        values = None if run.critic is None else mengine.forward_values(
+        values = None if run.critic is None else model_passes.forward_values(
             run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],
                                                               run.passes.prepare_value))   # [B, T]
         devicecheck.expect("prepare: model inputs and results", run.device, inputs=inp, old_logp=old_logp,

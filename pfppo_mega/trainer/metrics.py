@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pfppo_mega.trainer.checkpoint import atomic_write_bytes
+from pfppo_mega.trainer.checkpoint.store import atomic_write_bytes
 
 # Curves plotted at the end of a run: (metric key, panel title).
 PLOTTED = (

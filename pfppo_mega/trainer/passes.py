@@ -1,6 +1,6 @@
-"""The engine's micro-batching for the trainer's model passes (training.micro_batch_size,
+"""The micro-batching of the trainer's model passes (pfppo_mega.models.passes) (training.micro_batch_size,
 use_dynamic_bsz, max_tokens_per_micro_batch, response_only_head), and the work those passes did
-(counted per phase and head for the perf/ metrics, trainer/perf.py)."""
+(counted per phase and head for the perf/ metrics, trainer/instruments/perf.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from pfppo_mega.models import engine as mengine
+from pfppo_mega.models import passes as model_passes
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.trainer.batch import PackedInputs
 
@@ -34,9 +34,9 @@ class PassWork:
         return out
 
 
-def batching(training, rows: int, tally: Optional[Tally] = None) -> mengine.Batching:
+def batching(training, rows: int, tally: Optional[Tally] = None) -> model_passes.Batching:
     """The engine's plan for a pass over ``rows`` rows under the config's training section."""
-    return mengine.Batching(
+    return model_passes.Batching(
         micro_batch_size=training.micro_batch_size or rows,
         max_tokens=training.max_tokens_per_micro_batch if training.use_dynamic_bsz else None,
         response_only=training.response_only_head, tally=tally)
@@ -46,6 +46,6 @@ def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) ->
     """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
     Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1; micro-batched as
     training.* says, its work counted into ``tally`` when given. ``run``: the trainer's Run."""
-    return mengine.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
+    return model_passes.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
                                         micro_batch_size=batching(run.cfg.training, inp.labels.shape[0], tally),
                                         kernels=run.kernels)

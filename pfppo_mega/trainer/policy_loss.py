@@ -13,6 +13,10 @@ only the stats the variant returns.
                pfppo_mega.ppo.pg_variants); the behaviour IS weights multiply their token losses
                and they train on pg_mask, as ppo_clip
 
+A variant declares the mask its aggregate is over (``trains_on_pg_mask``: pg_mask, or every
+response token for tis), as an advantage estimator declares needs_critic: the update takes that
+mask's global count before the micro-batches run and never branches on the variant's name.
+
 `choose_policy_loss` picks the variant from the run's settings; `register_policy_loss` adds one.
 """
 
@@ -73,14 +77,28 @@ class PolicyLossResult:
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], PolicyLossResult]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered variant and what it declares."""
+
+    name: str
+    fn: PolicyLossFn
+    trains_on_pg_mask: bool = True      # its aggregate is over pg_mask; False: over every response token
+
+    def __call__(self, x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
+        return self.fn(x, p)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, trains_on_pg_mask: bool = True) -> Callable[[PolicyLossFn], PolicyLossFn]:
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, trains_on_pg_mask)
         return fn
     return add
 
@@ -96,7 +114,7 @@ def _ppo_clip(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
         "policy/clipfrac_dual": out.pg_clipfrac_lower, "policy/approx_kl": out.approx_kl})
 
 
-@register_policy_loss("tis")
+@register_policy_loss("tis", trains_on_pg_mask=False)
 def _tis(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
     # On-policy rows: the behaviour policy is the proximal one (weight 1 at the start).
     behav = torch.where(x.on_policy[:, None], x.old_logp, x.behav_logp)             # [b, T]
@@ -159,7 +177,7 @@ def choose_policy_loss(*, use_pool: bool, is_mode: str, name: str = "ppo_clip") 
     return name
 
 
-def get_policy_loss(name: str) -> PolicyLossFn:
+def get_policy_loss(name: str) -> PolicyLoss:
     if name not in POLICY_LOSSES:
         raise ValueError(f"policy loss {name!r} is not registered; registered: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]

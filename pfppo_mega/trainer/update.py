@@ -10,10 +10,11 @@ from typing import Callable, Optional
 import torch
 
 from pfppo_mega import ppo
-from pfppo_mega.models import engine as mengine
-from pfppo_mega.trainer import devicecheck, passes
+from pfppo_mega.models import passes as model_passes
+from pfppo_mega.trainer import passes
 from pfppo_mega.trainer.batch import ExperienceBatch
 from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps
 from pfppo_mega.trainer.policy_loss import PolicyLossInputs
 from pfppo_mega.trainer.seeds import stream_seed
@@ -109,21 +110,22 @@ class _Observer:
         return put
 
     def result(self, device: torch.device) -> Observed:
-        both = mengine.from_last_stage(torch.cat([self.logp, self.entropy, self.fresh[:, None]], dim=1), device)
+        both = model_passes.from_last_stage(torch.cat([self.logp, self.entropy, self.fresh[:, None]], dim=1), device)
         T = self.logp.shape[1]
         return Observed(logp=both[:, :T], entropy=both[:, T:2 * T], fresh=both[:, 2 * T] > 0.5)
 
 
 def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None) -> dict[str, float]:
     """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
-    share of the mini-batch aggregate (see pfppo_mega.models.engine). ``sink(rows, logp,
+    share of the mini-batch aggregate (see pfppo_mega.models.passes). ``sink(rows, logp,
     entropy)``, when given, receives each micro-batch's log-probs and entropy (update's Observed)."""
     a = run.cfg.algorithm
     mode, c = a.loss_agg_mode, run.policy_loss_params.loss_scale_factor
-    # The chosen variant's loss aggregates over pg_mask (ppo_clip and verl's losses) or the response mask (tis).
-    pg_norm = mengine.global_normalizers(eb.inputs.response_mask if run.policy_loss_name == "tis" else eb.pg_mask)
+    # The mask the variant declares its aggregate is over: pg_mask, or every response token (tis).
+    pg_norm = model_passes.global_normalizers(eb.pg_mask if run.policy_loss.trains_on_pg_mask
+                                              else eb.inputs.response_mask)
 
-    def loss_fn(logp, entropy, micro: mengine.MicroBatch):
+    def loss_fn(logp, entropy, micro: model_passes.MicroBatch):
         r = micro.rows
         m = micro.inputs.response_mask
         pl_in = PolicyLossInputs(
@@ -134,8 +136,8 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
         if sink is not None:
             sink(r, logp, entropy)
         pl = run.policy_loss(pl_in, run.policy_loss_params)
-        share = pl.loss * mengine.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode, like=pl.loss)
-        resp_share = mengine.share_scale(m, micro.norm, mode=mode, like=pl.loss)
+        share = pl.loss * model_passes.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode, like=pl.loss)
+        resp_share = model_passes.share_scale(m, micro.norm, mode=mode, like=pl.loss)
         kl_loss = logp.new_zeros(())
         if a.use_kl_loss and a.kl_coeff > 0:
             kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode,
@@ -147,7 +149,7 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
         return share, {**pl.stats, "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
 
     run.actor.train()
-    res = mengine.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
+    res = model_passes.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
                              temperature=run.cfg.actor_rollout.temperature,
                              micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
                                                               run.passes.update_lm), kernels=run.kernels)
@@ -158,7 +160,7 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
 def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
     a = run.cfg.algorithm
 
-    def loss_fn(values, micro: mengine.MicroBatch):
+    def loss_fn(values, micro: model_passes.MicroBatch):
         r = micro.rows
         m = micro.inputs.response_mask
         devicecheck.expect("value loss", run.device, values=values, old_values=eb.old_values[r],
@@ -166,18 +168,18 @@ def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
         out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
                              loss_agg_mode=a.loss_agg_mode,
                              loss_scale_factor=run.policy_loss_params.loss_scale_factor)
-        share = a.vf_coef * out.loss * mengine.share_scale(m, micro.norm, mode=a.loss_agg_mode, like=out.loss)
+        share = a.vf_coef * out.loss * model_passes.share_scale(m, micro.norm, mode=a.loss_agg_mode, like=out.loss)
         return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
 
     run.critic.train()
-    res = mengine.critic_train_step(run.critic, run.critic_opt, eb.inputs, loss_fn,
+    res = model_passes.critic_train_step(run.critic, run.critic_opt, eb.inputs, loss_fn,
                                     micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
                                                                      run.passes.update_value))
     count_skip(run, "critic", res)
     return {**res.stats, "critic/grad_norm": res.grad_norm}
 
 
-def count_skip(run: Run, model: str, res: "mengine.StepResult") -> None:
+def count_skip(run: Run, model: str, res: "model_passes.StepResult") -> None:
     """A NaN/inf loss, a NaN/inf grad norm (bf16 and fp32 have no grad scaler: gpt.optimizer_step
     skips it) or a refused step is skipped, logged and counted (loss and norm are global, so every
     rank skips together); training.max_consecutive_skipped_updates in a row of one model halt the
@@ -199,7 +201,7 @@ def count_skip(run: Run, model: str, res: "mengine.StepResult") -> None:
             f"Check lr, kl_coeff, rewards and the model weights (0 disables this check).")
 
 
-def skip_reason(res: "mengine.StepResult") -> str:
+def skip_reason(res: "model_passes.StepResult") -> str:
     if not math.isfinite(res.loss):
         return f"loss {res.loss}"
     if not math.isfinite(res.grad_norm):

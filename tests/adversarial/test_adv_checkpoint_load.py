@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.checkpoint import store as ckpt
 
 STEP = 2
 TIME_LIMIT_S = 10

@@ -35,12 +35,11 @@ class Hang(Exception):
 
 
 class StandIn:
-    """trainer.rollout / trainer.score for the collector: group 0 of a round disagrees (is kept) only
+    """The rollout and score functions the collector is given: group 0 of a round disagrees (is kept) only
     on the rounds `kept_on` says; past 1000 rounds it raises Hang (a hang fails instead of blocking)."""
 
     def __init__(self, kept_on=lambda rnd: False):
         self.kept_on, self.rounds = kept_on, 0
-        self.run = type("Run", (), {"tokenizer": type("Tok", (), {"pad_id": 0})()})()
 
     def rollout(self, samples):
         self.rounds += 1
@@ -67,7 +66,7 @@ def _collector(rows: int, max_rounds: int = 0):
                                           "filter_groups": {"enable": True, "max_num_gen_batches": max_rounds}}})
     samples = [Sample(prompt_ids=(1, 2, i), data_source="d", ground_truth="g", extra_info={}) for i in range(rows)]
     prompts = FilePrompts(samples, seed=0, shuffle=True)
-    return collect.build_collector(cfg, prompts=prompts, log=lambda *_: None), prompts
+    return collect.build_collector(cfg, prompts=prompts, log=lambda *_: None, pad_id=0), prompts
 
 
 @contextmanager
@@ -79,7 +78,7 @@ def test_no_group_kept_over_a_full_pass_stops_with_the_key():
     c, prompts = _collector(rows=10)
     fake = StandIn()
     with pytest.raises(collect.SamplingStalled) as e:
-        c.collect(fake, prompts.next_batch(4), _no_timer)
+        c.collect(prompts.next_batch(4), rollout=fake.rollout, score=fake.score, timer=_no_timer)
     msg = str(e.value)
     # 10 rows, 4 prompts a round: a pass is 3 rounds; it stops after the third without progress
     assert fake.rounds == 3
@@ -91,14 +90,14 @@ def test_no_group_kept_over_a_full_pass_stops_with_the_key():
 def test_slow_progress_still_finishes():
     c, prompts = _collector(rows=8)  # a pass: 2 rounds; a group kept every 2nd round never stalls
     fake = StandIn(kept_on=lambda rnd: rnd % 2 == 0)
-    out, stats = c.collect(fake, prompts.next_batch(4), _no_timer)
+    out, stats = c.collect(prompts.next_batch(4), rollout=fake.rollout, score=fake.score, timer=_no_timer)
     assert stats["dapo/rounds"] == 8 and stats["dapo/kept_groups"] == 4 and stats["dapo/filled_groups"] == 0
 
 
 def test_a_round_limit_is_left_as_it_was():
     c, prompts = _collector(rows=4, max_rounds=5)  # bounded: filled after 5 rounds, as before
     fake = StandIn()
-    _, stats = c.collect(fake, prompts.next_batch(4), _no_timer)
+    _, stats = c.collect(prompts.next_batch(4), rollout=fake.rollout, score=fake.score, timer=_no_timer)
     assert stats["dapo/rounds"] == 5 and stats["dapo/filled_groups"] == 4
 
 

@@ -5,7 +5,7 @@ Table-driven: every case is a copy of one tiny checkpoint (shaped as configs/dem
 built-in tokenizer) with one thing broken. ``outcome`` runs the loaders in the trainer's order
 (tokenizer, config.json, model config, actor, critic) and classifies what happens:
 
-    named      a ValueError or FileNotFoundError (CheckpointError / TokenizerError; `pfppo train`
+    named      a ValueError or FileNotFoundError (ModelDirError / TokenizerError; `pfppo train`
                prints it and exits 2) whose message contains every expected fragment
     vague      one of those that does not name the problem
     traceback  any other exception

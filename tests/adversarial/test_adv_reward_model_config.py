@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from pfppo_mega.families import CheckpointError
+from pfppo_mega.families import ModelDirError
 from pfppo_mega.rewards.base import RewardSetupError
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -60,9 +60,9 @@ def test_the_reward_model_refuses_its_config_by_path_and_key(rm_dir, tmp_path, c
 
 @pytest.mark.parametrize("case,change,said", CASES, ids=[c[0] for c in CASES])
 def test_the_plans_reader_refuses_it_by_path_and_key(rm_dir, tmp_path, case, change, said):
-    from pfppo_mega.trainer.ledger import reward_model_shape
+    from pfppo_mega.ledger import reward_model_shape
 
     d = _damaged(rm_dir, tmp_path, change)
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(ModelDirError) as e:
         reward_model_shape(d)
     assert str(e.value).startswith(f"reward.model_path {str(d)!r}: {said}"), str(e.value)

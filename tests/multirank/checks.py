@@ -73,10 +73,10 @@ def _actor(path: Path):
 
 
 def check_logits(layout: str, kind: str, path: Path, mbs: int, batch: common.PPOBatch, refs: dict) -> None:
-    from pfppo_mega.models import engine
+    from pfppo_mega.models import passes
 
     _, actor = _actor(path)
-    ours = engine.forward_logits(actor, batch.inputs.input_ids, micro_batch_size=mbs).double()
+    ours = passes.forward_logits(actor, batch.inputs.input_ids, micro_batch_size=mbs).double()
     ref = refs[f"logits/{kind}"]
     err = max_over_ranks((ours - ref).abs().max().item())
     report(layout, f"logits_vs_transformers[{kind}]", err < LOGITS_TOL and ours.shape == ref.shape, err, LOGITS_TOL)
@@ -84,11 +84,11 @@ def check_logits(layout: str, kind: str, path: Path, mbs: int, batch: common.PPO
 
 def check_family_logits(layout: str, kind: str, path: Path, mbs: int, refs: dict) -> None:
     """Logits of common.family_ids() (positions past llama3's original context) vs transformers."""
-    from pfppo_mega.models import engine
+    from pfppo_mega.models import passes
 
     _, actor = _actor(path)
     ids = common.family_ids()
-    ours = engine.forward_logits(actor, ids, micro_batch_size=mbs).double()
+    ours = passes.forward_logits(actor, ids, micro_batch_size=mbs).double()
     ref = refs[f"logits/{kind}"]
     err = max_over_ranks((ours - ref).abs().max().item())
     report(layout, f"logits_vs_transformers[{kind}]", err < LOGITS_TOL and ours.shape == ref.shape, err, LOGITS_TOL)
@@ -98,11 +98,11 @@ def check_logp_entropy(layout: str, kind: str, path: Path, mbs: int, batch: comm
     """forward_logp_entropy with each kernels backend (vocab-parallel at tp > 1) vs the
     full-vocabulary fp64 softmax of transformers' logits, at common.TEMPERATURE."""
     from pfppo_mega.kernels import available_backends
-    from pfppo_mega.models import engine
+    from pfppo_mega.models import passes
 
     _, actor = _actor(path)
     for backend in available_backends():
-        logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+        logp, ent = passes.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
                                                 micro_batch_size=mbs, kernels=backend)
         err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
                                  (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
@@ -223,11 +223,11 @@ def check_token_budget(layout: str, path: Path, mbs: int, batch: common.PPOBatch
     comparisons)."""
     from megatron.core import parallel_state as ps
 
-    from pfppo_mega.models import engine
+    from pfppo_mega.models import passes
 
-    batching = engine.Batching(mbs, max_tokens=BUDGET, response_only=True)
+    batching = passes.Batching(mbs, max_tokens=BUDGET, response_only=True)
     _, actor = _actor(path)
-    logp, ent = engine.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+    logp, ent = passes.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
                                             micro_batch_size=batching)
     m = batch.inputs.response_mask.bool()
     err = max_over_ranks(max((logp.double() - refs["logp/llama"])[m].abs().max().item(),

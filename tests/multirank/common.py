@@ -209,7 +209,7 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     rank's rows (B / dp contiguous rows), and gather the updated weights under HF names.
     ``features``: gpt.Features for wrap_ddp (None: the defaults)."""
     from pfppo_mega.kernels import get_backend
-    from pfppo_mega.models import engine, gpt, hf_io
+    from pfppo_mega.models import passes, gpt, hf_io
 
     cfg, arch = model_config(path)
     local = batch.rows(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -225,29 +225,29 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     inp = local.inputs
     mask = inp.response_mask
     kernels = get_backend("auto")  # the trainer's default: the fused kernels when built (vocab-parallel at tp > 1)
-    logp, _ = engine.forward_logp_entropy(actor, inp, temperature=TEMPERATURE, micro_batch_size=micro_batch_size,
+    logp, _ = passes.forward_logp_entropy(actor, inp, temperature=TEMPERATURE, micro_batch_size=micro_batch_size,
                                           kernels=kernels)
     old_logp = (logp + local.logp_noise) * mask
-    old_values = (engine.forward_values(critic, inp, micro_batch_size=micro_batch_size) + local.value_noise) * mask
+    old_values = (passes.forward_values(critic, inp, micro_batch_size=micro_batch_size) + local.value_noise) * mask
 
     def actor_loss(logp, entropy, mb):
         m = mb.inputs.response_mask
         out = ppo.policy_loss(logp, old_logp[mb.rows], local.advantages[mb.rows], m,
                               clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
         ent = ppo.agg_loss(entropy, m, mode="token-mean")
-        scale = engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss)
+        scale = passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss)
         return (out.loss - ENTROPY_COEFF * ent) * scale, {"clipfrac": out.pg_clipfrac}
 
     def critic_loss(values, mb):
         m = mb.inputs.response_mask
         out = ppo.value_loss(values, old_values[mb.rows], local.returns[mb.rows], m, value_clip=VALUE_CLIP)
-        return out.loss * engine.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {"vf_clipfrac": out.vf_clipfrac}
+        return out.loss * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {"vf_clipfrac": out.vf_clipfrac}
 
     actor.train()
     critic.train()
-    a = engine.train_step(actor, actor_opt, inp, actor_loss, temperature=TEMPERATURE,
+    a = passes.train_step(actor, actor_opt, inp, actor_loss, temperature=TEMPERATURE,
                           micro_batch_size=micro_batch_size, kernels=kernels)
-    c = engine.critic_train_step(critic, critic_opt, inp, critic_loss, micro_batch_size=micro_batch_size)
+    c = passes.critic_train_step(critic, critic_opt, inp, critic_loss, micro_batch_size=micro_batch_size)
     assert a.update_successful and c.update_successful
     weights = {f"actor/{n}": t.detach().clone() for n, t in hf_io.gather_hf_weights(actor, cfg)}
     weights.update({f"critic/{n}": t.detach().clone() for n, t in hf_io.gather_critic_weights(critic, cfg)})

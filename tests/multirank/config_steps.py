@@ -75,7 +75,7 @@ def batch(rows: int):
 
 
 def step(name: str, cfg) -> None:
-    from pfppo_mega.models import engine, gpt
+    from pfppo_mega.models import passes, gpt
 
     world = dist.get_world_size()
     tp = min(cfg.parallel.tensor_model_parallel_size, 2)
@@ -103,12 +103,12 @@ def step(name: str, cfg) -> None:
 
         def loss_fn(logp, entropy, mb):
             m = mb.inputs.response_mask
-            return -(logp.float() * m).sum() * engine.share_scale(m, mb.norm, mode="token-mean"), {}
+            return -(logp.float() * m).sum() * passes.share_scale(m, mb.norm, mode="token-mean"), {}
 
         actor.train()
-        res = engine.train_step(actor, opt, inputs, loss_fn, temperature=1.0, micro_batch_size=1)
+        res = passes.train_step(actor, opt, inputs, loss_fn, temperature=1.0, micro_batch_size=1)
         critic = gpt.build_critic(model, features=feats)
-        values = engine.forward_values(critic, inputs, micro_batch_size=1)
+        values = passes.forward_values(critic, inputs, micro_batch_size=1)
         dtypes = {str(p.dtype).replace("torch.", "") for p in actor.parameters()}
         loss = res.loss
         ok = res.update_successful and math.isfinite(loss) and bool(torch.isfinite(values).all()) and \

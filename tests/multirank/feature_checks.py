@@ -42,7 +42,7 @@ def _update(path: Path, batch: common.PPOBatch, mbs: int, *, features=None, dtyp
     main parameters before and after the step."""
     from megatron.core import parallel_state as ps
 
-    from pfppo_mega.models import engine, gpt, hf_io
+    from pfppo_mega.models import passes, gpt, hf_io
 
     cfg, arch = common.model_config(path)
     cfg = dataclasses.replace(cfg, params_dtype=dtype)
@@ -56,10 +56,10 @@ def _update(path: Path, batch: common.PPOBatch, mbs: int, *, features=None, dtyp
 
     def loss(logp, entropy, mb):
         m = mb.inputs.response_mask
-        return -(logp.float() * m).sum() * engine.share_scale(m, mb.norm, mode="token-mean"), {}
+        return -(logp.float() * m).sum() * passes.share_scale(m, mb.norm, mode="token-mean"), {}
 
     model.train()
-    res = engine.train_step(model, opt, local.inputs, loss, temperature=1.0, micro_batch_size=mbs)
+    res = passes.train_step(model, opt, local.inputs, loss, temperature=1.0, micro_batch_size=mbs)
     after = {n: t.detach().float().clone() for n, t in hf_io.gather_hf_weights(model, cfg)}
     return after, model, res, mains_before, [p.detach().clone() for p in _main_params(opt)]
 

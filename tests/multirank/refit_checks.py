@@ -62,7 +62,7 @@ def _weights_equal(engine, original: dict) -> bool:
 
 def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     from pfppo_mega.models import hf_io
-    from pfppo_mega.pool.registry import VersionMismatchError, broadcast_assignment, check_engine_versions
+    from pfppo_mega.pool.assignment import VersionMismatchError, broadcast_assignment, check_engine_versions
     from pfppo_mega.pool.sharded import ShardedSnapshotPool
     from pfppo_mega.rollout import SamplingParams
     from pfppo_mega.rollout.source import NamedTensorSource
@@ -133,7 +133,7 @@ def run(layout: str, paths: dict, report, all_ranks_ok) -> None:
     # ---- the trainer's EngineSync over its bounded refit groups
     from megatron.core import parallel_state as ps
 
-    from pfppo_mega.trainer.engine_sync import EngineSync
+    from pfppo_mega.trainer.colocation.engine_sync import EngineSync
 
     engine = _engine(path)
     actor, cfg = _actor(path)

@@ -25,7 +25,8 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.parallel import destroy_parallel
 from pfppo_mega.trainer.batch import PreparedBatch, ScoredBatch, concat_rollouts, pack
-from pfppo_mega.trainer import devicecheck, resume
+from pfppo_mega.trainer.instruments import devicecheck
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.build import DataParallel
 from pfppo_mega.trainer.loop import PPOTrainer
 

@@ -30,7 +30,6 @@ from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
 from pfppo_mega.trainer.batch import RolloutBatch
 from pfppo_mega.trainer.behaviour import BehaviourPolicy
-from pfppo_mega.trainer.policy_loss import choose_policy_loss
 from pfppo_mega.types import Sample
 
 
@@ -81,9 +80,11 @@ def live_buckets(sync, version: int) -> list[Bucket]:
 
 class AsyncCollector:
     def __init__(self, cfg, *, spec: WorkerSpec, sync, next_batch: Callable[[int], list[Sample]],
-                 log: Callable[[str], None]) -> None:
+                 state, rng, tokenizer, device, log: Callable[[str], None]) -> None:
         ac = cfg.algorithm.async_rl
         self.cfg, self.ac, self.sync, self.next_batch, self.log = cfg, ac, sync, next_batch, log
+        # the run's training state (its step), prompt-seed stream, tokenizer and device: shared, not copied
+        self.state, self.rng, self.tokenizer, self.device = state, rng, tokenizer, device
         self.n = cfg.actor_rollout.n_samples_per_prompt
         self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log)
         self.buffer = StalenessBuffer(ac.max_staleness)
@@ -167,12 +168,12 @@ class AsyncCollector:
 
     # ------------------------------------------------------------------ the collect phase
 
-    def collect(self, trainer, samples: list[Sample], timer):
-        run = trainer.run
-        step, need = run.state.step, len(samples)
+    def collect(self, samples: list[Sample], *, rollout, score, timer):
+        # rollout: unused, the generator process writes the rows (the collector protocol, trainer/collect.py)
+        step, need = self.state.step, len(samples)
         t_enter = time.perf_counter()
         if not self.started:
-            self._eos = run.tokenizer.eos_id
+            self._eos = self.tokenizer.eos_id
             self.proc.start()
             self.push(step)
             self.started = True
@@ -182,7 +183,7 @@ class AsyncCollector:
                 for r in self.restored:
                     self._ask(r.groups, r.seed, set(r.pending))
                 self.restored = None
-        self._submit(samples, run.rng)
+        self._submit(samples, self.rng)
         got: list[Result] = []
         dropped_now = 0
         with timer("rollout"):
@@ -197,7 +198,7 @@ class AsyncCollector:
                 self._retire(t.groups + t.dropped)
                 if t.dropped:  # too stale to train on: counted, and their prompts are asked again
                     dropped_now += len(t.dropped)
-                    self._submit([g.sample for g in t.dropped], run.rng)
+                    self._submit([g.sample for g in t.dropped], self.rng)
                 if len(taken) >= need:
                     break
                 r = self.proc.next_result()  # wait for the generator
@@ -205,13 +206,13 @@ class AsyncCollector:
                 self._receive(r)
             waited = time.perf_counter() - t0
         with timer("score"):
-            scored = trainer.score(self._rollout(taken, run))
+            scored = score(self._rollout(taken))
         window = t_enter - self._last_collect if self._last_collect is not None else 0.0
         self._last_collect = t_enter
         return scored, self._stats(scored, step, got, waited, window, dropped_now)
 
-    def _rollout(self, groups: list[Group], run) -> RolloutBatch:
-        n, pad = self.n, run.tokenizer.pad_id
+    def _rollout(self, groups: list[Group]) -> RolloutBatch:
+        n, pad = self.n, self.tokenizer.pad_id
         T = max(g.responses.shape[1] for g in groups)
 
         def cat(name: str, value) -> torch.Tensor:
@@ -221,13 +222,13 @@ class AsyncCollector:
         mask = cat("mask", 0.0)
         lengths = mask.sum(1).long()
         samples = [g.sample for g in groups for _ in range(n)]
-        texts = [run.tokenizer.decode(r[: int(k)].tolist()) for r, k in zip(responses, lengths)]
+        texts = [self.tokenizer.decode(r[: int(k)].tolist()) for r, k in zip(responses, lengths)]
         return RolloutBatch(samples=samples, prompt_ids=[list(s.prompt_ids) for s in samples], responses=responses,
                             response_mask=mask, behav_logp=cat("logprobs", 0.0),
                             finished=torch.cat([g.finished for g in groups]),
                             versions=torch.tensor([g.version for g in groups for _ in range(n)], dtype=torch.long),
                             texts=texts, group_ids=torch.arange(len(groups)).repeat_interleave(n),
-                            ).to(run.device)
+                            ).to(self.device)
 
     def _stats(self, scored, step: int, got: list[Result], waited: float, window: float,
                dropped: int) -> dict[str, float]:
@@ -257,7 +258,6 @@ class AsyncBehaviour(BehaviourPolicy):
 
     def __init__(self, collector: AsyncCollector, pool_cfg) -> None:
         self.collector, self.pool_cfg = collector, pool_cfg
-        self.policy_loss_name = choose_policy_loss(use_pool=True, is_mode=pool_cfg.is_mode)
 
     def rollout(self, samples, step):
         raise RuntimeError("algorithm.async_rl: rows come from the generator process (AsyncCollector), "
@@ -282,13 +282,14 @@ class AsyncBehaviour(BehaviourPolicy):
                 "async/ess": s.ess}
 
 
-def build_async(cfg, *, sync, model_dir, hf_cfg: dict, pad_token_id: int, next_batch,
+def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, tokenizer, device,
                 log) -> tuple[AsyncBehaviour, AsyncCollector]:
     ac = cfg.algorithm.async_rl
-    spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=pad_token_id,
+    spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=tokenizer.pad_id,
                       window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
                       temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads)
-    collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, log=log)
+    collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, state=state, rng=rng,
+                               tokenizer=tokenizer, device=device, log=log)
     log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
         f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request")
     return AsyncBehaviour(collector, cfg.algorithm.pool), collector

@@ -95,7 +95,7 @@ def main(inbox, outbox, spec: WorkerSpec, parent_pid: int) -> None:
         os._exit(0)
     torch.set_num_threads(spec.num_threads)
     try:
-        from pfppo_mega.trainer.engine_sync import build_engine
+        from pfppo_mega.trainer.colocation.engine_sync import build_engine
 
         engine = build_engine(spec.cfg, Path(spec.model_dir), spec.hf_cfg, pad_token_id=spec.pad_token_id,
                               world_size=1, log=lambda *_: None)

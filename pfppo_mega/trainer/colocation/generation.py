@@ -24,13 +24,13 @@ from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import RolloutOutput
 from pfppo_mega.rollout.refit import held_slot_bytes
 from pfppo_mega.tokenizer import Tokenizer
-from pfppo_mega.trainer import devicecheck
+from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.batch import GreedyRows, RolloutBatch
-from pfppo_mega.trainer.engine_sync import EngineSync
-from pfppo_mega.trainer.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
+from pfppo_mega.trainer.colocation.engine_sync import EngineSync
+from pfppo_mega.ledger import (BUILD_ORDER, Knobs, Layout, Ledger, PhaseRecord, RunShape, rank_holdings,
                                       reward_model_shape)
-from pfppo_mega.trainer.offload import TrainerOffload
-from pfppo_mega.trainer.rollout_split import SplitLayout, assemble, plan_share
+from pfppo_mega.trainer.colocation.offload import TrainerOffload
+from pfppo_mega.trainer.colocation.rollout_split import SplitLayout, assemble, plan_share
 from pfppo_mega.types import Sample
 
 
@@ -166,7 +166,7 @@ def device_capacity(device: torch.device) -> Optional[int]:
 
 
 class MemoryRecorder:
-    """The trainer's side of the device-memory ledger (trainer/ledger.py): every phase transition
+    """The trainer's side of the device-memory ledger (pfppo_mega/ledger.py): every phase transition
     enters the ledger as the code runs it (which checks the predicted device bytes against the card:
     LedgerOverflow), with what the trainer saw there: its states' bytes on the device
     (TrainerOffload.device_bytes), the refit stream's buffers held (refit.held_slot_bytes) and, on
@@ -215,12 +215,10 @@ class MemoryRecorder:
             del self.ledger.records[build:len(self.ledger.records) - self.KEPT]
         return self.ledger.enter(phase, **measured)
 
-    def host_bytes(self, pool=None) -> int:
-        """Host bytes this rank holds now: TrainerOffload's buffers and its PF-PPO pool shards."""
-        held = sum(int(t.numel()) for t in self.offload._host)  # uint8 buffers
-        if pool is not None:
-            held += sum(t.numel() * t.element_size() for snap in pool.snapshots for _, t in snap.tensors)
-        return held
+    def host_bytes(self, held: int = 0) -> int:
+        """Host bytes this rank holds now: TrainerOffload's buffers and ``held`` (the behaviour
+        policy's: the PF-PPO pool's shards)."""
+        return sum(int(t.numel()) for t in self.offload._host) + held  # uint8 buffers
 
 
 def sleep_engine(engine) -> None:
@@ -268,6 +266,9 @@ class Generation:
         self.engine_s = 0.0  # seconds inside the engine's generate() calls so far (the step reads its share)
         # the colocation calls in the order they ran, with the trainer's bytes on the device then
         self.events: list[tuple[str, int]] = []
+        # How the weights an engine failed with are pushed again (version, step): the live weights;
+        # a behaviour policy with weights of its own installs its way (SnapshotPolicy: its pool's).
+        self.push_again: Callable[[int, int], None] = lambda version, step: sync.reload(None, version, step)
 
     # ------------------------------------------------------------------ weights
 
@@ -290,13 +291,13 @@ class Generation:
         if self.memory is not None:
             self.memory.enter(name)
 
-    def take_work(self, pool=None) -> Work:
+    def take_work(self, held: int = 0) -> Work:
         """This rank's work since the last take, with the weight bytes its engine received and the
-        host bytes it holds now."""
+        host bytes it holds now (``held``: the behaviour policy's, BehaviourPolicy.host_bytes)."""
         got = self.sync.take_received()
         self.work.refit_bytes += got["refit"]
         self.work.switch_bytes += got["switch"]
-        return self.work.take(self.memory.host_bytes(pool) if self.memory is not None else -1)
+        return self.work.take(self.memory.host_bytes(held) if self.memory is not None else -1)
 
     def ensure_current(self, step: int) -> None:
         """The engine holds the current weights (version == step) afterwards."""
@@ -344,11 +345,9 @@ class Generation:
             return {}
         return {"time/offload_s": self.offload.last_offload_s, "time/reload_s": self.offload.last_reload_s}
 
-    def generate(self, samples: list[Sample], n: int, *, step: int, groups: Optional[list[int]] = None,
-                 pool=None) -> RolloutBatch:
+    def generate(self, samples: list[Sample], n: int, *, step: int, groups: Optional[list[int]] = None) -> RolloutBatch:
         """n responses per prompt with whatever weights the engine holds (rows carry its version).
-        ``groups``: each prompt's index in the step (default 0..len-1; rows carry it as group_ids).
-        ``pool``: where a failed generation's snapshot is pushed again from (None: live weights)."""
+        ``groups``: each prompt's index in the step (default 0..len-1; rows carry it as group_ids)."""
         cfg = self.cfg
         groups = list(range(len(samples))) if groups is None else groups
         group_ids = torch.tensor([g for g in groups for _ in range(n)], dtype=torch.long)       # [B]
@@ -359,7 +358,7 @@ class Generation:
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         with devicecheck.paused():  # the engine's own device world; its rows are host until moved
-            out = self.run_engine(prompt_ids, params, step=step, pool=pool, what=f"rollout at step {step}")
+            out = self.run_engine(prompt_ids, params, step=step, what=f"rollout at step {step}")
         devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {step}")  # every engine, same version and checksum
         texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
@@ -393,14 +392,14 @@ class Generation:
                           torch.full((len(texts),), out.weight_version)).select(g)          # [prompts] -> [B]
         return dataclasses.replace(rb, baseline=rows.to(rb.group_ids.device))
 
-    def run_engine(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int, pool=None,
+    def run_engine(self, prompt_ids: list[list[int]], params: SamplingParams, *, step: int,
                    what: str, replicated: bool = False) -> RolloutOutput:
         """This rank's rows generated once in the job: with more than one rank, the job's rows are
-        split across every engine and exchanged (trainer/rollout_split.py). ``replicated``: every
+        split across every engine and exchanged (trainer/colocation/rollout_split.py). ``replicated``: every
         rank asks for the same rows (evaluation, the KL probe), not one request per replica."""
         self.record("generate")
         if self.split is None:
-            out = self._guarded(lambda: self._timed(self.engine.generate, prompt_ids, params), step=step, pool=pool)
+            out = self._guarded(lambda: self._timed(self.engine.generate, prompt_ids, params), step=step)
             self.work.add(generated=int(out.lengths.sum()), needed=int(out.lengths.sum()), rows=len(prompt_ids),
                           owner=True)
             return out
@@ -408,7 +407,7 @@ class Generation:
             self.split, dp_rank=0, replica_leader=self.split.rank == 0)
         share = plan_share(layout, prompt_ids, params, what=what)
         outs = self._guarded(lambda: [self._timed(self.engine.generate, p, prm) for _, _, p, prm in share.calls],
-                             step=step, pool=pool)
+                             step=step)
         out = assemble(layout, share, outs, prompt_ids, pad_token_id=self.tokenizer.pad_id, what=what)
         self.work.add(generated=sum(int(o.lengths.sum()) for o in outs), needed=int(out.lengths.sum()),
                       rows=len(prompt_ids), owner=layout.replica_leader,
@@ -422,7 +421,7 @@ class Generation:
         finally:
             self.engine_s += time.perf_counter() - t0
 
-    def _guarded(self, attempt: Callable[[], Any], *, step: int, pool):
+    def _guarded(self, attempt: Callable[[], Any], *, step: int):
         """``attempt()`` (this rank's engine calls), agreed on by every rank. When it fails anywhere (an
         engine that died or raised mid-generation), every rank pushes the same verified weights again
         (the snapshot or the live weights it was generating with) and tries once more, counted in
@@ -446,7 +445,7 @@ class Generation:
             self.log(f"[pfppo] step {step}: the rollout engine failed on rank(s) {bad} ({cause}); pushing "
                      f"weight version {version} again and regenerating")
             with self.offload.on_device():  # the live weights, also while offloaded
-                self.sync.reload(pool, version, step)
+                self.push_again(version, step)
         raise AssertionError("unreachable")
 
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:

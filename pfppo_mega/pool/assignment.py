@@ -1,4 +1,4 @@
-"""The version registry: one decision about which weights generate what, the same on every rank.
+"""The version assignment: one decision about which weights generate what, the same on every rank.
 
 Rank 0 decides which snapshot each prompt group uses and broadcasts the table, so every rank
 (every node) generates with the same assignment; after generating, every engine reports the

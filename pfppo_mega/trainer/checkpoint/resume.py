@@ -1,5 +1,5 @@
 """A run's checkpoints: what a step saves and how a run resumes from one (the file format, its
-atomic writes and verification are trainer/checkpoint.py's).
+atomic writes and verification are trainer/checkpoint/store.py's).
 
 Sharded (format 3): ``checkpoints/step_N/`` holds one part per rank, ``tp<t>-pp<p>-dp<d>/``,
 written by that rank alone (no gather), and a global manifest that rank 0 writes last, once every
@@ -48,7 +48,7 @@ from safetensors import safe_open
 from pfppo_mega import parallel
 from pfppo_mega.config import config_to_dict
 from pfppo_mega.models import gpt, reshard
-from pfppo_mega.trainer import checkpoint as ckpt
+from pfppo_mega.trainer.checkpoint import store as ckpt
 from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.seeds import stream_seed
 

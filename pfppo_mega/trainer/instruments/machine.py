@@ -1,5 +1,5 @@
 """This machine's rates, measured in the run itself (cached per process until remeasure()): what
-the perf/ metrics compare the phases against (trainer/perf.py).
+the perf/ metrics compare the phases against (trainer/instruments/perf.py).
 
     matmul_rates(device, dtype) FLOP/s of n x n @ n x n matmuls (n = 1024), the best of a few timed
                                 repeats after a warm-up, at the process's torch threads, through each

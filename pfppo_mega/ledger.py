@@ -4,7 +4,7 @@ memory at every phase, in the order the code runs the phases.
 One place for the arithmetic. ``pfppo plan`` (pfppo_mega.planning.memory) replays BUILD_ORDER and
 STEP_ORDER through a ``Ledger`` for every pipeline stage and prints its budgets from the records
 (``pfppo plan CONFIG --ledger`` prints the per-phase table); the trainer enters every phase as the
-code executes it (trainer/generation.py, ``MemoryRecorder``) and the ledger checks the predicted
+code executes it (trainer/colocation/generation.py, ``MemoryRecorder``) and the ledger checks the predicted
 device bytes against the card's capacity at each one (LedgerOverflow names the phase, the bytes
 and what holds them). So the plan and the trainer cannot disagree: same holdings, same order.
 
@@ -36,7 +36,7 @@ optimizer, as pfppo_mega.models.gpt builds them):
              their bytes; torch's caching pinned allocator would hold the next power of two of each
              (``pinned.allocator_bytes``).
 
-Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/generation.py call them:
+Phase transitions (``Ledger.enter``), as trainer/build.py and trainer/colocation/generation.py call them:
   build trainer, offload trainer, offload actor weights, build engine, sleep, reload trainer   (once)
   offload trainer, wake weights, refit | switch, offload actor weights, wake kv cache, generate,
   sleep, reload trainer   (every generation: rollout, evaluation, the KL probe)
@@ -336,7 +336,7 @@ def layer_of(layer_spec: str, fused_layers: bool) -> str:
 
 def offload_from_config(cfg) -> bool:
     """training.offload_during_rollout as the trainer applies it on GPUs (null: on): the rollout
-    phase then keeps none of the trainer's states on the GPU (pfppo_mega.trainer.offload)."""
+    phase then keeps none of the trainer's states on the GPU (pfppo_mega.trainer.colocation.offload)."""
     return cfg.training.offload_during_rollout is not False
 
 
@@ -413,14 +413,14 @@ def reward_model_shape(path):
     if path is None or not (Path(path) / "config.json").is_file():
         return None
     from pfppo_mega.config.tree import ModelConfig
-    from pfppo_mega.families import CheckpointError, DecoderShape, architecture_from_hf
+    from pfppo_mega.families import ModelDirError, DecoderShape, architecture_from_hf
     from pfppo_mega.models.hf_io import model_config_from_hf, read_hf_config
 
     try:  # its keys' problems are the reward model's, not the policy's: say whose file it is
         hf = read_hf_config(path)
         return DecoderShape.from_model_config(model_config_from_hf(hf, ModelConfig()), architecture_from_hf(hf))
-    except CheckpointError as e:
-        raise CheckpointError(f"reward.model_path {str(path)!r}: {e}") from None
+    except ModelDirError as e:
+        raise ModelDirError(f"reward.model_path {str(path)!r}: {e}") from None
 
 
 def micro_batching(run: RunShape, knobs: Knobs, dp: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """perf/ metrics: each phase's work against what this machine can do (rates measured in the run,
-trainer/machine.py).
+trainer/instruments/machine.py).
 
 Model FLOPs of a forward pass (the work the result needs, not what was computed: padding and
 prompt-position logits are waste, so they lower the fractions): per real token 2 x the decoder's
@@ -40,7 +40,7 @@ import torch
 
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.models.microbatch import Tally
-from pfppo_mega.trainer import machine
+from pfppo_mega.trainer.instruments import machine
 from pfppo_mega.trainer.batch import ScoredBatch
 
 _BYTES = {"float32": 4, "bfloat16": 2}

@@ -231,7 +231,7 @@ class _HostTags(TorchFunctionMode):
             raise DeviceViolation(
                 f"{name} at {_site()}: mixes a host tensor {tuple(host[0].shape)} {host[0].dtype} (made without an explicit "
                 f"device) with a device tensor {tuple(dev.shape)} {dev.dtype}; on a GPU this op raises. Put the "
-                f"host tensor on the model's device where it is made (see pfppo_mega.trainer.devicecheck)")
+                f"host tensor on the model's device where it is made (see pfppo_mega.trainer.instruments.devicecheck)")
         if host and func not in _NO_MIX_CHECK and isinstance(out, (torch.Tensor, list, tuple)):
             _tag_all(out, True)
         return out

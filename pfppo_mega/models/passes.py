@@ -401,7 +401,7 @@ def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_s
                      compute: Callable[[Tensor, _Chunk], Tensor], out_shape: tuple[int, ...]) -> Tensor:
     """Run the forward schedule; compute(output, chunk) -> [b, ...] per micro-batch on the last
     stage; the results in row order, float32, on every stage and on the model's device (where the
-    trainer keeps everything that meets the model; see pfppo_mega.trainer.devicecheck)."""
+    trainer keeps everything that meets the model; see pfppo_mega.trainer.instruments.devicecheck)."""
     batching = _as_batching(micro_batch_size)
     _check_inputs(inputs, batching.micro_batch_size)
     mbs = min(batching.micro_batch_size, inputs.labels.shape[0])
@@ -529,7 +529,7 @@ def _require_ddp(model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
                         f"{type(model).__name__}")
     if model.config.calculate_per_token_loss:
         raise ValueError("config.calculate_per_token_loss must be False: the engine normalises losses itself "
-                         "(loss shares, see pfppo_mega.models.engine)")
+                         "(loss shares, see pfppo_mega.models.passes)")
     if model.config.finalize_model_grads_func is None:
         raise ValueError("model.config.finalize_model_grads_func is unset: wrap the model with gpt.wrap_ddp, "
                          "or data-parallel replicas silently drift apart")

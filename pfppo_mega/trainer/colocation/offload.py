@@ -15,7 +15,7 @@ them for, a live refit.
 
 Gradient storages (a source's ``main_grad`` -- DDP's grad buffer -- and ``.grad``) are freed
 without a host copy and come back zeroed: the update starts with ``zero_grads`` before its first
-backward (models.engine.train_step), so nothing reads last step's gradients across a rollout
+backward (models.passes.train_step), so nothing reads last step's gradients across a rollout
 phase. That saves the host half the bytes of the fp32 grad buffers and their two copies.
 
 On a CPU the host and the device are the same memory: the code path is identical (a separate

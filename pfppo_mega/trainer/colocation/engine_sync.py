@@ -6,7 +6,7 @@ same call, ``engine.update_weights(source.buckets(plan, group), version)``:
   capture(pool, v)    the same stream, kept by the PF-PPO pool (1/L of each snapshot per node rank)
   switch(pool, v)     a pool snapshot, broadcast from its keepers inside the node
 and checks, after each generation, that every engine generated with the same version and weight
-checksum (pfppo_mega.pool.registry). See docs/refit.md.
+checksum (pfppo_mega.pool.assignment). See docs/refit.md.
 
 Every collective of those movements runs on groups created here with their own bounded wait,
 ``actor_rollout.refit_timeout_s`` (RefitGroups): a rank that dies or stalls mid-refit makes the
@@ -341,6 +341,6 @@ class EngineSync:
         return out
 
     def check_versions(self, what: str) -> None:
-        from pfppo_mega.pool.registry import check_engine_versions
+        from pfppo_mega.pool.assignment import check_engine_versions
 
         check_engine_versions(self.engine.weight_version, self.engine.weight_checksum, what=what, group=self.world)
