@@ -624,6 +624,23 @@ def test_docs_verl_is_up_to_date_and_lists_every_rule():
     assert all(f"`{verl_doc.shown(r)}`" in text for r in V.RULES)
 
 
+def test_batch_reward_manager_is_documented_as_it_behaves(tmp_path):
+    """verl's batch manager calls the function with lists; here it is called per sample, so the row and the
+    record say a batch-style function is refused at start, and it is (issue 40: the row said "the same")."""
+    from pfppo_mega.rewards.worker import CustomFunctionError, load_function
+    row = next(line for line in (ROOT / "docs" / "verl.md").read_text().splitlines()
+               if line.startswith("| `reward_model.reward_manager` |"))
+    assert "batch score the same" not in row and "batch-style function is refused at start" in row
+    note = [u.detail for u in _cfg("reward_model.reward_manager=batch").verl.uses
+            if u.key == "reward_model.reward_manager"]
+    assert note and "refused at start" in note[0]
+    fn = tmp_path / "batch_fn.py"
+    fn.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                  "    return [0.0] * len(solution_strs)\n")
+    with pytest.raises(CustomFunctionError, match="batch reward manager's signature"):
+        load_function(str(fn), "compute_score")
+
+
 def test_dapo_overlong_penalty_maps_in_both_spellings():
     ov = ("reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", "reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
           "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5", "reward_model.reward_kwargs.max_resp_len=512",

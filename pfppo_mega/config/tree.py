@@ -118,6 +118,13 @@ def _choice(p: list[Problem], key: str, value: Any, allowed: tuple) -> None:
         p.append(Problem(key, value, f"must be one of {', '.join(map(repr, allowed))}"))
 
 
+def _nonblank_dir(p: list[Problem], key: str, value: Any) -> None:
+    """A run directory: an empty or blank name would write into the current directory."""
+    if isinstance(value, str) and not value.strip():
+        p.append(Problem(key, value, "must name a directory (empty or blank would write into the current "
+                                     "directory); set it, e.g. runs/my_run"))
+
+
 def _range(
     p: list[Problem], key: str, value: Any, *, ge=None, gt=None, le=None, lt=None, optional=False
 ) -> None:
@@ -556,8 +563,11 @@ class AlgorithmConfig(Section):
         _range(p, "ppo_kl_coef", self.ppo_kl_coef, ge=0)
         _range(p, "tau_pos", self.tau_pos, gt=0)
         _range(p, "tau_neg", self.tau_neg, gt=0)
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            p.append(Problem("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})"))
+        if not self.clip_cov_lb < self.clip_cov_ub:  # name the bound that left its default
+            if self.clip_cov_lb != type(self).clip_cov_lb:
+                p.append(Problem("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub ({self.clip_cov_ub})"))
+            else:
+                p.append(Problem("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})"))
         if self.use_pf_ppo and not self.recompute_old_logp:
             p.append(Problem("recompute_old_logp", self.recompute_old_logp, "must be true with use_pf_ppo: the "
                              "pool's importance weights (pool.is_mode) correct the mixed behaviour policies "
@@ -920,6 +930,7 @@ class LoggingConfig(Section):
            "(rank 0's rows); 0 = off. pfppo doctor quotes them at KL spikes.")
 
     def _check(self, p: list[Problem]) -> None:
+        _nonblank_dir(p, "output_dir", self.output_dir)
         _range(p, "log_interval", self.log_interval, ge=1, le=C.MAX_STEPS)
         _range(p, "eval_interval", self.eval_interval, ge=0, le=C.MAX_STEPS)
         _range(p, "kl_probe_size", self.kl_probe_size, ge=0, le=C.MAX_EVAL_PROMPTS)
@@ -983,6 +994,7 @@ class SFTConfig(Section):
              "nothing) if they take longer than this; 0 = no limit.")
 
     def _check(self, p: list[Problem]) -> None:
+        _nonblank_dir(p, "output_dir", self.output_dir)
         _range(p, "steps", self.steps, ge=1, le=C.MAX_STEPS)
         _range(p, "batch_size", self.batch_size, ge=1, le=C.MAX_COUNT)
         _range(p, "lr", self.lr, gt=0, le=1)

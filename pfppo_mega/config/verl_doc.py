@@ -64,7 +64,8 @@ def _row(r: Rule) -> str:
         becomes = f"`{r.target}`" + (" (converted)" if converted else "")
         why = r.why or (_first_line(r.convert) if r.convert else "")
     elif r.action == "ignore":
-        becomes, why = "ignored", r.why
+        checked = f" (checked: {_first_line(r.convert).rstrip('.')})" if r.convert else ""
+        becomes, why = "ignored" + checked, r.why
     else:
         ok = ", ".join(f"`{o!r}`" for o in r.ok)
         becomes, why = "refused" + (f" unless {ok}" if ok else ""), refusal(r)

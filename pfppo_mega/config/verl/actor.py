@@ -15,7 +15,8 @@ from pfppo_mega.config.verl.optim import (_betas, _min_lr, _min_lr_ratio, _only_
                                           _warmup_ratio, _warmup_steps)
 from pfppo_mega.config.verl.reasons import (COPY_TOKENIZER, FORWARD_MICRO, FSDP, MERGE_ADAPTER, MOE, MULTIMODAL,
                                             REF_LAYOUT, SPEED)
-from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _native_choices, _typed
+from pfppo_mega.config.verl.rule import (Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _native_choices, _typed,
+                                         positive_int)
 
 
 def _mini_batch(value: Any, v: View) -> Out:
@@ -254,10 +255,10 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- reference
     I("actor_rollout_ref.ref.megatron.**", REF_LAYOUT),
     I("actor_rollout_ref.ref.fsdp_config.**", FSDP),
-    I("actor_rollout_ref.ref.log_prob_micro_batch_size", FORWARD_MICRO),
-    I("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO),
+    I("actor_rollout_ref.ref.log_prob_micro_batch_size", FORWARD_MICRO, check=positive_int),
+    I("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO, check=positive_int),
     I("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", FORWARD_MICRO),
-    I("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", FORWARD_MICRO),
+    I("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", FORWARD_MICRO, check=positive_int),
     I("actor_rollout_ref.ref.*", REF_LAYOUT + "; " + SPEED),
     I("actor_rollout_ref.ref.**", REF_LAYOUT),
 )

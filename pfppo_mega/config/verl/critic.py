@@ -5,13 +5,13 @@ keys that may differ between the two must agree (``_same_as``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pfppo_mega.config.verl.convert import _float
 from pfppo_mega.config.verl.keys import LORA_KEYS, A, M_
 from pfppo_mega.config.verl.optim import _betas, _critic_optim, _critic_warmup_ratio, _optimizer
 from pfppo_mega.config.verl.reasons import CRITIC_LAYOUT, DYNAMIC_BSZ, FORWARD_MICRO, FSDP, MERGE_ADAPTER, MOE, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, R, Refuse, Rule, View
+from pfppo_mega.config.verl.rule import I, Ignore, M, R, Refuse, Rule, View, _typed, positive_int
 
 
 def _same_as(key: str, label: str) -> Callable[[Any, View], Any]:
@@ -29,8 +29,10 @@ def _same_as(key: str, label: str) -> Callable[[Any, View], Any]:
 
 
 def _critic_enable(value: Any, v: View) -> Any:
+    value = _typed(value, Optional[bool])  # true / false / null only: verl reads it as Python truth
     if value is False and v.get("algorithm.adv_estimator") == "gae":
-        raise Refuse("gae needs the critic")
+        raise Refuse("adv_estimator gae needs the critic; remove critic.enable (or set it true), or choose an "
+                     "estimator without one (algorithm.adv_estimator=grpo, for instance)")
     raise Ignore("the critic is built when the advantage estimator needs it (gae), as verl's null does")
 
 
@@ -64,11 +66,12 @@ RULES: tuple[Rule, ...] = (
     M("critic.loss_agg_mode", "(algorithm.loss_agg_mode)",
       lambda x, v: _same_as(f"{A}.loss_agg_mode", "loss_agg_mode")(x, v), why="must equal the actor's, with a critic"),
     I("critic.ppo_micro_batch_size_per_gpu", "one micro-batch size for actor and critic here "
-                                             "(training.micro_batch_size); " + SPEED),
-    I("critic.ppo_micro_batch_size", "one micro-batch size for actor and critic here; " + SPEED),
-    I("critic.forward_micro_batch_size", FORWARD_MICRO), I("critic.forward_micro_batch_size_per_gpu", FORWARD_MICRO),
-    I("critic.use_dynamic_bsz", DYNAMIC_BSZ), I("critic.ppo_max_token_len_per_gpu", DYNAMIC_BSZ),
-    I("critic.forward_max_token_len_per_gpu", DYNAMIC_BSZ),
+                                             "(training.micro_batch_size); " + SPEED, check=positive_int),
+    I("critic.ppo_micro_batch_size", "one micro-batch size for actor and critic here; " + SPEED, check=positive_int),
+    I("critic.forward_micro_batch_size", FORWARD_MICRO, check=positive_int),
+    I("critic.forward_micro_batch_size_per_gpu", FORWARD_MICRO, check=positive_int),
+    I("critic.use_dynamic_bsz", DYNAMIC_BSZ), I("critic.ppo_max_token_len_per_gpu", DYNAMIC_BSZ, check=positive_int),
+    I("critic.forward_max_token_len_per_gpu", DYNAMIC_BSZ, check=positive_int),
     I("critic.shuffle", "see actor_rollout_ref.actor.shuffle"), I("critic.data_loader_seed", "seeded by training.seed"),
     I("critic.rollout_n", "follows actor_rollout_ref.rollout.n"),
     I("critic.strategy", "this trainer is megatron; FSDP settings are ignored"),

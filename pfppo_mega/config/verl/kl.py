@@ -64,13 +64,15 @@ def _kl_active(v: View, where: str) -> None:
 
 def _kl_coef(where: str) -> Callable[[Any, View], Any]:
     def convert(value: Any, v: View) -> Any:
+        coef = _typed(value, float)  # a number even where unused: a typo is caught now
         _kl_active(v, where)
-        return _typed(value, float)
+        return coef
     return convert
 
 
 def _kl_type(where: str) -> Callable[[Any, View], Any]:
     def convert(value: Any, v: View) -> Any:
+        _typed(value, str)  # a name even where unused: a typo of type is caught now
         _kl_active(v, where)
         name = _kl_name(value)
         return Out({"algorithm.kl_estimator": name}, _k3_note(name))

@@ -1,5 +1,6 @@
 """Rows for verl's reward_model, reward_manager and custom_reward_function sections: a reward model's
-score, rule-based scoring (verl's naive / dapo / prime / batch managers score the same), a user's
+score, rule-based scoring (verl's naive / dapo / prime managers score the same; batch only with a
+per-sample function), a user's
 reward function, and DAPO's overlong penalty under both of verl's spellings.
 """
 
@@ -10,7 +11,7 @@ from typing import Optional
 
 from pfppo_mega.config.verl.convert import _when_ours
 from pfppo_mega.config.verl.reasons import FSDP, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed
+from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _native_type, _typed
 
 
 def _reward_model(value: Any, v: View) -> Any:
@@ -27,6 +28,10 @@ def _reward_model(value: Any, v: View) -> Any:
                      "custom_reward_function to train on the model's score alone, or mix the model's and the "
                      "rule-based scores in our keys: reward.model_path, reward.model_weight, reward.rule_weight")
     path = v.get("reward_model.model.path")
+    if not isinstance(path, str) or not path.strip():
+        raise Bad(f"reward_model.enable=True needs reward_model.model.path, the reward model's checkpoint directory "
+                  f"(a sequence classifier sharing the policy's vocabulary); got {path!r}: set it, or remove "
+                  f"reward_model.enable to score with the rule-based reward alone")
     where = "verl's reward loop without a custom_reward_function" if loop else "verl's legacy path"
     return Out({"reward.model_path": _typed(path, str), "reward.rule_weight": 0.0},
                f"{where} trains on the reward model's score alone (reward.rule_weight = 0); it must be a "
@@ -37,15 +42,20 @@ def _reward_manager(value: Any, v: View) -> Any:
     name = _typed(value, str)
     same = {"naive": "each sample scored by its data_source's scorer, as here",
             "prime": "verl's prime manager runs the same scorers in a process pool",
-            "batch": "verl's batch manager runs the same scorers on a batch",
+            "batch": "verl's batch manager calls the reward function once per batch with lists; here it is "
+                     "called once per sample, so a per-sample function (or the built-in scorers) scores the "
+                     "same and a batch-style function (lists in, a list out) is refused at start: rewrite it "
+                     "per sample",
             "dapo": "verl's dapo manager is the naive one plus the overlong buffer (reward.overlong_buffer, from "
                     "its overlong_buffer keys)"}
     if name in same:
         raise Ignore(same[name])
-    raise Refuse(f"reward manager {name!r}: only verl's naive scoring (and dapo / prime / batch, which score "
-                 "the same) exists here; remove it and write the scoring as custom_reward_function.path")
+    raise Refuse(f"reward manager {name!r}: only verl's naive scoring (and dapo / prime, which score the same, "
+                 "and batch with a per-sample function) exists here; remove it and write the scoring as custom_reward_function.path")
 
 
+MANAGERS = ("naive, dapo, prime score the same; batch calls the reward function with lists, here it is called per "
+            "sample: a batch-style function is refused at start (write it per sample); others refused")
 OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg"  # verl's examples (main_ppo, dapo reward manager)
 OVERLONG_RECIPE = "reward_model.overlong_buffer"  # verl's recipe/dapo (dapo_trainer.yaml): the same three keys
 
@@ -54,11 +64,26 @@ def _overlong_on(v: View, prefix: str = OVERLONG) -> bool:
     return v.typed(f"{prefix}.enable", Optional[bool]) is True
 
 
+def _overlong_enable(prefix: str) -> Callable[[Any, View], Any]:
+    """DAPO's overlong penalty on or off; on, it needs its buffer length under verl's own spelling."""
+    ours = _when_ours("reward.overlong_buffer.enable", (False, None))
+
+    def convert(value: Any, v: View) -> Any:
+        on = _typed(value, Optional[bool])
+        if on and v.get(f"{prefix}.len") is None and "reward.overlong_buffer.len" not in v.native:
+            raise Bad(f"{prefix}.enable=True needs {prefix}.len, the buffer in tokens (the penalty grows over the "
+                      f"last len tokens before data.max_response_length): set it to a length >= 1 and below "
+                      f"data.max_response_length, or remove {prefix}.enable")
+        return ours(value, v)
+    return convert
+
+
 def _overlong_param(target: str, prefix: str = OVERLONG) -> Callable[[Any, View], Any]:
     """A parameter of DAPO's overlong penalty: ours when it is enabled."""
     ours = _when_ours(target)
 
     def convert(value: Any, v: View) -> Any:
+        _typed(value, Optional[_native_type(target)])  # a number (or null) even where unused: a typo is caught now
         if not _overlong_on(v, prefix):
             raise Ignore(f"used only with {prefix}.enable=True")
         return ours(value, v)
@@ -66,6 +91,7 @@ def _overlong_param(target: str, prefix: str = OVERLONG) -> Callable[[Any, View]
 
 
 def _overlong_max_len(value: Any, v: View) -> Any:
+    _typed(value, Optional[int])  # a length (or null) even where unused: a typo is caught now
     if not _overlong_on(v):
         raise Ignore(f"used only with {OVERLONG}.enable=True")
     if _typed(value, int) != v.typed("data.max_response_length", int):
@@ -87,15 +113,15 @@ RULES: tuple[Rule, ...] = (
     I("reward_model.model.**", "reward-model loading detail; " + SPEED,
       ("override_config", "trust_remote_code", "use_fused_kernels", "use_remove_padding", "use_shm")),
     I("reward_model.model.fsdp_config.**", FSDP),
-    M("reward_model.reward_manager", "(rule-based scoring)", _reward_manager, why='naive, dapo, prime, batch score the same; others refused'),
-    M(f"{OVERLONG}.enable", "reward.overlong_buffer.enable", _when_ours("reward.overlong_buffer.enable", (False, None)),
+    M("reward_model.reward_manager", "(rule-based scoring)", _reward_manager, why=MANAGERS),
+    M(f"{OVERLONG}.enable", "reward.overlong_buffer.enable", _overlong_enable(OVERLONG),
       why="DAPO's overlong penalty; refused until our tree has reward.overlong_buffer"),
     M(f"{OVERLONG}.len", "reward.overlong_buffer.len", _overlong_param("reward.overlong_buffer.len")),
     M(f"{OVERLONG}.penalty_factor", "reward.overlong_buffer.penalty_factor",
       _overlong_param("reward.overlong_buffer.penalty_factor")),
     I(f"{OVERLONG}.log", "logging of the overlong penalty"),
     M(f"{OVERLONG_RECIPE}.enable", "reward.overlong_buffer.enable",
-      _when_ours("reward.overlong_buffer.enable", (False, None)), why="DAPO's overlong penalty (verl's recipe/dapo "
+      _overlong_enable(OVERLONG_RECIPE), why="DAPO's overlong penalty (verl's recipe/dapo "
       "spelling; it ends at data.max_response_length)"),
     M(f"{OVERLONG_RECIPE}.len", "reward.overlong_buffer.len",
       _overlong_param("reward.overlong_buffer.len", OVERLONG_RECIPE)),
@@ -119,7 +145,7 @@ RULES: tuple[Rule, ...] = (
                 "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
                 "nccl_timeout", "load_weight", "num_workers", "ulysses_sequence_parallel_size")),
     I("reward_model.megatron.**", "the reward model uses the actor's layout here"),
-    M("reward_manager.name", "(rule-based scoring)", _reward_manager, why='naive, dapo, prime, batch score the same; others refused'),
+    M("reward_manager.name", "(rule-based scoring)", _reward_manager, why=MANAGERS),
     R("reward_manager.source", "a user's reward manager", ok=("register",)),
     R("reward_manager.module.path", "a user's reward manager", ok=(None,)),
     I("reward_manager.module.name", "reward_manager.module.path only"),

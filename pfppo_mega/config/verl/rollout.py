@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from pfppo_mega.config.verl.keys import R_
 from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SINGLE_TURN, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed
+from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
 
 
 def _engine(value: Any, v: View) -> Any:
@@ -88,15 +88,17 @@ RULES: tuple[Rule, ...] = (
     M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="bfloat16 / float32; float16 refused"),
     M(f"{R_}.enforce_eager", "actor_rollout.enforce_eager", why="vLLM only; speed only"),
     M(f"{R_}.max_num_seqs", "actor_rollout.max_num_seqs", why="vLLM only; memory and speed only"),
-    I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO),
-    I(f"{R_}.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO),
+    I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO, check=positive_int),
+    I(f"{R_}.log_prob_micro_batch_size_per_gpu", FORWARD_MICRO, check=positive_int),
     I(f"{R_}.log_prob_use_dynamic_bsz", FORWARD_MICRO),
-    I(f"{R_}.log_prob_max_token_len_per_gpu", FORWARD_MICRO),
+    I(f"{R_}.log_prob_max_token_len_per_gpu", FORWARD_MICRO, check=positive_int),
     I(f"{R_}.calculate_log_probs", "the engine's log-probs are always kept here"),
     I(f"{R_}.logprobs_mode", "the engine's log-probs feed only logged statistics and off-policy weights here"),
+    *(I(f"{R_}.{k}", "a serving-engine setting; " + SPEED, check=positive_int)
+      for k in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+                "max_num_batched_tokens", "max_model_len")),
     *(I(f"{R_}.{k}", "a serving-engine setting; " + SPEED)
-      for k in ("cudagraph_capture_sizes", "free_cache_engine", "data_parallel_size",
-                "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens", "max_model_len",
+      for k in ("cudagraph_capture_sizes", "free_cache_engine",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
                 "load_format", "disable_log_stats", "multi_stage_wake_up", "layered_summon", "skip_dump_dir",
                 "skip_tokenizer_init", "enable_rollout_routing_replay", "mtp")),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from pfppo_mega.config.tree import Config, field_types
 from pfppo_mega.config.values import coerce
@@ -106,7 +106,7 @@ class Rule:
     action: str  # "map" | "ignore" | "refuse"
     target: str = ""
     why: str = ""
-    convert: Callable[[Any, View], Any] | None = None
+    convert: Callable[[Any, View], Any] | None = None  # ignore: a check raising Bad (see ``I``)
     ok: tuple = ()
     keys: tuple[str, ...] = ()  # a closed subtree `prefix.**`: the keys under it verl has (others are unknown)
     fix: str = ""  # refuse: what a verl user changes to run here (default: the value that asks for nothing)
@@ -135,8 +135,22 @@ def M(pattern: str, target: str, convert: Callable[[Any, View], Any] | None = No
     return Rule(pattern, "map", target, why, convert)
 
 
-def I(pattern: str, why: str, keys: tuple[str, ...] = ()) -> Rule:  # noqa: E743 (I for ignore, next to M and R)
-    return Rule(pattern, "ignore", why=why, keys=keys)
+def I(pattern: str, why: str, keys: tuple[str, ...] = (),  # noqa: E743 (I for ignore, next to M and R)
+      check: Callable[[Any, View], Any] | None = None) -> Rule:
+    """Ignored; `check` (raising Bad) still refuses a value verl itself could not use (a typo, -1 tokens)."""
+    return Rule(pattern, "ignore", why=why, keys=keys, convert=check)
+
+
+def positive_int(value: Any, v: View) -> Any:
+    """an int >= 1 or null, as verl needs; other values are refused."""
+    n = _typed(value, Optional[int])
+    if n is not None and not 1 <= n <= _LARGEST:
+        raise Bad(f"must be >= 1 and <= {_LARGEST} (or null for verl's default); it is ignored here, "
+                  "but verl could not use this value: fix it or remove the key")
+    return n
+
+
+_LARGEST = 2 ** 40  # a size or token count no machine reaches
 
 
 def R(pattern: str, why: str, ok: tuple = (), fix: str = "") -> Rule:

@@ -4,10 +4,11 @@ Ray placement and housekeeping ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from pfppo_mega.config.verl.reasons import LOGS, RAY, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed
+from pfppo_mega import constants as C
+from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _typed
 
 
 def _save_freq(value: Any, v: View) -> Any:
@@ -35,6 +36,7 @@ def _resume(value: Any, v: View) -> Any:
 def _resume_from_path(value: Any, v: View) -> Any:
     """verl's _load_checkpoint reads resume_from_path only with resume_mode resume_path (auto: the latest
     checkpoint under default_local_dir; disable: none)."""
+    _typed(value, Optional[str])  # a path (or null) even where unused
     mode = v.get("trainer.resume_mode")
     if mode != "resume_path":
         raise Ignore(f"read only with trainer.resume_mode=resume_path (verl too ignores it with {mode!r})")
@@ -55,7 +57,10 @@ def _total_steps(value: Any, v: View) -> Any:
 
 
 def _total_epochs(value: Any, v: View) -> Any:
-    _typed(value, int)
+    n = _typed(value, int)
+    if not 1 <= n <= C.MAX_STEPS:
+        raise Bad(f"must be >= 1 and <= {C.MAX_STEPS} (passes over the data); our run length is "
+                  "training.total_training_steps: set trainer.total_training_steps to the steps verl would run")
     raise Ignore("this trainer stops after training.total_training_steps (one rollout batch each); verl stops at "
                  "whichever comes first, total_epochs passes over the data or trainer.total_training_steps. "
                  "Set trainer.total_training_steps to the steps verl would run")

@@ -130,6 +130,8 @@ def _apply(key: str, value: Any, source: str, view: View, out: Translation, *, e
 def _convert(rule: Rule, value: Any, view: View) -> Out:
     """What `rule` makes of `value`: our keys and values, or Ignore / Refuse / Bad / _Unreadable raised."""
     if rule.action == "ignore":
+        if rule.convert is not None and not (isinstance(value, str) and "${" in value):
+            rule.convert(value, view)  # raises Bad on a value verl could not use
         raise Ignore(rule.why)
     if rule.action == "refuse":
         if any(_same_value(value, ok) for ok in rule.ok):
