@@ -294,9 +294,12 @@ def test_no_import_cycle():
 # trainer/ in wings (docs/design.md, "The trainer's wings"): the step (the modules directly in trainer/)
 # runs the phases and may use every wing; a wing is one concern the step calls into. A wing imports
 # its own modules, the wings WING_IMPORTS names, and of the step only STEP_TYPES.
-WINGS = ("checkpoint", "colocation", "instruments")
-WING_IMPORTS = {"checkpoint": set(), "colocation": {"instruments"}, "instruments": set()}
-STEP_TYPES = {"batch", "seeds", "build"}  # the typed batches, the seed streams, the Run the phases share
+WINGS = ("asynchronous", "checkpoint", "colocation", "instruments")
+WING_IMPORTS = {"asynchronous": {"colocation", "instruments"}, "checkpoint": set(), "colocation": {"instruments"},
+                "instruments": set()}
+# the typed batches, the seed streams, the Run the phases share, and the behaviour-policy protocol that
+# the asynchronous wing implements
+STEP_TYPES = {"batch", "seeds", "build", "behaviour"}
 
 
 def wing(module: str) -> str | None:
