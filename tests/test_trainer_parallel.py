@@ -12,6 +12,7 @@ import torch
 
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
+from pfppo_mega.trainer import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
@@ -49,16 +50,21 @@ def setup(tmp_path_factory):
     run_sft(load_config_dict(cfg), log=lambda *_: None)
     path = root / "cfg.json"
     path.write_text(json.dumps(cfg))
-    # Launch the 2-process run first; the serial reference runs here meanwhile.
+    # The serial reference's first 2 steps and their checkpoint (the 2-process run resumes it at a
+    # larger layout), then the 2-process run is launched; the serial step 3 runs here meanwhile.
     # every layout runs in the device-check mode (pfppo_mega.trainer.devicecheck; the serial run does not)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(HERE / "multirank" / "trainer_layouts.py"), str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     serial_cfg = json.loads(json.dumps(cfg))
     serial_cfg["logging"]["output_dir"] = str(root / "serial")
     tr = PPOTrainer(load_config_dict(serial_cfg), log=lambda *_: None)
-    serial = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(3))]
+    serial = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(2))]
+    resume.save(tr.run, tr.run.out_dir / "checkpoints", background=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(HERE / "multirank" / "trainer_layouts.py"), str(path),
+                             str(tr.run.out_dir / "checkpoints")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    RUNS["serial_requests"] = trainer_layouts.record_requests(tr)
+    serial.append({k: v for k, v in tr.train_step().items() if k in KEYS})
     RUNS["serial_engine_logp"] = trainer_layouts.engine_logp_run(serial_cfg, "serial_engine_logp")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
@@ -203,10 +209,12 @@ def test_a_plain_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout
     tr, msgs = _resume_here(layout)
     assert tr.step == 3 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
     assert (metrics.read_bytes() if metrics.exists() else None) == before
+    requests = trainer_layouts.record_requests(tr)
     m = tr.train_step()
-    want = results[f"{layout}_resumed"]["metrics"]
+    want = results[f"{layout}_resumed"]
+    assert requests == want["requests"] and len(requests) == 1  # the same prompts and seed, to the bit
     for k in KEYS:
-        assert abs(m[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (layout, k, m[k], want[k])
+        assert abs(m[k] - want["metrics"][k]) <= 1e-5 * max(1.0, abs(want["metrics"][k])), (layout, k, m[k], want)
 
 
 def test_a_bf16_plain_optimizer_at_another_layout_is_refused_by_name(setup):
@@ -304,3 +312,73 @@ def test_a_dp2_pf_ppo_checkpoint_resumes_at_dp1_with_the_whole_pool(setup):
     assert pool.versions == a["versions"]
     assert sorted(i for c in pool._producer_checksums.values() for i in c) == sorted(a["kept"] + b["kept"])
     assert math.isfinite(tr.train_step()["policy/pg_loss"])
+
+
+def _ok(results: dict, name: str) -> dict:
+    r = results[name]
+    assert "error" not in r, f"{name}: {r['error']}\n{r.get('trace', '')}"
+    return r
+
+
+def _close(m: dict, want: dict, what: str) -> float:
+    worst = 0.0
+    for k in KEYS:
+        gap = abs(m[k] - want[k])
+        worst = max(worst, gap / max(1.0, abs(want[k])))
+        assert gap <= 1e-5 * max(1.0, abs(want[k])), (what, k, m[k], want[k])
+    return worst
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_one_process_checkpoint_resumes_at_a_larger_tp_or_pp_with_the_same_data_and_seeds(setup, layout):
+    """Upward (issue 40): the serial run's step-2 checkpoint resumed by 2 processes at TP2 / PP2. Both
+    ranks of the one replica take its saved prompt stream (the second rank has no part of its own in
+    the checkpoint: it used to draw a fresh stream, and the split refused the replica's disagreeing
+    ranks at the first step). Step 3 asks for the serial step 3's prompts and seed, to the bit, and
+    its metrics equal the serial step 3's as closely as TP2 equals serial (1e-5)."""
+    serial, results = setup
+    r = _ok(results, f"tp1_to_{layout}")
+    assert (r["resumed_step"], r["step"]) == (2, 3) and any("resharded to" in m for m in r["msgs"]), r["msgs"]
+    assert r["replicas"] == {"0": RUNS["serial_requests"]} and len(RUNS["serial_requests"]) == 1
+    worst = _close(r["metrics"], serial[2], f"tp1 -> {layout}")
+    print(f"tp1 -> {layout}: step 3 request equal to the serial run's; relative metric gap {worst:.2e}")
+
+
+def test_a_one_process_checkpoint_resumes_at_dp2_continuing_its_replica(setup):
+    """Upward in DP: replica 0 continues the saved stream exactly (its prompts are the serial step 3's
+    first half: it draws half the rows from the same stream); replica 1, which the checkpoint has not,
+    draws a deterministic stream of its own (other prompts)."""
+    _, results = setup
+    r = _ok(results, "tp1_to_dp2")
+    assert (r["resumed_step"], r["step"]) == (2, 3)
+    (serial_prompts, _), = RUNS["serial_requests"]
+    (zero_prompts, _), = r["replicas"]["0"]
+    (one_prompts, _), = r["replicas"]["1"]
+    assert zero_prompts == serial_prompts[: len(zero_prompts)] and len(zero_prompts) == len(serial_prompts) // 2
+    assert one_prompts != zero_prompts and all(abs(v) < float("inf") for v in r["metrics"].values())
+
+
+@pytest.mark.parametrize("source,target", [("tp2", "pp2"), ("pp2", "tp2")])
+def test_a_checkpoint_resumes_crossing_tp_and_pp_with_the_same_data_and_seeds(setup, source, target):
+    """TP2 -> PP2 and PP2 -> TP2 (no rank keeps its coordinate's part): step 4 asks for what the
+    same-layout resume's step 4 asked, to the bit, with its metrics within 1e-5."""
+    _, results = setup
+    r = _ok(results, f"{source}_to_{target}")
+    want = results[f"{source}_resumed"]
+    assert (r["resumed_step"], r["step"]) == (3, 4) and any("resharded to" in m for m in r["msgs"]), r["msgs"]
+    assert r["replicas"] == {"0": want["requests"]} and len(want["requests"]) == 1
+    worst = _close(r["metrics"], want["metrics"], f"{source} -> {target}")
+    print(f"{source} -> {target}: step 4 request equal to the {source} resume's; relative metric gap {worst:.2e}")
+
+
+def test_a_part_copied_from_another_run_is_refused_on_every_rank(setup):
+    """Issue 40: the TP2 step with its tp1 part taken from another run (re-signed in the global
+    manifest, so every part verifies) is refused by name on both ranks -- also on rank 0, which does
+    not read that part -- before anything is loaded."""
+    _, results = setup
+    errors = _ok(results, "tp2_foreign")["errors"]
+    assert len(errors) == 2, errors
+    for e in errors:
+        assert e is not None and e.startswith("PartBindingError: rank 1: "), errors
+        assert "tp1-pp0-dp0: this part was written by run " in e and "at step 2, but step_000003's global " in e, e
+    print(f"tp2 with a foreign part: {errors[0][:300]}")
