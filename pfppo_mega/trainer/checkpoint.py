@@ -478,9 +478,11 @@ def load_latest(root: Path, *, log=print) -> Checkpoint | None:
 # A step directory of a sharded checkpoint holds one part per rank (``tp<t>-pp<p>-dp<d>``), each
 # a directory in the format above (its own files and format-2 manifest, written by that rank),
 # and one global ``manifest.json`` written last, by rank 0, once every part's manifest is on disk:
-#   {"format": 3, "step": 40, "layout": {"tp", "pp", "dp", "local_world"},
+#   {"format": 3, "step": 40, "run_id": <32 hex>, "layout": {"tp", "pp", "dp", "local_world"},
 #    "parts": {"tp0-pp0-dp0": {"sha256": <of the part's manifest.json>, "bytes": <its files' bytes>}, ...}}
-# The part's manifest holds the sha256 of each of its files, so the global manifest pins every byte.
+# The part's manifest holds the sha256 of each of its files, so the global manifest pins every byte;
+# it also names the run and the step that wrote it (check_binding), so a part of another save is
+# refused by name even when the global manifest was re-signed around it.
 FORMAT_SHARDED = 3
 _PART_NAME = re.compile(r"^tp(\d+)-pp(\d+)-dp(\d+)$")
 _LAYOUT_KEYS = ("tp", "pp", "dp", "local_world")

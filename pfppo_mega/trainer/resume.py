@@ -23,7 +23,10 @@ checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for ev
 ``latest``: a kill at any moment leaves ``latest`` on a complete, verified checkpoint.
 
 Resuming: the ranks agree on the newest step every rank can verify (each hashes only the parts it
-reads, in threads, once); then each installs what it owns in this run's layout. A DP change
+reads, in threads, once); a part that another run or step wrote (its manifest's run_id and step
+against the global manifest's) is refused on every rank before anything is loaded; then each rank
+installs what it owns in this run's layout, taking its replica's prompt stream by dp_rank. The
+model and the prompt files are judged by content (MOVABLE), not by their paths. A DP change
 re-slices the distributed optimizer by parameter name and element range; a TP/PP change reshards
 the weights and moments (models/reshard.py); the PF-PPO pool (in the rollout layout) is re-dealt
 to the keepers of the new node size. What cannot be resharded (a plain optimizer at another
