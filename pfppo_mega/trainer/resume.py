@@ -268,8 +268,8 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
     tensors, state = _collect(run)  # collectives: each distributed optimizer's "stepped?" all-reduce
     # the step's temp dir name and, at a run's first save, its identity, from rank 0 (and every
     # rank's part name, for rank 0's commit)
-    agreed = parallel.dp_gather_objects((my_part(run), f"{os.getpid()}-{time.time_ns()}", st.run_id or uuid.uuid4().hex),
-                                        parallel.world_group())
+    mine = (my_part(run), f"{os.getpid()}-{time.time_ns()}", st.run_id or uuid.uuid4().hex)
+    agreed = parallel.dp_gather_objects(mine, parallel.world_group())
     parts, token = [a for a, _, _ in agreed], agreed[0][1]
     st.run_id = agreed[0][2]  # kept across resumes: every part of every step of this run names it
     bg = background if background is not None else c.background
