@@ -25,7 +25,8 @@ checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for ev
 Resuming: the ranks agree on the newest step every rank can verify (each hashes only the parts it
 reads, in threads, once); a part that another run or step wrote (its manifest's run_id and step
 against the global manifest's) is refused on every rank before anything is loaded; then each rank
-installs what it owns in this run's layout, taking its replica's prompt stream by dp_rank. The
+installs what it owns in this run's layout, and continues the job's prompt stream (the same on
+every rank, so a resume at another DP size draws the uninterrupted run's rows and seeds). The
 model and the prompt files are judged by content (MOVABLE), not by their paths. A DP change
 re-slices the distributed optimizer by parameter name and element range; a TP/PP change reshards
 the weights and moments (models/reshard.py); the PF-PPO pool (in the rollout layout) is re-dealt
@@ -54,7 +55,6 @@ from pfppo_mega.config import config_to_dict
 from pfppo_mega.models import gpt, reshard
 from pfppo_mega.trainer import checkpoint as ckpt
 from pfppo_mega.trainer.build import Run
-from pfppo_mega.trainer.seeds import stream_seed
 
 STATE_KEYS = frozenset({"step", "rank", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
                         "consecutive_skips", "actor_opt", "critic_opt", "opt_names", "config", "pool", "reference"})
@@ -871,7 +871,7 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
     c = _check(run, saved)  # nothing of the run changes before every check passed
     _install_weights(run, c)
     _install_optimizers(run, c)
-    _install_streams(run, saved, c)
+    _install_streams(run, c)
     if c.state["pool"] is not None:
         meta, pool = _pool_share(run, saved, ranks, c.state["pool"], _need_fn(c.where))
         run.behaviour.load_state(meta, pool, saved.step, _need_fn(c.where))
@@ -1032,19 +1032,17 @@ def _install_optimizers(run: Run, c: _Checked) -> None:
                 f"applied to the optimizer")
 
 
-def _install_streams(run: Run, saved: Saved, c: _Checked) -> None:
-    """The random streams, running reward and data position. The prompt stream is a replica's (every
-    rank of one replica draws the same prompts and seeds): a replica the checkpoint has (dp_rank <
-    the saved DP size) continues its saved stream exactly, whichever of its parts holds it -- a rank
-    at a new TP/PP coordinate takes it from that replica's tp0-pp0 part; a new replica gets a
-    deterministic stream of its own, the same on each of its ranks."""
-    p, t, s, st = run.parallel, run.cfg.training, c.state, run.state
+def _install_streams(run: Run, c: _Checked) -> None:
+    """The random streams, running reward and data position. The prompt stream is the job's (every
+    rank holds the same one: each replica draws the global batch and keeps its slice), so any rank
+    continues it exactly from the part _state_part names -- its own, or, at a new TP/PP coordinate
+    or a new replica, dp_rank min(d, saved dp - 1)'s tp0-pp0 part: resumes at a larger or smaller DP
+    draw the uninterrupted run's rows and seeds. (A checkpoint from before the job-wide stream holds
+    one stream per replica; each rank continues the one it takes.)"""
+    s, st = c.state, run.state
     need = _need_fn(c.where)
     try:
-        if p.dp_rank < saved.layout["dp"]:  # this replica's own stream, exactly
-            run.rng.setstate(s["rng"])
-        else:
-            run.rng.seed(stream_seed("prompts", t.seed, dp_rank=p.dp_rank, step=s["step"]))
+        run.rng.setstate(s["rng"])
         for name in ("torch_rng", "assign_rng"):
             need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
                  f"state {name} must be a 1-D uint8 tensor")

@@ -10,8 +10,10 @@ TP times the work, and nothing would check the copies agree). Instead:
     2. the job's rows, in dp_rank order, are cut into world / rollout_tp contiguous shares, one per
        engine (the rollout_tp consecutive ranks of one engine submit the same share);
     3. each engine generates its share, a call per replica segment in it, seeded row by row
-       (row_seed(replica seed, row index in the replica)), so a row's response does not depend on
-       which engine drew it;
+       (row_seed(the job's seed, the row's index in the job's rows)), so a row's response does not
+       depend on which engine drew it, nor on the DP size: every replica draws the same seed from
+       the job's prompt stream, and a DP2 run's rows (replica 0's, then replica 1's) are a DP1
+       run's rows in order;
     4. the shares are exchanged and every rank keeps its replica's rows, in order; copies of one
        share (the ranks of a rollout-TP engine) are hash-checked against each other.
 
@@ -123,19 +125,27 @@ def _first_difference(a: list, b: list) -> str:
 def plan_share(layout: SplitLayout, prompts: list[list[int]], params: SamplingParams, *,
                group: Optional[dist.ProcessGroup] = None, what: str = "rollout") -> Share:
     """Exchange the replicas' requests (collective) and cut this engine's share out of the job's
-    rows. ``params.seed`` is this replica's base seed."""
+    rows. ``params.seed`` is the job's seed for this call (the same on every replica)."""
     everyone: list = [None] * layout.world
     dist.all_gather_object(everyone, (layout.dp_rank, layout.replica_leader, prompts, params.seed), group=group)
-    leaders = check_requests(everyone, what)
+    return share_of(layout.engine, layout.engines, check_requests(everyone, what), params)
+
+
+def share_of(engine: int, engines: int, leaders: dict[int, tuple[list[list[int]], int]],
+             params: SamplingParams) -> Share:
+    """Engine ``engine``'s calls over the job's rows (``leaders``: {dp_rank: (prompts, seed)}, in
+    dp_rank order): each call's rows are seeded by their index in the job's rows (row_offset), so
+    a row's draw is the same at every DP size."""
     order = sorted(leaders)
     starts = [0]
     for d in order:
         starts.append(starts[-1] + len(leaders[d][0]))
-    lo, hi = shares(starts[-1], layout.engines)[layout.engine]
+    lo, hi = shares(starts[-1], engines)[engine]
     calls = []
     for k, first, count in segments(lo, hi, starts):
         p, seed = leaders[order[k]]
-        calls.append((order[k], first, p[first:first + count], replace(params, seed=seed, row_offset=first)))
+        calls.append((order[k], first, p[first:first + count],
+                      replace(params, seed=seed, row_offset=starts[k] + first)))
     return Share(calls)
 
 

@@ -12,8 +12,9 @@ a PP2 run with the distributed optimizer checkpoint at step 2 and take step 3 un
 resharded) and compares its step 3. A PP2 run with the engine's log-probs as the proximal policy
 (`RESULT pp2_engine_logp`) is compared with the same run in one process.
 
-Resumes at another layout (trainer/resume.py), each recording the rollout request (prompts, seed)
-of its next step: the TP2 checkpoint at PP2 and the PP2 one at TP2 (`RESULT tp2_to_pp2` /
+Each layout's RESULT holds every replica's rollout requests (prompts, seed) of its 3 steps: at DP2
+the two together must be the one-process run's. Resumes at another layout (trainer/resume.py), each
+recording the rollout request (prompts, seed) and the sampled responses of its next step: the TP2 checkpoint at PP2 and the PP2 one at TP2 (`RESULT tp2_to_pp2` /
 `pp2_to_tp2`, against `tp2_resumed` / `pp2_resumed`); the one-process checkpoint the test wrote
 (argument 2) at TP2, PP2 and DP2 (`RESULT tp1_to_tp2` ...); and a TP2 step whose tp1 part was
 copied from another run, which both ranks must refuse (`RESULT tp2_foreign`). A case that fails
@@ -44,15 +45,19 @@ KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "poli
 LAYOUTS = (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1))
 
 
-def record_requests(tr: PPOTrainer) -> list:
-    """[[prompts, seed]] of each rollout this rank asks its engines for from now on (its replica's)."""
+def record_requests(tr: PPOTrainer, responses: list | None = None) -> list:
+    """[[prompts, seed]] of each rollout this rank asks its engines for from now on (its replica's);
+    ``responses``: the response tokens each returned are appended to it."""
     seen: list = []
     inner = tr.run.gen.run_engine
 
     def recorded(prompt_ids, params, **kw):
+        out = inner(prompt_ids, params, **kw)
         if str(kw.get("what", "")).startswith("rollout"):
             seen.append([[list(p) for p in prompt_ids], params.seed])
-        return inner(prompt_ids, params, **kw)
+            if responses is not None:
+                responses.append([r[: int(n)].tolist() for r, n in zip(out.responses, out.lengths)])
+        return out
 
     tr.run.gen.run_engine = recorded
     return seen
@@ -71,12 +76,14 @@ def resumed_at(base: dict, name: str, source: Path, tp: int, pp: int) -> dict:
     msgs: list[str] = []
     tr = PPOTrainer(load_config_dict(d), log=msgs.append)
     resumed_step = tr.step
-    requests = record_requests(tr)
+    responses: list = []
+    requests = record_requests(tr, responses)
     m = tr.train_step()
-    everyone = parallel.dp_gather_objects({"dp_rank": tr.run.parallel.dp_rank, "requests": requests},
-                                          parallel.world_group())
+    everyone = parallel.dp_gather_objects({"dp_rank": tr.run.parallel.dp_rank, "requests": requests,
+                                           "responses": responses}, parallel.world_group())
     return {"resumed_step": resumed_step, "step": tr.step, "metrics": {k: m[k] for k in KEYS}, "msgs": msgs,
-            "replicas": {e["dp_rank"]: e["requests"] for e in everyone}}
+            "replicas": {e["dp_rank"]: e["requests"] for e in everyone},
+            "responses": {e["dp_rank"]: e["responses"] for e in everyone}}
 
 
 def foreign_part(base: dict) -> dict:
@@ -170,19 +177,22 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
 
 def split_vs_single(tr: PPOTrainer) -> dict:
     """The rollout split across the engines (every rank generates a share, the rows are exchanged)
-    against this rank's engine generating the replica's whole batch alone, same weights and seed:
+    against this rank's engine generating the replica's whole batch alone, same weights and seed, its
+    rows at their place in the job's rows (row_offset: replicas of equal batches, in dp_rank order):
     tokens and log-probs must be identical (row_seed makes a row's draw independent of its call)."""
+    from dataclasses import replace
+
     from pfppo_mega.rollout import SamplingParams
 
     run = tr.run
     samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
     prompts = [list(x.prompt_ids) for x in samples for _ in range(2)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=run.cfg.algorithm.max_response_length,
-                            eos_token_id=run.tokenizer.eos_id, seed=1234 + run.parallel.dp_rank)
+                            eos_token_id=run.tokenizer.eos_id, seed=1234)  # the job's seed, every replica
     run.gen.work.take()
     split = run.gen.run_engine(prompts, params, step=tr.step, what="split check")
     work = run.gen.work.take()
-    alone = run.engine.generate(prompts, params)
+    alone = run.engine.generate(prompts, replace(params, row_offset=run.parallel.dp_rank * len(prompts)))
     return {"tokens_equal": bool(torch.equal(split.responses, alone.responses)),
             "logp_max_gap": float((split.logprobs - alone.logprobs).abs().max()),
             "generated": work.generated, "needed": work.needed}
@@ -355,7 +365,9 @@ def main(path: str, one_process: str | None = None) -> None:
         rewards: list[torch.Tensor] = []  # this rank's generated rewards per step
         score = tr.score
         tr.score = lambda rb: _record(rewards, score(rb))
+        requests = record_requests(tr)  # each replica's (prompts, seed) per step: at DP2 the DP1 run's rows
         metrics = [tr.train_step() for _ in range(3)]
+        replicas = parallel.dp_gather_objects(requests, tr.run.dp.group)
         steps = [{k: m[k] for k in KEYS} for m in metrics]
         resume.save(tr.run, tr.run.out_dir / "checkpoints")
         everyone = parallel.dp_gather_objects(rewards, tr.run.dp.group)
@@ -369,7 +381,7 @@ def main(path: str, one_process: str | None = None) -> None:
             print("RESULT", name, json.dumps({"steps": steps, "dp": tr.run.parallel.dp, "reward_stat_gap": reward_gap,
                                               "generated_over_needed": [m["rollout/generated_over_needed"]
                                                                         for m in metrics],
-                                              "split": checks}), flush=True)
+                                              "split": checks, "replica_requests": replicas}), flush=True)
         if name == "dp2":
             inv = dp_invariance(tr)
             if tr.run.is_logger:
