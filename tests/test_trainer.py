@@ -406,7 +406,7 @@ def test_random_streams_are_named_and_unchanged():
     figures) were produced with, so a refactor that changes a stream fails here first."""
     from pfppo_mega.trainer.seeds import stream_seed
 
-    assert stream_seed("prompts", 3) == 3 and stream_seed("prompts", 3, dp_rank=2, step=5) == 3 + 2 * 7777 + 5 * 1_000_003
+    assert stream_seed("prompts", 3) == 3  # one stream for the job, whatever the DP size
     assert stream_seed("assignment", 3) == 3 + 7919
     assert stream_seed("minibatches", 3, step=4) == 3 * 1_000_003 + 4
     assert stream_seed("kl_probe", 3, step=4) == 7 and stream_seed("eval", 3) == 3

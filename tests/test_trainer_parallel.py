@@ -12,6 +12,7 @@ import torch
 
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
+from pfppo_mega.trainer.checkpoint import resume
 from pfppo_mega.trainer.loop import PPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
@@ -19,6 +20,18 @@ import trainer_layouts  # noqa: E402  (the 2-process script's runs, here in one 
 
 HERE = Path(__file__).resolve().parent
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
+# Relative bound of a metric across layouts: 1e-5, but the gradient norm's 5e-5. It sums the squares
+# of every gradient element, and a TP/PP split sums each element's products in another fp32 order;
+# measured (this test, 2-process launch, 1 torch thread per process: training.num_threads and the
+# launch's OMP_NUM_THREADS=1 / torch.set_num_threads(1)): TP2 vs serial 1.82e-5
+# (6.579696602580252 vs 6.579577115759321), PP2 with the engine's log-probs 2.16e-5
+# (6.579644593620184 vs 6.579786434916034), the same digits in two launches: a fixed reduction-order
+# difference, not nondeterminism (the other metrics stay within 1e-5).
+REL = {"policy/grad_norm": 5e-5}
+
+
+def rel(k: str) -> float:
+    return REL.get(k, 1e-5)
 CFG = {
     # 2 heads / 2 query groups / 2 layers: splittable by tp = 2 and pp = 2.
     "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 192, "num_attention_heads": 2,
@@ -49,16 +62,24 @@ def setup(tmp_path_factory):
     run_sft(load_config_dict(cfg), log=lambda *_: None)
     path = root / "cfg.json"
     path.write_text(json.dumps(cfg))
-    # Launch the 2-process run first; the serial reference runs here meanwhile.
+    # The serial reference's first 2 steps and their checkpoint (the 2-process run resumes it at a
+    # larger layout), then the 2-process run is launched; the serial step 3 runs here meanwhile.
     # every layout runs in the device-check mode (pfppo_mega.trainer.instruments.devicecheck; the serial run does not)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(HERE / "multirank" / "trainer_layouts.py"), str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     serial_cfg = json.loads(json.dumps(cfg))
     serial_cfg["logging"]["output_dir"] = str(root / "serial")
     tr = PPOTrainer(load_config_dict(serial_cfg), log=lambda *_: None)
-    serial = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(3))]
+    responses: list = []
+    requests = trainer_layouts.record_requests(tr, responses)  # every step's (prompts, seed) and responses
+    serial = [{k: m[k] for k in KEYS} for m in (tr.train_step() for _ in range(2))]
+    resume.save(tr.run, tr.run.out_dir / "checkpoints", background=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "PFPPO_DEVICE_CHECK": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(HERE / "multirank" / "trainer_layouts.py"), str(path),
+                             str(tr.run.out_dir / "checkpoints")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    serial.append({k: v for k, v in tr.train_step().items() if k in KEYS})
+    tr.train_step()  # step 4: the requests a DP2 checkpoint of step 3 resumed at DP1 must make
+    RUNS.update(serial_requests=requests[2:3], serial_responses=responses[2:3], serial_all=requests)
     RUNS["serial_engine_logp"] = trainer_layouts.engine_logp_run(serial_cfg, "serial_engine_logp")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
@@ -76,7 +97,7 @@ def test_model_parallel_trainer_equals_serial(setup, layout):
         for k in KEYS:
             gap = abs(s[k] - p[k])
             worst = max(worst, gap / max(1.0, abs(s[k])))
-            assert gap <= 1e-5 * max(1.0, abs(s[k])), (layout, k, s[k], p[k])
+            assert gap <= rel(k) * max(1.0, abs(s[k])), (layout, k, s[k], p[k])
     print(f"{layout}: max relative metric gap over 3 PPO steps {worst:.2e}")
 
 
@@ -87,7 +108,7 @@ def test_engine_logp_proximal_at_pp2_equals_serial(setup):
     for s, p in zip(RUNS["serial_engine_logp"], results["pp2_engine_logp"]["steps"]):
         assert s["policy/entropy_first10"] > 0 and 0 < s["rollout/logp_gap_max"] < 1e-3, s
         for k, v in s.items():
-            assert p[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, v, p[k])
+            assert p[k] == pytest.approx(v, rel=rel(k), abs=1e-6), (k, v, p[k])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
@@ -193,7 +214,7 @@ def test_every_layout_passes_the_device_check(setup):
 def test_a_plain_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout):
     """The TP2 / PP2 runs' checkpoints (a plain fp32 optimizer, its state by parameter index and
     name) resumed by one process: weights and Adam moments resharded by name; step 4 equals the
-    2-rank resumed run's step 4 within 1e-5, and metrics.jsonl is left as it was (a resume at
+    2-rank resumed run's step 4 within 1e-5 (the gradient norm: REL), and metrics.jsonl is left as it was (a resume at
     another layout used to restart from step 0 and overwrite it)."""
     _, results = setup
     out = Path(RUNS["cfg"]["logging"]["output_dir"]) / layout
@@ -203,10 +224,12 @@ def test_a_plain_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout
     tr, msgs = _resume_here(layout)
     assert tr.step == 3 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
     assert (metrics.read_bytes() if metrics.exists() else None) == before
+    requests = trainer_layouts.record_requests(tr)
     m = tr.train_step()
-    want = results[f"{layout}_resumed"]["metrics"]
+    want = results[f"{layout}_resumed"]
+    assert requests == want["requests"] and len(requests) == 1  # the same prompts and seed, to the bit
     for k in KEYS:
-        assert abs(m[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (layout, k, m[k], want[k])
+        assert abs(m[k] - want["metrics"][k]) <= rel(k) * max(1.0, abs(want["metrics"][k])), (layout, k, m[k], want)
 
 
 def test_a_bf16_plain_optimizer_at_another_layout_is_refused_by_name(setup):
@@ -234,7 +257,7 @@ def _resume_here(name: str, sections: dict | None = None, **parallel_cfg):
 def test_a_distributed_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, layout):
     """A TP2 / PP2 checkpoint with the distributed optimizer, resumed by one process: weights and
     Adam moments resharded (models/reshard.py); its step 3 equals the 2-rank run's uninterrupted
-    step 3 as closely as TP2 equals serial (1e-5)."""
+    step 3 as closely as TP2 equals serial (1e-5; the gradient norm: REL)."""
     _, results = setup
     tr, msgs = _resume_here(layout, use_distributed_optimizer=True)
     assert tr.step == 2 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
@@ -244,7 +267,7 @@ def test_a_distributed_optimizer_checkpoint_resumes_resharded_at_tp1_pp1(setup, 
     print(f"{layout} -> tp1 pp1: step-3 relative metric gap {worst:.2e}; per rank {results[layout]['bytes']} "
           f"bytes, blocked {results[layout]['blocked_s']:.3f} s")
     for k in KEYS:
-        assert abs(m[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (layout, k, m[k], want[k])
+        assert abs(m[k] - want[k]) <= rel(k) * max(1.0, abs(want[k])), (layout, k, m[k], want[k])
 
 
 def test_a_dp2_distributed_optimizer_checkpoint_resumes_at_dp1_exactly(setup):
@@ -304,3 +327,99 @@ def test_a_dp2_pf_ppo_checkpoint_resumes_at_dp1_with_the_whole_pool(setup):
     assert pool.versions == a["versions"]
     assert sorted(i for c in pool._producer_checksums.values() for i in c) == sorted(a["kept"] + b["kept"])
     assert math.isfinite(tr.train_step()["policy/pg_loss"])
+
+
+def _ok(results: dict, name: str) -> dict:
+    r = results[name]
+    assert "error" not in r, f"{name}: {r['error']}\n{r.get('trace', '')}"
+    return r
+
+
+def _close(m: dict, want: dict, what: str) -> float:
+    worst = 0.0
+    for k in KEYS:
+        gap = abs(m[k] - want[k])
+        worst = max(worst, gap / max(1.0, abs(want[k])))
+        assert gap <= rel(k) * max(1.0, abs(want[k])), (what, k, m[k], want[k])
+    return worst
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_one_process_checkpoint_resumes_at_a_larger_tp_or_pp_with_the_same_data_and_seeds(setup, layout):
+    """Upward (issue 40): the serial run's step-2 checkpoint resumed by 2 processes at TP2 / PP2. Both
+    ranks of the one replica take its saved prompt stream (the second rank has no part of its own in
+    the checkpoint: it used to draw a fresh stream, and the split refused the replica's disagreeing
+    ranks at the first step). Step 3 asks for the serial step 3's prompts and seed, to the bit, and
+    its metrics equal the serial step 3's as closely as TP2 equals serial (1e-5; the gradient norm: REL)."""
+    serial, results = setup
+    r = _ok(results, f"tp1_to_{layout}")
+    assert (r["resumed_step"], r["step"]) == (2, 3) and any("resharded to" in m for m in r["msgs"]), r["msgs"]
+    assert r["replicas"] == {"0": RUNS["serial_requests"]} and len(RUNS["serial_requests"]) == 1
+    worst = _close(r["metrics"], serial[2], f"tp1 -> {layout}")
+    print(f"tp1 -> {layout}: step 3 request equal to the serial run's; relative metric gap {worst:.2e}")
+
+
+def test_a_one_process_checkpoint_resumes_at_dp2_with_the_same_rows_and_seeds(setup):
+    """Upward in DP (1 -> 2): both replicas continue the job's saved prompt stream (replica 1 has no
+    part of its own: it takes replica 0's), each keeps its half of the global batch, and the rows are
+    seeded by their place in the job: replica 0's prompts then replica 1's are the serial step 3's,
+    with its seed, and the sampled responses are the serial step 3's to the token (a new replica used
+    to draw a stream of its own: other prompts, other seeds)."""
+    _, results = setup
+    r = _ok(results, "tp1_to_dp2")
+    assert (r["resumed_step"], r["step"]) == (2, 3)
+    (serial_prompts, serial_seed), = RUNS["serial_requests"]
+    (zero_prompts, zero_seed), = r["replicas"]["0"]
+    (one_prompts, one_seed), = r["replicas"]["1"]
+    assert len(zero_prompts) == len(one_prompts) == len(serial_prompts) // 2
+    assert zero_prompts + one_prompts == serial_prompts and zero_seed == one_seed == serial_seed
+    serial_responses, = RUNS["serial_responses"]
+    assert r["responses"]["0"][0] + r["responses"]["1"][0] == serial_responses
+    assert all(abs(v) < float("inf") for v in r["metrics"].values())
+
+
+def test_a_dp2_run_asks_for_the_one_process_runs_rows_and_seeds(setup):
+    """The same run at DP2 from the start: at each of the 3 steps replica 0's request and replica 1's
+    together are the serial run's (prompts in order, one seed), so its rows are the DP1 run's."""
+    _, results = setup
+    zero, one = results["dp2"]["replica_requests"]
+    serial = RUNS["serial_all"][:3]
+    assert len(zero) == len(one) == len(serial) == 3
+    for step, ((p0, s0), (p1, s1), (p, s)) in enumerate(zip(zero, one, serial), 1):
+        assert p0 + p1 == p and s0 == s1 == s, step
+
+
+def test_a_dp2_checkpoint_resumes_at_dp1_with_the_same_rows_and_seeds(setup):
+    """Downward in DP (2 -> 1): the DP2 run's step-3 checkpoint resumed by one process asks at step 4
+    for the serial run's step-4 prompts and seed (the job's stream, whichever replica's part holds it)."""
+    tr, msgs = _resume_here("dp2")
+    assert tr.step == 3 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
+    requests = trainer_layouts.record_requests(tr)
+    tr.train_step()
+    assert requests == RUNS["serial_all"][3:4] and len(requests) == 1
+
+
+@pytest.mark.parametrize("source,target", [("tp2", "pp2"), ("pp2", "tp2")])
+def test_a_checkpoint_resumes_crossing_tp_and_pp_with_the_same_data_and_seeds(setup, source, target):
+    """TP2 -> PP2 and PP2 -> TP2 (no rank keeps its coordinate's part): step 4 asks for what the
+    same-layout resume's step 4 asked, to the bit, with its metrics within 1e-5 (the gradient norm: REL)."""
+    _, results = setup
+    r = _ok(results, f"{source}_to_{target}")
+    want = results[f"{source}_resumed"]
+    assert (r["resumed_step"], r["step"]) == (3, 4) and any("resharded to" in m for m in r["msgs"]), r["msgs"]
+    assert r["replicas"] == {"0": want["requests"]} and len(want["requests"]) == 1
+    worst = _close(r["metrics"], want["metrics"], f"{source} -> {target}")
+    print(f"{source} -> {target}: step 4 request equal to the {source} resume's; relative metric gap {worst:.2e}")
+
+
+def test_a_part_copied_from_another_run_is_refused_on_every_rank(setup):
+    """Issue 40: the TP2 step with its tp1 part taken from another run (re-signed in the global
+    manifest, so every part verifies) is refused by name on both ranks -- also on rank 0, which does
+    not read that part -- before anything is loaded."""
+    _, results = setup
+    errors = _ok(results, "tp2_foreign")["errors"]
+    assert len(errors) == 2, errors
+    for e in errors:
+        assert e is not None and e.startswith("PartBindingError: rank 1: "), errors
+        assert "tp1-pp0-dp0: this part was written by run " in e and "at step 2, but step_000003's global " in e, e
+    print(f"tp2 with a foreign part: {errors[0][:300]}")

@@ -31,13 +31,14 @@ def chat_template_of(tokenizer, model_dir: str | Path) -> ChatTemplate | None:
 
 def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Random, dp_rank: int = 0,
                       dp_size: int = 1, log: Callable[[str], None] = print) -> PromptData:
-    """data.source = task: the built-in task drawing from `rng` (the trainer's per-rank stream).
+    """data.source = task: the built-in task drawing from `rng` (the trainer's prompt stream, the same on
+    every rank; each replica keeps its slice of the global batch).
     data.source = files: train_files in seeded epochs (training.seed), the first data.eval_size
     rows of val_files held out (none given: the first eval_size training rows, with a note)."""
     d = cfg.data
     if d.source == "task":
         from pfppo_mega.tasks.addition import AdditionPrompts, AdditionTask
-        src = AdditionPrompts(AdditionTask.from_config(d), tokenizer, rng)
+        src = AdditionPrompts(AdditionTask.from_config(d), tokenizer, rng, dp_rank=dp_rank, dp_size=dp_size)
         return PromptData(train=src, val=src.eval_samples(d.eval_size), train_rows=[])
     template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
     for note in template.notes if template is not None else ():

@@ -162,18 +162,22 @@ def to_sample(p: AdditionProblem, tokenizer, task: AdditionTask | None = None) -
 
 
 class AdditionPrompts:
-    """Training prompts drawn from `rng` (the trainer's per-data-parallel-rank stream, so the draws
-    interleave with its sampling seeds exactly as before the seam); held-out prompts fixed. The
-    position is that stream's state, which its owner checkpoints (and reseeds per rank at dp > 1):
+    """Training prompts drawn from `rng` (the trainer's prompt stream, the same on every rank, so the
+    draws interleave with its sampling seeds exactly as before the seam); held-out prompts fixed.
+    Each data-parallel replica draws the whole global batch and keeps its slice: the rows do not
+    depend on the DP size. The position is that stream's state, which its owner checkpoints:
     state_dict holds nothing more."""
 
     rows_per_pass = None  # generated: no pass over the data ends
 
-    def __init__(self, task: AdditionTask, tokenizer, rng: random.Random):
+    def __init__(self, task: AdditionTask, tokenizer, rng: random.Random, *, dp_rank: int = 0, dp_size: int = 1):
         self.task, self.tokenizer, self.rng = task, tokenizer, rng
+        self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def next_batch(self, n: int) -> list[Sample]:
-        return [to_sample(p, self.tokenizer, self.task) for p in self.task.train_prompts(n, self.rng)]
+        """n prompts for this replica: rows [dp_rank * n, (dp_rank + 1) * n) of the global n * dp_size."""
+        drawn = self.task.train_prompts(n * self.dp_size, self.rng)
+        return [to_sample(p, self.tokenizer, self.task) for p in drawn[self.dp_rank * n: (self.dp_rank + 1) * n]]
 
     def eval_samples(self, n: int) -> list[Sample]:
         return [to_sample(p, self.tokenizer, self.task) for p in self.task.eval_prompts(n)]

@@ -302,9 +302,9 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     # Batch statistics (advantage whitening, reward z-scores and running moments) are taken over
     # the global batch: the math gets this sum over the data-parallel ranks (None at dp = 1).
     dp = DataParallel.of(parallel.data_parallel_group())
-    # Each data-parallel rank draws its own prompts and samples; the ranks of one model
-    # replica (same dp_rank) draw the same ones.
-    rng = random.Random(stream_seed("prompts", cfg.training.seed, dp_rank=par.dp_rank))
+    # One prompt stream for the job, the same on every rank: each replica draws the global batch
+    # from it and keeps its slice, so the rows and their sampling seeds do not depend on the DP size.
+    rng = random.Random(stream_seed("prompts", cfg.training.seed))
     # --- prompts and rewards: the implementations the config names (data.source, reward.*);
     # bad files / rows / data sources / reward functions are refused here, before any model
     data = build_prompt_data(cfg, tokenizer, model_dir=model_dir, rng=rng, dp_rank=par.dp_rank, dp_size=par.dp,

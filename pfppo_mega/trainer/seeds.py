@@ -3,9 +3,13 @@
 Call sites ask for a stream by name instead of adding their own offsets. The derivations are the
 ones the trainer has always used, so seeded runs (tests, the figures in the docs) are unchanged:
 
-    prompts        seed + 7777 * dp_rank + 1_000_003 * step   prompt draws and sampling seeds of one
-                                                               DP rank (step: where a resumed rank
-                                                               restarts its stream; 0 at the start)
+    prompts        seed                                        the job's prompt draws and sampling seeds:
+                                                               every DP replica holds the same stream,
+                                                               draws the global batch from it and keeps
+                                                               its slice; a call's rows are seeded by
+                                                               their global row (rollout_split), so the
+                                                               rows and seeds do not depend on the DP
+                                                               size (DP 1 draws as it always did)
     assignment     seed + 7919                                 snapshot assignment of prompt groups
                                                                and the policy-filtration draws
     minibatches    seed * 1_000_003 + step                     mini-batch shuffles of one update
@@ -21,10 +25,10 @@ from __future__ import annotations
 STREAMS = ("prompts", "assignment", "minibatches", "kl_probe", "eval", "clip_cov")
 
 
-def stream_seed(stream: str, seed: int, *, dp_rank: int = 0, step: int = 0) -> int:
+def stream_seed(stream: str, seed: int, *, step: int = 0) -> int:
     """The integer seed of `stream` for this run (see the module docstring)."""
     if stream == "prompts":
-        return seed + 7777 * dp_rank + 1_000_003 * step
+        return seed
     if stream == "assignment":
         return seed + 7919
     if stream == "minibatches":

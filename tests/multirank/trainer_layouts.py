@@ -12,11 +12,23 @@ a PP2 run with the distributed optimizer checkpoint at step 2 and take step 3 un
 resharded) and compares its step 3. A PP2 run with the engine's log-probs as the proximal policy
 (`RESULT pp2_engine_logp`) is compared with the same run in one process.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json
+Each layout's RESULT holds every replica's rollout requests (prompts, seed) of its 3 steps: at DP2
+the two together must be the one-process run's. Resumes at another layout (trainer/checkpoint/resume.py), each
+recording the rollout request (prompts, seed) and the sampled responses of its next step: the TP2 checkpoint at PP2 and the PP2 one at TP2 (`RESULT tp2_to_pp2` /
+`pp2_to_tp2`, against `tp2_resumed` / `pp2_resumed`); the one-process checkpoint the test wrote
+(argument 2) at TP2, PP2 and DP2 (`RESULT tp1_to_tp2` ...); and a TP2 step whose tp1 part was
+copied from another run, which both ranks must refuse (`RESULT tp2_foreign`). A case that fails
+prints its error as its result, so the others still report.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/trainer_layouts.py CONFIG.json \
+        [ONE_PROCESS_CHECKPOINTS]
 """
 
 import json
+import shutil
 import sys
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +44,86 @@ from pfppo_mega.trainer.loop import PPOTrainer
 
 KEYS = ("policy/pg_loss", "critic/value_loss", "reward/mean", "kl/ref_k1", "policy/grad_norm")
 LAYOUTS = (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1))
+
+
+def record_requests(tr: PPOTrainer, responses: list | None = None) -> list:
+    """[[prompts, seed]] of each rollout this rank asks its engines for from now on (its replica's);
+    ``responses``: the response tokens each returned are appended to it."""
+    seen: list = []
+    inner = tr.run.gen.run_engine
+
+    def recorded(prompt_ids, params, **kw):
+        out = inner(prompt_ids, params, **kw)
+        if str(kw.get("what", "")).startswith("rollout"):
+            seen.append([[list(p) for p in prompt_ids], params.seed])
+            if responses is not None:
+                responses.append([r[: int(n)].tolist() for r, n in zip(out.responses, out.lengths)])
+        return out
+
+    tr.run.gen.run_engine = recorded
+    return seen
+
+
+def resumed_at(base: dict, name: str, source: Path, tp: int, pp: int) -> dict:
+    """The checkpoints under `source` (another layout's) copied to this case's folder and resumed at
+    tp x pp (the rest DP) by both ranks; one step: its metrics and every replica's request."""
+    d = json.loads(json.dumps(base))
+    d["parallel"] = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/{name}"
+    d["checkpoint"] = {"save_interval": 0, "resume": True, "export_hf": False}
+    if dist.get_rank() == 0:
+        shutil.copytree(source, Path(d["logging"]["output_dir"]) / "checkpoints")
+    dist.barrier()
+    msgs: list[str] = []
+    tr = PPOTrainer(load_config_dict(d), log=msgs.append)
+    resumed_step = tr.step
+    responses: list = []
+    requests = record_requests(tr, responses)
+    m = tr.train_step()
+    everyone = parallel.dp_gather_objects({"dp_rank": tr.run.parallel.dp_rank, "requests": requests,
+                                           "responses": responses}, parallel.world_group())
+    return {"resumed_step": resumed_step, "step": tr.step, "metrics": {k: m[k] for k in KEYS}, "msgs": msgs,
+            "replicas": {e["dp_rank"]: e["requests"] for e in everyone},
+            "responses": {e["dp_rank"]: e["responses"] for e in everyone}}
+
+
+def foreign_part(base: dict) -> dict:
+    """The TP2 run's step 3 with its tp1 part replaced by the TP2 distributed-optimizer run's (another
+    run, step 2), the global manifest re-signed: rank 1 reads that part, rank 0 does not, and both
+    must refuse the step by name (PartBindingError) before loading anything."""
+    from pfppo_mega.trainer.checkpoint import store as ckpt
+
+    d = json.loads(json.dumps(base))
+    d["parallel"] = {"tensor_model_parallel_size": 2}
+    d["logging"]["output_dir"] = f"{base['logging']['output_dir']}/tp2_foreign"
+    d["checkpoint"] = {"save_interval": 0, "resume": True, "export_hf": False}
+    root = Path(base["logging"]["output_dir"])
+    step = Path(d["logging"]["output_dir"]) / "checkpoints" / "step_000003"
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "tp2" / "checkpoints", step.parent)
+        shutil.rmtree(step / "tp1-pp0-dp0")
+        shutil.copytree(root / "tp2_distopt" / "checkpoints" / "step_000002" / "tp1-pp0-dp0", step / "tp1-pp0-dp0")
+        top = json.loads((step / ckpt.MANIFEST).read_text())
+        top["parts"]["tp1-pp0-dp0"] = ckpt.part_digest(step / "tp1-pp0-dp0")
+        (step / ckpt.MANIFEST).write_text(json.dumps(top))
+    dist.barrier()
+    try:
+        PPOTrainer(load_config_dict(d), log=lambda *_: None)
+        mine = None
+    except Exception as e:  # noqa: BLE001 -- what each rank raised is the result
+        mine = f"{type(e).__name__}: {e}"
+    return {"errors": parallel.dp_gather_objects(mine, parallel.world_group())}
+
+
+def guarded(name: str, fn, *args) -> None:
+    """Run one case and print its RESULT (rank 0), or its error as the result: the launch goes on."""
+    try:
+        r = fn(*args)
+    except Exception as e:  # noqa: BLE001
+        r = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    if dist.get_rank() == 0:
+        print("RESULT", name, json.dumps(r), flush=True)
+    destroy_parallel()
 
 
 def _record(store: list, sb: ScoredBatch) -> ScoredBatch:
@@ -86,19 +178,22 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
 
 def split_vs_single(tr: PPOTrainer) -> dict:
     """The rollout split across the engines (every rank generates a share, the rows are exchanged)
-    against this rank's engine generating the replica's whole batch alone, same weights and seed:
+    against this rank's engine generating the replica's whole batch alone, same weights and seed, its
+    rows at their place in the job's rows (row_offset: replicas of equal batches, in dp_rank order):
     tokens and log-probs must be identical (row_seed makes a row's draw independent of its call)."""
+    from dataclasses import replace
+
     from pfppo_mega.rollout import SamplingParams
 
     run = tr.run
     samples = run.prompts.next_batch(run.cfg.training.rollout_batch_size // run.parallel.dp)
     prompts = [list(x.prompt_ids) for x in samples for _ in range(2)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=run.cfg.algorithm.max_response_length,
-                            eos_token_id=run.tokenizer.eos_id, seed=1234 + run.parallel.dp_rank)
+                            eos_token_id=run.tokenizer.eos_id, seed=1234)  # the job's seed, every replica
     run.gen.work.take()
     split = run.gen.run_engine(prompts, params, step=tr.step, what="split check")
     work = run.gen.work.take()
-    alone = run.engine.generate(prompts, params)
+    alone = run.engine.generate(prompts, replace(params, row_offset=run.parallel.dp_rank * len(prompts)))
     return {"tokens_equal": bool(torch.equal(split.responses, alone.responses)),
             "logp_max_gap": float((split.logprobs - alone.logprobs).abs().max()),
             "generated": work.generated, "needed": work.needed}
@@ -256,7 +351,7 @@ def engine_logp_run(base: dict, name: str, tp: int = 1, pp: int = 1, steps: int 
     return [{k: m.get(k) for k in ENGINE_LOGP_KEYS} for m in (tr.train_step() for _ in range(steps))]
 
 
-def main(path: str) -> None:
+def main(path: str, one_process: str | None = None) -> None:
     base = json.load(open(path))
     torch.set_num_threads(1)
     # Own the world group here, so destroy_parallel() between layouts keeps it (re-creating a
@@ -271,7 +366,9 @@ def main(path: str) -> None:
         rewards: list[torch.Tensor] = []  # this rank's generated rewards per step
         score = tr.score
         tr.score = lambda rb: _record(rewards, score(rb))
+        requests = record_requests(tr)  # each replica's (prompts, seed) per step: at DP2 the DP1 run's rows
         metrics = [tr.train_step() for _ in range(3)]
+        replicas = parallel.dp_gather_objects(requests, tr.run.dp.group)
         steps = [{k: m[k] for k in KEYS} for m in metrics]
         resume.save(tr.run, tr.run.out_dir / "checkpoints")
         everyone = parallel.dp_gather_objects(rewards, tr.run.dp.group)
@@ -285,7 +382,7 @@ def main(path: str) -> None:
             print("RESULT", name, json.dumps({"steps": steps, "dp": tr.run.parallel.dp, "reward_stat_gap": reward_gap,
                                               "generated_over_needed": [m["rollout/generated_over_needed"]
                                                                         for m in metrics],
-                                              "split": checks}), flush=True)
+                                              "split": checks, "replica_requests": replicas}), flush=True)
         if name == "dp2":
             inv = dp_invariance(tr)
             if tr.run.is_logger:
@@ -293,10 +390,16 @@ def main(path: str) -> None:
         if name in ("tp2", "pp2"):  # resume from the sharded checkpoint, take one more step
             d["checkpoint"]["resume"] = True
             again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
+            requests = record_requests(again)
             m = again.train_step()
             if again.run.is_logger:
                 print(f"RESULT {name}_resumed", json.dumps({"step": again.step, "pg_loss": m["policy/pg_loss"],
-                                                            "metrics": {k: m[k] for k in KEYS}}), flush=True)
+                                                            "metrics": {k: m[k] for k in KEYS},
+                                                            "requests": requests}), flush=True)
+            destroy_parallel()
+            other, tp_pp = {"tp2": ("pp2", (1, 2)), "pp2": ("tp2", (2, 1))}[name]  # crossing TP <-> PP
+            guarded(f"{name}_to_{other}", resumed_at, base, f"{name}_to_{other}",
+                    Path(d["logging"]["output_dir"]) / "checkpoints", *tp_pp)
         destroy_parallel()
     result = dp2_distributed_optimizer(base)
     if dist.get_rank() == 0:
@@ -307,6 +410,9 @@ def main(path: str) -> None:
         if dist.get_rank() == 0:
             print("RESULT", name, json.dumps(r), flush=True)
         destroy_parallel()
+    guarded("tp2_foreign", foreign_part, base)
+    for name, tp, pp in (("tp1_to_tp2", 2, 1), ("tp1_to_pp2", 1, 2), ("tp1_to_dp2", 1, 1)) if one_process else ():
+        guarded(name, resumed_at, base, name, Path(one_process), tp, pp)  # the one-process checkpoint, upward
     steps = engine_logp_run(base, "pp2_engine_logp", pp=2)
     if dist.get_rank() == 0:
         print("RESULT pp2_engine_logp", json.dumps({"steps": steps}), flush=True)
@@ -336,4 +442,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -23,7 +23,11 @@ checkpoint.max_saves_in_flight saves are in flight. Rank 0's writer waits for ev
 ``latest``: a kill at any moment leaves ``latest`` on a complete, verified checkpoint.
 
 Resuming: the ranks agree on the newest step every rank can verify (each hashes only the parts it
-reads, in threads, once); then each installs what it owns in this run's layout. A DP change
+reads, in threads, once); a part that another run or step wrote (its manifest's run_id and step
+against the global manifest's) is refused on every rank before anything is loaded; then each rank
+installs what it owns in this run's layout, and continues the job's prompt stream (the same on
+every rank, so a resume at another DP size draws the uninterrupted run's rows and seeds). The
+model and the prompt files are judged by content (MOVABLE), not by their paths. A DP change
 re-slices the distributed optimizer by parameter name and element range; a TP/PP change reshards
 the weights and moments (models/reshard.py); the PF-PPO pool (in the rollout layout) is re-dealt
 to the keepers of the new node size. What cannot be resharded (a plain optimizer at another
@@ -36,6 +40,7 @@ import hashlib
 import math
 import os
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,7 +55,6 @@ from pfppo_mega.config import config_to_dict
 from pfppo_mega.models import gpt, reshard
 from pfppo_mega.trainer.checkpoint import store as ckpt
 from pfppo_mega.trainer.build import Run
-from pfppo_mega.trainer.seeds import stream_seed
 
 STATE_KEYS = frozenset({"step", "rank", "rng", "torch_rng", "assign_rng", "running_reward", "guards", "data",
                         "consecutive_skips", "actor_opt", "critic_opt", "opt_names", "config", "pool", "reference"})
@@ -262,9 +266,12 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
     t0 = time.perf_counter()  # the loop is blocked from here: waiting for the bound, then the host copy
     saver.reap(keep=c.max_saves_in_flight - 1)  # the bound on saves in flight (and earlier errors)
     tensors, state = _collect(run)  # collectives: each distributed optimizer's "stepped?" all-reduce
-    # the step's temp dir name, from rank 0 (and every rank's part name, for rank 0's commit)
-    agreed = parallel.dp_gather_objects((my_part(run), f"{os.getpid()}-{time.time_ns()}"), parallel.world_group())
-    parts, token = [a for a, _ in agreed], agreed[0][1]
+    # the step's temp dir name and, at a run's first save, its identity, from rank 0 (and every
+    # rank's part name, for rank 0's commit)
+    mine = (my_part(run), f"{os.getpid()}-{time.time_ns()}", st.run_id or uuid.uuid4().hex)
+    agreed = parallel.dp_gather_objects(mine, parallel.world_group())
+    parts, token = [a for a, _, _ in agreed], agreed[0][1]
+    st.run_id = agreed[0][2]  # kept across resumes: every part of every step of this run names it
     bg = background if background is not None else c.background
     pool = getattr(run.behaviour, "pool", None) if "pool" in tensors else None
     held = tensors.pop("pool") if bg and hasattr(pool, "hold_buffers") else None  # written in place, held
@@ -274,7 +281,7 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
     blocked = time.perf_counter() - t0
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step_{st.step:06d}.tmp-{token}"
-    job = _Write(root=root, step=st.step, tmp=tmp, part=my_part(run), tensors=tensors, state=state,
+    job = _Write(root=root, step=st.step, tmp=tmp, part=my_part(run), run_id=st.run_id, tensors=tensors, state=state,
                  commit=run.parallel.rank == 0, parts=parts, layout=layout_of(run), keep_last=c.keep_last,
                  threads=c.io_threads, timeout_s=c.commit_timeout_s, log=run.log,
                  inflight=frozenset(n for n, _ in saver.inflight) | {tmp.name})
@@ -308,10 +315,12 @@ class _Write:
     timeout_s: float
     log: Callable[[str], None]
     inflight: frozenset
+    run_id: str | None = None  # the run's identity, in the part's and the global manifest
 
     def __call__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        ckpt.write_dir(self.tmp / self.part, self.step, self.tensors, self.state, threads=self.threads)
+        ckpt.write_dir(self.tmp / self.part, self.step, self.tensors, self.state, threads=self.threads,
+                       run_id=self.run_id)
         self.tensors = self.state = None  # the host copy is no longer needed
         if not self.commit:
             return
@@ -328,7 +337,7 @@ class _Write:
                 time.sleep(0.05)
         digests = {p: ckpt.part_digest(self.tmp / p) for p in self.parts}
         ckpt.commit_sharded(self.root, self.step, self.tmp, self.layout, digests, keep_last=self.keep_last,
-                            keep=self.inflight)
+                            keep=self.inflight, run_id=self.run_id)
 
 
 def wait(root: Path) -> None:
@@ -349,9 +358,14 @@ def wait(root: Path) -> None:
 # ============================================================================ resume
 
 # What a resumed run depends on: a change would train another run under this one's name (the
-# reference is rebuilt from model_path, the saved data position indexes another permutation).
-FIXED = ("training.seed", "actor_rollout.model_path", "data.source", "data.task", "data.train_files",
-         "data.num_digits", "algorithm.adv_estimator", "actor_rollout.n_samples_per_prompt")
+# saved data position indexes another permutation, another estimator reads other state).
+FIXED = ("training.seed", "data.source", "data.task", "data.num_digits", "algorithm.adv_estimator",
+         "actor_rollout.n_samples_per_prompt")
+# Paths whose content decides, not their spelling: the model (reference_identity, checked in
+# _check_reference) and the training rows (their sha256, checked by the data source's
+# load_state_dict). The same content at another path (./runs/sft for runs/sft, a copy staged on
+# node-local disk) resumes, with a note; other content is refused by those checks, by name.
+MOVABLE = ("actor_rollout.model_path", "data.train_files")
 # The optimizer's hyper-parameters: the checkpoint's param groups would silently win; a change is applied.
 HYPER = ("training.lr", "training.critic_lr", "training.weight_decay")
 
@@ -362,16 +376,20 @@ def _get(d: dict, key: str):
     return d
 
 
-def check_edits(saved, current: dict, need) -> list[tuple[str, object, object]]:
+def check_edits(saved, current: dict, need) -> tuple[list, list]:
     """Refuse a resume whose FIXED settings differ from the checkpoint's (naming the key and both
-    values); return the HYPER settings that changed, to apply."""
+    values); return the HYPER settings that changed, to apply, and the MOVABLE ones that changed,
+    whose content the caller checks: each a list of (key, saved value, current value)."""
     need(isinstance(saved, dict), "state config must be the config the checkpoint was written with (an object)")
     for key in FIXED:
         old, new = _get(saved, key), _get(current, key)
         need(old == new, f"{key} changed since this checkpoint was written ({old!r} -> {new!r}): the run would "
                          f"continue as another one; resume with the value it was written with, or start a new "
                          f"logging.output_dir (or checkpoint.resume=false)")
-    return [(key, _get(saved, key), _get(current, key)) for key in HYPER if _get(saved, key) != _get(current, key)]
+
+    def changed(keys):
+        return [(key, _get(saved, key), _get(current, key)) for key in keys if _get(saved, key) != _get(current, key)]
+    return changed(HYPER), changed(MOVABLE)
 
 
 _KERNEL_KEYS = ("fused", "foreach")  # how torch's AdamW runs a step, not what it computes
@@ -420,6 +438,7 @@ class Saved:
     def __init__(self, path: Path, manifest: dict, threads: int) -> None:
         self.path, self.manifest, self.threads = path, manifest, threads
         self.step, self.layout = manifest["step"], manifest["layout"]
+        self.run_id: str | None = manifest.get("run_id")  # None: written before run identities
         self._verified: dict[str, dict] = {}
         self._states: dict[str, dict] = {}
         self._files: dict[tuple[str, str], Any] = {}
@@ -427,8 +446,8 @@ class Saved:
     def verify(self, parts: list[str]) -> None:
         """Check the parts' manifests, then hash all their files in one pool of `threads`."""
         todo = [p for p in parts if p not in self._verified]
-        manifests = {p: ckpt.verify_part(self.path, p, self.manifest["parts"][p], self.step, hash_files=False)
-                     for p in todo}
+        manifests = {p: ckpt.verify_part(self.path, p, self.manifest["parts"][p], self.step, hash_files=False,
+                                         run_id=self.run_id) for p in todo}
         ckpt.check_hashes([(self.path / p / n, meta["sha256"]) for p, m in manifests.items()
                            for n, meta in m["files"].items()], self.threads)
         self._verified.update(manifests)
@@ -519,6 +538,7 @@ def resume(run: Run) -> None:
     if parallel.world_min(-1 if error is not None else 0) < 0:
         raise error or ckpt.CheckpointError(f"checkpoint step {saved.step}: refused on another rank (see its log)")
     run.state.saved_step = run.state.step
+    run.state.run_id = saved.run_id or ""  # before run identities: the next save makes one
     moved = "" if saved.layout == layout_of(run) else (
         f" (written at tp={saved.layout['tp']} pp={saved.layout['pp']} dp={saved.layout['dp']}, resharded to "
         f"tp={run.parallel.tp} pp={run.parallel.pp} dp={run.parallel.dp})")
@@ -532,6 +552,7 @@ def _agree(run: Run, root: Path, ranks: list[str], note) -> Saved | int | None:
     distributed = any(ckpt.is_distributed(o) for o in run.optimizers().values())
     candidates = {ckpt._step_of(d): d for d in ckpt._candidates(root, note)}
     ok: dict[int, Saved | None] = {}
+    foreign: list[str] = []  # parts another run or step wrote, found in the steps this rank checked
 
     def check(step: int) -> Saved | None:
         if step not in ok:
@@ -541,6 +562,9 @@ def _agree(run: Run, root: Path, ranks: list[str], note) -> Saved | int | None:
                 saved = Saved(path, m, threads)
                 saved.verify(needed_parts(run, m["layout"], ranks, distributed=distributed))
                 ok[step] = saved
+            except ckpt.PartBindingError as e:
+                foreign.append(f"rank {run.parallel.rank}: {e}")
+                ok[step] = None
             except ckpt.CheckpointError as e:
                 note(f"[checkpoint] skipping {path.name}: {e}")
                 ok[step] = None
@@ -554,9 +578,26 @@ def _agree(run: Run, root: Path, ranks: list[str], note) -> Saved | int | None:
         if low == high:
             break
         limit = low
+    _refuse_foreign_parts(run, foreign, ok[low] if low >= 0 else None)
     if low >= 0:
         return ok[low]
     return -2 if parallel.world_min(-len(candidates)) < 0 else None  # some rank has checkpoints, none usable
+
+
+def _refuse_foreign_parts(run: Run, foreign: list[str], saved: Saved | None) -> None:
+    """Before anything is loaded, across ranks (each verified only the parts it reads): a part that
+    another run or step wrote, found by any rank, is refused on every rank (PartBindingError), and
+    every rank must have read the same run identity for the agreed step."""
+    seen = parallel.dp_gather_objects((foreign[:1], None if saved is None else (saved.step, saved.run_id)),
+                                      parallel.world_group())
+    found = [msg for msgs, _ in seen for msg in msgs]
+    if found:
+        raise ckpt.PartBindingError(found[0])
+    views = {view for _, view in seen}
+    if len(views) > 1:
+        raise ckpt.PartBindingError(f"the ranks read different steps or run identities (step, run_id) for the "
+                                    f"agreed checkpoint: {sorted(views, key=str)}; every rank must see the same "
+                                    f"files (a shared checkpoint directory)")
 
 
 # ---------------------------------------------------------------------------- install
@@ -807,17 +848,69 @@ def state_like_param(state: dict[str, torch.Tensor], param: torch.Tensor, *,
     return out
 
 
+@dataclass
+class _Checked:
+    """What _install's checks read and built, before anything of the run is changed."""
+
+    source: str                                 # the part whose counters and streams this rank takes
+    state: dict                                 # that part's state
+    weights_part: str                           # dp_rank 0's part of this TP/PP rank: weights, plain optimizer
+    plain_source: dict                          # its state
+    where: Path                                 # the source part's directory, for messages
+    weights: dict[str, dict[str, torch.Tensor]]  # model -> this rank's tensors, resharded
+    reshard: "_Reshard"
+    opt_meta: dict[str, Any] = field(default_factory=dict)     # distributed optimizers' saved shares
+    plain_moved: dict[str, list] = field(default_factory=dict)  # plain optimizers rebuilt by name
+    edits: list = field(default_factory=list)   # HYPER settings changed since the checkpoint
+    moved: list = field(default_factory=list)   # MOVABLE settings changed (same content decides)
+
+
 def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
     """Check a verified checkpoint against this run, then install this rank's share of it (no
     collectives). CheckpointError names the file, the value and the rule it breaks."""
-    p, t, st = run.parallel, run.cfg.training, run.state
-    old = saved.layout
-    own = my_part(run)
-    source = _state_part(run, old)
+    c = _check(run, saved)  # nothing of the run changes before every check passed
+    _install_weights(run, c)
+    _install_optimizers(run, c)
+    _install_streams(run, c)
+    if c.state["pool"] is not None:
+        meta, pool = _pool_share(run, saved, ranks, c.state["pool"], _need_fn(c.where))
+        run.behaviour.load_state(meta, pool, saved.step, _need_fn(c.where))
+    st = run.state
+    st.guards.update(c.state["guards"])
+    st.consecutive_skips.update(c.state["consecutive_skips"])
+    st.step = c.state["step"]
+    for key, old, new in c.moved:
+        run.log(f"[pfppo] resume: {key} is {new!r} now, {old!r} in the checkpoint: the same content "
+                f"({_content_of(run, key)}), so the run resumes from it")
+
+
+def _check(run: Run, saved: Saved) -> _Checked:
+    """Every check of the checkpoint against this run, and the tensors this rank will install."""
+    source = _state_part(run, saved.layout)
     where = saved.path / source
     need = _need_fn(where)
     _check_layout(run, saved, need)
     s = saved.state(source)
+    _check_state(run, saved, s, need)
+    weights_part = _weights_part(run, saved)
+    _check_models_held(run, saved, weights_part, need)
+    plain_source = saved.state(weights_part) if weights_part != source else s  # dp_rank 0's: every optimizer
+    need(set(plain_source) == STATE_KEYS, f"{weights_part} state keys {sorted(plain_source)} must be {sorted(STATE_KEYS)}")
+    need(("critic_opt" in run.optimizers()) == (plain_source["critic_opt"] is not None),
+         f"state critic_opt is {'absent' if plain_source['critic_opt'] is None else 'present'} but this run "
+         f"{'builds' if 'critic_opt' in run.optimizers() else 'has no'} a critic")
+    re = _Reshard(run, saved)
+    c = _Checked(source=source, state=s, weights_part=weights_part, plain_source=plain_source, where=where,
+                 weights=_resharded_weights(run, re, need), reshard=re)
+    _check_optimizers(run, saved, c, need)
+    c.edits, c.moved = check_edits(s["config"], config_to_dict(run.cfg), need)  # before anything is installed
+    _check_reference(run, s["reference"], need)
+    _check_counters(run.state, s, need)
+    return c
+
+
+def _check_state(run: Run, saved: Saved, s: dict, need) -> None:
+    t = run.cfg.training
     need(set(s) == STATE_KEYS, f"state keys {sorted(s)} must be {sorted(STATE_KEYS)}")
     need(type(s["step"]) is int and s["step"] == saved.step,
          f"state step = {s['step']!r} must equal the checkpoint's step {saved.step}")
@@ -829,26 +922,32 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
     need(has_pool == keeps,
          f"the checkpoint {'holds' if has_pool else 'has no'} PF-PPO pool but this run has "
          f"algorithm.use_pf_ppo={keeps}: resume with the setting it was written with")
-    models, opts = run.models(), run.optimizers()
-    weights_part = ckpt.part_name(p.tp_rank if old["tp"] == p.tp else 0, p.pp_rank if old["pp"] == p.pp else 0, 0)
+
+
+def _weights_part(run: Run, saved: Saved) -> str:
+    """The part holding this rank's weights (and a plain optimizer): dp_rank 0 of its TP/PP rank,
+    or of rank 0 when the TP/PP layout changed (resharding reads every rank's from there)."""
+    old, p = saved.layout, run.parallel
+    return ckpt.part_name(p.tp_rank if old["tp"] == p.tp else 0, p.pp_rank if old["pp"] == p.pp else 0, 0)
+
+
+def _check_models_held(run: Run, saved: Saved, weights_part: str, need) -> None:
+    models = run.models()
     held = saved.groups(weights_part) - {OPTIM, "pool"}
     wants, holds = "critic" in models, "critic" in held
     hint = "" if wants == holds else (
         f" (algorithm.adv_estimator = {run.cfg.algorithm.adv_estimator!r} {'needs a' if wants else 'needs no'} "
         f"critic; this checkpoint {'has none' if wants else 'has one'}: resume with the estimator it was written with)")
     need(held == set(models), f"tensor files {sorted(held)} must be {sorted(models)}{hint}")
-    plain_source = saved.state(weights_part) if weights_part != source else s  # dp_rank 0's: every optimizer
-    need(set(plain_source) == STATE_KEYS, f"{weights_part} state keys {sorted(plain_source)} must be {sorted(STATE_KEYS)}")
-    need(("critic_opt" in opts) == (plain_source["critic_opt"] is not None),
-         f"state critic_opt is {'absent' if plain_source['critic_opt'] is None else 'present'} but this run "
-         f"{'builds' if 'critic_opt' in opts else 'has no'} a critic")
-    re = _Reshard(run, saved)
+
+
+def _resharded_weights(run: Run, re: "_Reshard", need) -> dict[str, dict[str, torch.Tensor]]:
+    """Each model's tensors for this rank, cut from the checkpoint, shapes and values checked."""
     stage = _stage(run)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
-    for group, model in models.items():
-        own_sd = tensor_state(model)
+    for group, model in run.models().items():
         sd = {}
-        for k, v in own_sd.items():
+        for k, v in tensor_state(model).items():
             try:
                 sd[k] = re.weight(group, stage.to_global(k), tuple(v.shape))
             except ckpt.CheckpointError as e:
@@ -859,26 +958,40 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
         bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(v.isfinite().all())]
         need(not bad, f"{group}.safetensors: tensors {bad[:3]} hold NaN/inf")
         loaded[group] = sd
-    opt_meta: dict[str, Any] = {}
-    plain_moved: dict[str, list] = {}
-    for name, opt in opts.items():
+    return loaded
+
+
+def _check_optimizers(run: Run, saved: Saved, c: _Checked, need) -> None:
+    """Each optimizer's saved state against the run's: a distributed one's shares (c.opt_meta), a
+    plain one as saved (same TP/PP) or rebuilt by parameter name (c.plain_moved)."""
+    old, p = saved.layout, run.parallel
+    for name, opt in run.optimizers().items():
         if ckpt.is_distributed(opt):
-            opt_meta[name] = ckpt.check_shard_meta(opt, s[name], f"{where}: state {name}")
+            c.opt_meta[name] = ckpt.check_shard_meta(opt, c.state[name], f"{c.where}: state {name}")
         elif (old["tp"], old["pp"]) == (p.tp, p.pp):
-            ckpt.check_optimizer_state(opt, plain_source[name], f"{saved.path / weights_part}: state {name}")
+            ckpt.check_optimizer_state(opt, c.plain_source[name], f"{saved.path / c.weights_part}: state {name}")
         else:  # rebuilt by parameter name (fp32 parameters: checked by _check_layout)
-            subs = _as_list(plain_source[name])
+            subs = _as_list(c.plain_source[name])
             need(len(subs) == len(_subs(opt)) and all(isinstance(x, dict) and isinstance(x.get("param_groups"), list)
                                                       for x in subs),
                  f"state {name}: {len(subs)} optimizer states with param_groups, the run has {len(_subs(opt))}")
-            plain_moved[name] = _plain_resharded(run, re, name, opt, subs, need)
-    edits = check_edits(s["config"], config_to_dict(run.cfg), need)  # before anything is installed
-    ref = s["reference"]
+            c.plain_moved[name] = _plain_resharded(run, c.reshard, name, opt, subs, need)
+
+
+def _check_reference(run: Run, ref: Any, need) -> None:
+    """The frozen reference is rebuilt from actor_rollout.model_path: its content (reference_identity)
+    must be the checkpoint's, wherever it lies now (a copy on node-local disk resumes)."""
     now = reference_identity(run.cfg.actor_rollout.model_path)
-    need(isinstance(ref, dict) and ref.get("sha256") == now["sha256"],
+    then = ref.get("sha256") if isinstance(ref, dict) else ref
+    was = ref.get("path") if isinstance(ref, dict) else "?"
+    need(then == now["sha256"],
          f"the frozen reference ({now['path']}) is not the one this checkpoint was trained against (identity "
-         f"{ref.get('sha256') if isinstance(ref, dict) else ref!r} -> {now['sha256']}): its files changed; resume "
-         f"with the model it was written with, or use another logging.output_dir, or checkpoint.resume=false")
+         f"{then!r} of {was} -> {now['sha256']}): other content than the checkpoint's model (config.json and "
+         f"weights); resume with the model it was written with (at any path), or use another "
+         f"logging.output_dir, or checkpoint.resume=false")
+
+
+def _check_counters(st, s: dict, need) -> None:
     need(isinstance(s["guards"], dict) and set(s["guards"]) <= set(st.guards)
          and all(type(v) is int and v >= 0 for v in s["guards"].values()),
          f"guards = {str(s['guards'])[:200]}: keys must be among {sorted(st.guards)}, values ints >= 0")
@@ -886,35 +999,50 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
          and all(type(v) is int and v >= 0 for v in s["consecutive_skips"].values()),
          f"consecutive_skips = {str(s['consecutive_skips'])[:200]}: keys must be {sorted(st.consecutive_skips)}, "
          f"values ints >= 0")
-    # ---- install (nothing above changed the run)
-    kernels = _kernel_choice(opts)  # this build's AdamW implementation, not the checkpoint's
-    for group, model in models.items():
+
+
+def _install_weights(run: Run, c: _Checked) -> None:
+    for group, model in run.models().items():
         try:
-            load_tensor_state(model, loaded[group])
+            load_tensor_state(model, c.weights[group])
         except ValueError as e:
-            need(False, f"{group}.safetensors does not fit the configured model: {e}")
+            _need_fn(c.where)(False, f"{group}.safetensors does not fit the configured model: {e}")
+
+
+def _install_optimizers(run: Run, c: _Checked) -> None:
+    """The optimizers' states (this build's AdamW implementation kept), then the changed HYPER settings."""
+    opts, models = run.optimizers(), run.models()
+    kernels = _kernel_choice(opts)  # this build's AdamW implementation, not the checkpoint's
     for name, opt in opts.items():
-        if name in opt_meta:
-            ckpt.install_optimizer_shard(opt, opt_meta[name], param_names(run, models[OPT_MODEL[name]]),
-                                         lambda n, shape, a, b, _o=name: re.opt_range(_o, n, shape, a, b),
-                                         f"{where}: state {name}")
-        elif name in plain_moved:
-            for o, (groups, state) in zip(_subs(opt), plain_moved[name]):
+        if name in c.opt_meta:
+            ckpt.install_optimizer_shard(opt, c.opt_meta[name], param_names(run, models[OPT_MODEL[name]]),
+                                         lambda n, shape, a, b, _o=name: c.reshard.opt_range(_o, n, shape, a, b),
+                                         f"{c.where}: state {name}")
+        elif name in c.plain_moved:
+            for o, (groups, state) in zip(_subs(opt), c.plain_moved[name]):
                 for g, saved_g in zip(o.optimizer.param_groups, groups):
                     g.update({k: v for k, v in saved_g.items() if k != "params"})
                 o.optimizer.state.update(state)
         else:
-            opt.load_state_dict(plain_source[name])
+            opt.load_state_dict(c.plain_source[name])
     _restore_kernel_choice(opts, kernels)
-    for key, old_v, new in edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
+    for key, old_v, new in c.edits:  # the optimizer's saved hyper-parameters would win: the new value, on purpose
         _apply_hyper(opts, key, new)
         run.log(f"[pfppo] resume: {key} changed since the checkpoint ({old_v!r} -> {new!r}); the new value is "
                 f"applied to the optimizer")
+
+
+def _install_streams(run: Run, c: _Checked) -> None:
+    """The random streams, running reward and data position. The prompt stream is the job's (every
+    rank holds the same one: each replica draws the global batch and keeps its slice), so any rank
+    continues it exactly from the part _state_part names -- its own, or, at a new TP/PP coordinate
+    or a new replica, dp_rank min(d, saved dp - 1)'s tp0-pp0 part: resumes at a larger or smaller DP
+    draw the uninterrupted run's rows and seeds. (A checkpoint from before the job-wide stream holds
+    one stream per replica; each rank continues the one it takes.)"""
+    s, st = c.state, run.state
+    need = _need_fn(c.where)
     try:
-        if source == own:  # this rank's own streams, exactly
-            run.rng.setstate(s["rng"])
-        else:  # a DP rank the checkpoint has no stream for: a deterministic one of its own
-            run.rng.seed(stream_seed("prompts", t.seed, dp_rank=p.dp_rank, step=s["step"]))
+        run.rng.setstate(s["rng"])
         for name in ("torch_rng", "assign_rng"):
             need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
                  f"state {name} must be a 1-D uint8 tensor")
@@ -927,12 +1055,14 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
         run.prompts.load_state_dict(s["data"])
     except (ValueError, KeyError, TypeError) as e:
         need(False, f"state data (the data position) refused: {e}")
-    if has_pool:
-        meta, pool = _pool_share(run, saved, ranks, s["pool"], need)
-        run.behaviour.load_state(meta, pool, saved.step, need)
-    st.guards.update(s["guards"])
-    st.consecutive_skips.update(s["consecutive_skips"])
-    st.step = s["step"]
+
+
+def _content_of(run: Run, key: str) -> str:
+    """What showed a MOVABLE setting's content to be the checkpoint's, for the resume note."""
+    if key == "actor_rollout.model_path":
+        return f"model identity {reference_identity(run.cfg.actor_rollout.model_path)['sha256'][:12]}"
+    digest = getattr(run.prompts, "digest", None)
+    return f"training rows sha256 {digest()[:12]}" if digest else "not read by data.source = task"
 
 
 def load_part(root: Path, part: str = "tp0-pp0-dp0", step: int | None = None) -> ckpt.Checkpoint:
@@ -943,5 +1073,5 @@ def load_part(root: Path, part: str = "tp0-pp0-dp0", step: int | None = None) ->
             raise ckpt.CheckpointError(f"{root}: no checkpoint")
     path = root / f"step_{step:06d}"
     m = ckpt.read_sharded_manifest(path)
-    pm = ckpt.verify_part(path, part, m["parts"][part], step)
+    pm = ckpt.verify_part(path, part, m["parts"][part], step, run_id=m.get("run_id"))
     return ckpt.load_dir(path / part, pm, step)

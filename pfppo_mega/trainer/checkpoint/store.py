@@ -56,6 +56,7 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _GROUP = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _FILE = re.compile(r"^[A-Za-z0-9_-]{1,64}\.(json|safetensors)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex: the run that wrote a checkpoint (made at its first save)
 _MAX_JSON_BYTES = 64 << 20  # a manifest or state.json larger than this is not ours
 # JSON markers for what JSON has no type for (a key starting with "__" is reserved for them).
 _TENSOR, _TUPLE, _INTDICT = "__tensor__", "__tuple__", "__intdict__"
@@ -63,6 +64,11 @@ _TENSOR, _TUPLE, _INTDICT = "__tensor__", "__tuple__", "__intdict__"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or does not fit the run (the message says why)."""
+
+
+class PartBindingError(CheckpointError):
+    """A part of a sharded step that another run or another step wrote: the step's parts are not one
+    save. Refused (not a fallback to an older step): someone put it there, and must decide."""
 
 
 @dataclass
@@ -182,9 +188,10 @@ def _private(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_dir(path: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
-              *, threads: int = 1) -> dict[str, Any]:
+              *, threads: int = 1, run_id: str | None = None) -> dict[str, Any]:
     """Write `tensors` (group -> name -> tensor) and `state` into the new directory `path` with its
-    manifest, every file fsynced and hashed from what is on disk (read back). Returns the manifest."""
+    manifest, every file fsynced and hashed from what is on disk (read back). Returns the manifest.
+    `run_id`: the run this part belongs to, recorded in the manifest (a sharded step's parts)."""
     bad = [g for g in tensors if not _GROUP.match(g) or g == "state"]
     if bad:
         raise CheckpointError(f"tensor group {bad[0]!r}: must match {_GROUP.pattern} and not be 'state'")
@@ -205,6 +212,8 @@ def write_dir(path: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]]
     digests = _hash_files([path / n for n in files], threads)
     manifest = {"format": FORMAT, "step": step,
                 "files": {n: {"sha256": digests[i], "bytes": (path / n).stat().st_size} for i, n in enumerate(files)}}
+    if run_id is not None:
+        manifest["run_id"] = _check_run_id(run_id, "write_dir")
     tmp = path / f".{MANIFEST}.tmp"  # the manifest appears whole or not at all
     tmp.write_text(json.dumps(manifest, indent=2))
     _fsync_file(tmp)
@@ -315,8 +324,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{mpath}: format 1 (a pickled state.pt) is never loaded, since unpickling "
                                   f"can run code; resume from a checkpoint written by this version")
         raise CheckpointError(f"{mpath}: format = {m.get('format')!r}, must be {FORMAT}")
-    if set(m) != {"format", "step", "files"}:
-        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['files', 'format', 'step']")
+    if set(m) - {"run_id"} != {"format", "step", "files"}:
+        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['files', 'format', 'step'] "
+                              f"(and 'run_id' in a sharded step's part)")
+    _check_run_id(m.get("run_id"), f"{mpath}: run_id")
     step, files = m["step"], m["files"]
     if type(step) is not int or step < 0:
         raise CheckpointError(f"{mpath}: step = {step!r} must be an integer >= 0")
@@ -467,9 +478,11 @@ def load_latest(root: Path, *, log=print) -> Checkpoint | None:
 # A step directory of a sharded checkpoint holds one part per rank (``tp<t>-pp<p>-dp<d>``), each
 # a directory in the format above (its own files and format-2 manifest, written by that rank),
 # and one global ``manifest.json`` written last, by rank 0, once every part's manifest is on disk:
-#   {"format": 3, "step": 40, "layout": {"tp", "pp", "dp", "local_world"},
+#   {"format": 3, "step": 40, "run_id": <32 hex>, "layout": {"tp", "pp", "dp", "local_world"},
 #    "parts": {"tp0-pp0-dp0": {"sha256": <of the part's manifest.json>, "bytes": <its files' bytes>}, ...}}
-# The part's manifest holds the sha256 of each of its files, so the global manifest pins every byte.
+# The part's manifest holds the sha256 of each of its files, so the global manifest pins every byte;
+# it also names the run and the step that wrote it (check_binding), so a part of another save is
+# refused by name even when the global manifest was re-signed around it.
 FORMAT_SHARDED = 3
 _PART_NAME = re.compile(r"^tp(\d+)-pp(\d+)-dp(\d+)$")
 _LAYOUT_KEYS = ("tp", "pp", "dp", "local_world")
@@ -492,17 +505,26 @@ def part_digest(part: Path) -> dict[str, Any]:
     return {"sha256": _sha256(part / MANIFEST), "bytes": sum(f["bytes"] for f in m["files"].values())}
 
 
-def write_sharded_manifest(tmp: Path, step: int, layout: dict[str, int], parts: dict[str, dict[str, Any]]) -> None:
+def _check_run_id(run_id: Any, where: str) -> Any:
+    if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.match(run_id)):
+        raise CheckpointError(f"{where} = {str(run_id)[:80]!r} must be 32 lowercase hex digits (a uuid4)")
+    return run_id
+
+
+def write_sharded_manifest(tmp: Path, step: int, layout: dict[str, int], parts: dict[str, dict[str, Any]],
+                           run_id: str | None = None) -> None:
     manifest = {"format": FORMAT_SHARDED, "step": step, "layout": dict(layout), "parts": parts}
+    if run_id is not None:
+        manifest["run_id"] = _check_run_id(run_id, "write_sharded_manifest")
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     _fsync_file(tmp / MANIFEST)
     _fsync_dir(tmp)
 
 
 def commit_sharded(root: Path, step: int, tmp: Path, layout: dict[str, int], parts: dict[str, dict[str, Any]],
-                   *, keep_last: int, keep: frozenset[str] = frozenset()) -> Path:
+                   *, keep_last: int, keep: frozenset[str] = frozenset(), run_id: str | None = None) -> Path:
     """Rank 0, once every part of `tmp` is on disk: the global manifest, then the rename and `latest`."""
-    write_sharded_manifest(tmp, step, layout, parts)
+    write_sharded_manifest(tmp, step, layout, parts, run_id)
     return _publish(root, step, tmp, keep_last=keep_last, keep=keep)
 
 
@@ -523,8 +545,10 @@ def read_sharded_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT_SHARDED:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise CheckpointError(f"{mpath}: format = {got!r}, a sharded checkpoint has format {FORMAT_SHARDED}")
-    if set(m) != {"format", "step", "layout", "parts"}:
-        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['format', 'layout', 'parts', 'step']")
+    if set(m) - {"run_id"} != {"format", "step", "layout", "parts"}:
+        raise CheckpointError(f"{mpath}: keys {sorted(m)} must be exactly ['format', 'layout', 'parts', 'step'] "
+                              f"and 'run_id'")
+    _check_run_id(m.get("run_id"), f"{mpath}: run_id")
     step, layout, parts = m["step"], m["layout"], m["parts"]
     dir_match = _STEP_DIR.match(path.name)
     if type(step) is not int or step < 0 or (dir_match and int(dir_match.group(1)) != step):
@@ -558,20 +582,35 @@ def read_sharded_manifest(path: Path) -> dict[str, Any]:
 
 
 def verify_part(path: Path, name: str, entry: dict[str, Any], step: int, *, threads: int = 1,
-                hash_files: bool = True) -> dict[str, Any]:
-    """Verify part `name` of sharded step directory `path` against its global manifest entry: its
-    manifest's sha256, then every file's (`threads` at a time; hash_files=False: the caller hashes
-    them, e.g. several parts' files in one pool). Returns the part's manifest."""
+                hash_files: bool = True, run_id: str | None = None) -> dict[str, Any]:
+    """Verify part `name` of sharded step directory `path` against its global manifest entry: first
+    that it belongs to this save (its manifest's run_id and step are the global manifest's: `run_id`
+    and `step`; else PartBindingError), then its manifest's sha256, then every file's (`threads` at a
+    time; hash_files=False: the caller hashes them, e.g. several parts' files in one pool). Returns
+    the part's manifest."""
     part = path / name
     mpath = part / MANIFEST
     _regular_file(mpath, f"{part}: no {MANIFEST} (this rank's write did not finish)")
+    check_binding(path, name, read_manifest(part), run_id, step)
     if _sha256(mpath) != entry["sha256"]:
         raise CheckpointError(f"{mpath}: sha256 differs from the global manifest's entry for part {name} "
                               f"(replaced or corrupted)")
-    manifest = verify(part, threads=threads, hash_files=hash_files)
-    if manifest["step"] != step:
-        raise CheckpointError(f"{mpath}: step = {manifest['step']}, the checkpoint's is {step}")
-    return manifest
+    return verify(part, threads=threads, hash_files=hash_files)
+
+
+def check_binding(path: Path, name: str, manifest: dict[str, Any], run_id: str | None, step: int) -> None:
+    """Raise PartBindingError unless part `name`'s manifest names the run and step of the step
+    directory `path` (its global manifest's `run_id`, None before run identities existed, and `step`)."""
+    found = (manifest.get("run_id"), manifest["step"])
+    if found == (run_id, step):
+        return
+    def who(r, s):
+        return f"run {r or '(none: written before run identities)'} at step {s}"
+    raise PartBindingError(
+        f"{path / name}: this part was written by {who(*found)}, but {path.name}'s global manifest belongs to "
+        f"{who(run_id, step)}: a part copied from another run or another step, not this save; a step's parts "
+        f"are loaded only together. Put back the part this save wrote, or remove {path.name} to resume from "
+        f"the previous step, or set checkpoint.resume=false")
 
 
 # ---------------------------------------------------------------------------- fit to the run
