@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from pfppo_mega.constants import MAX_HEAD_CHUNK_TOKENS
 from pfppo_mega.kernels.backends import KernelBackend, TorchBackend
-from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials, valid_columns
+from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials, check_labels, valid_columns
 from pfppo_mega.kernels.vocab_parallel import combine_over_group
 
 DEFAULT_CHUNK_TOKENS = 256  # rows per chunk, as training.fused_head_chunk_tokens: [256, 151936] fp32 is 156 MB
@@ -218,6 +218,7 @@ def fused_linear_logprob_entropy(
     _check(fn, hidden, weight, labels, vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature,
            grad_weight_into=grad_weight_into)
     check_chunk_tokens(fn, chunk_tokens)
+    check_labels(fn, labels, vocab_size, "vocab_size")  # host labels only: no device sync
     if group is not None and dist.get_world_size(group) == 1:
         group = None
     if group is None and vocab_start != 0:
