@@ -14,7 +14,7 @@ count N it runs forward + backward of the head on the same fp32 hidden states [N
 Reported per shape: peak_bytes_* (the most bytes of tensor storage alive at once among the
 tensors the head creates, forward and backward, gradients included; the inputs are not counted),
 time_*_s (min wall time of forward + backward over --reps interleaved runs, after one untimed
-run), grad_max_abs_diff (max |fused - unfused| over d hidden and d W), logp/entropy differences.
+run), time_*_forward_s (forward alone without gradients, as in prepare), grad_max_abs_diff (max |fused - unfused| over d hidden and d W), logp/entropy differences.
 
 How peak bytes are counted on the CPU (no allocator statistics there): a TorchDispatchMode sees
 every aten op's outputs, records each new storage's size with a weak reference, and before each op
@@ -95,6 +95,8 @@ class HeadResult:
     time_fused_s: float
     time_unfused_s: float
     speedup: float               # unfused / fused time
+    time_fused_forward_s: float  # forward only, no gradients (the prepare pass's old / reference log-probs)
+    time_unfused_forward_s: float
     grad_max_abs_diff: float     # over d hidden and d W
     grad_max_abs: float          # the largest |gradient| entry (scale of the difference)
     logp_max_abs_diff: float
@@ -151,17 +153,23 @@ def measure(model: str, tokens: int, *, reps: int, chunk_tokens: int, backend) -
             outs[name] = _run(inp, fn)
         peak[name] = counter.peak
     times = {name: float("inf") for name in fns}
+    forward = {name: float("inf") for name in fns}
     for _ in range(reps):  # interleaved: a burst of load on the shared machine hits both
         for name, fn in fns.items():
             t0 = time.perf_counter()
             _run(inp, fn)
             times[name] = min(times[name], time.perf_counter() - t0)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                fn(inp.hidden, inp.weight)
+                forward[name] = min(forward[name], time.perf_counter() - t0)
     u, f = outs["unfused"], outs["fused"]
     return HeadResult(
         model=model, vocab=vocab, hidden=hidden, tokens=tokens, chunk_tokens=chunk_tokens, backend=backend.name,
         peak_bytes_fused=peak["fused"], peak_bytes_unfused=peak["unfused"],
         peak_ratio=peak["unfused"] / max(peak["fused"], 1), time_fused_s=times["fused"],
         time_unfused_s=times["unfused"], speedup=times["unfused"] / times["fused"],
+        time_fused_forward_s=forward["fused"], time_unfused_forward_s=forward["unfused"],
         grad_max_abs_diff=max((f[2] - u[2]).abs().max().item(), (f[3] - u[3]).abs().max().item()),
         grad_max_abs=max(u[2].abs().max().item(), u[3].abs().max().item()),
         logp_max_abs_diff=(f[0] - u[0]).abs().max().item(), entropy_max_abs_diff=(f[1] - u[1]).abs().max().item())
@@ -206,13 +214,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     backend = get_backend(args.kernels, "cpu")
     results = []
     print(f"{'model':<9} {'tokens':>6} {'peak unfused MB':>15} {'peak fused MB':>13} {'ratio':>6} "
-          f"{'unfused s':>9} {'fused s':>8} {'speedup':>7} {'grad diff':>9}", flush=True)
+          f"{'unfused s':>9} {'fused s':>8} {'speedup':>7} {'fwd unfused s':>13} {'fwd fused s':>11} "
+          f"{'grad diff':>9}", flush=True)
     for model, tokens in shapes:
         r = measure(model, tokens, reps=args.reps, chunk_tokens=args.chunk_tokens, backend=backend)
         results.append(r)
         print(f"{r.model:<9} {r.tokens:>6} {r.peak_bytes_unfused / 1e6:>15.0f} {r.peak_bytes_fused / 1e6:>13.0f} "
               f"{r.peak_ratio:>6.1f} {r.time_unfused_s:>9.2f} {r.time_fused_s:>8.2f} {r.speedup:>7.2f} "
-              f"{r.grad_max_abs_diff:>9.1e}", flush=True)
+              f"{r.time_unfused_forward_s:>13.2f} {r.time_fused_forward_s:>11.2f} {r.grad_max_abs_diff:>9.1e}",
+              flush=True)
     if args.json:
         doc = {"git_sha": git_sha(), "machine": machine_info("cpu"), "dtype": "float32", "device": "cpu",
                "kernels": backend.name, "reps": args.reps, "command": "pfppo bench head " + " ".join(

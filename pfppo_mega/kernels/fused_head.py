@@ -96,13 +96,13 @@ class _FusedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, opt: HeadOptions):
         n = hidden.shape[0]
-        valid = valid_columns(weight.shape[0], opt.vocab_start, opt.vocab_size)
-        w = weight[:max(valid, 1)]                                            # [valid, H]: padding rows skipped
+        # The whole shard, padding rows too (the backend drops their columns): torch.matmul(x, weight.t()) of
+        # the Parameter itself is what compat/onednn.py routes through its packs in the forward-only passes.
         x = hidden.to(weight.dtype)                                           # [N, H]
         shard = dict(vocab_start=opt.vocab_start, vocab_size=opt.vocab_size, temperature=opt.temperature)
         parts = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # m, s, u, target per row
         for s, e in _spans(n, opt.chunk_tokens):
-            logits = torch.matmul(x[s:e], w.t())                              # [c, valid]
+            logits = torch.matmul(x[s:e], weight.t())                         # [c, Vs]
             p = opt.backend.logprob_entropy_partials(logits, labels[s:e], **shard)
             del logits
             for i, part in enumerate((p.max, p.sumexp, p.sumexp_shifted, p.target)):
@@ -129,19 +129,29 @@ class _FusedHead(torch.autograd.Function):
         x = hidden.to(weight.dtype)                                           # [N, H]
         grad_x = torch.empty_like(x) if need_x else None                      # [N, H]
         into = opt.grad_weight_into
-        full = None if into is not None or not need_w else torch.zeros(weight.shape, dtype=torch.float32,
+        full = None if into is not None or not need_w else torch.empty(weight.shape, dtype=torch.float32,
                                                                        device=weight.device)  # [Vs, H]
-        acc = (into if into is not None else full)[:w.shape[0]] if need_w else None  # [valid, H]; padding rows stay 0
+        if full is not None:
+            full[w.shape[0]:].zero_()  # padding rows: no gradient
+        acc = (into if into is not None else full)[:w.shape[0]] if need_w else None  # [valid, H]
+        fresh = into is None  # the first chunk writes acc (no zero fill of [Vs, H] first); later ones add
         shard = dict(vocab_start=opt.vocab_start, vocab_size=opt.vocab_size, temperature=opt.temperature)
+        # one block for every chunk's recomputed logits: a fresh [c, valid] per chunk is a fresh mapping (and its
+        # page faults) each time on the CPU, where blocks past glibc's 32 MB mmap threshold are never reused
+        block = x.new_empty(min(n, opt.chunk_tokens), w.shape[0])             # [c, valid]
         for s, e in _spans(n, opt.chunk_tokens):
-            logits = torch.matmul(x[s:e], w.t())                              # [c, valid], recomputed
+            logits = torch.matmul(x[s:e], w.t(), out=block[:e - s])            # [c, valid], recomputed
             combined = LogProbCombined(None, entropy[s:e], row_max[s:e], log_sumexp[s:e])
             grad_logits = opt.backend.logprob_entropy_shard_backward(
                 logits, labels[s:e], combined=combined, grad_logp=g[s:e], grad_entropy=gh[s:e], **shard)
             del logits
             if grad_x is not None:
                 torch.matmul(grad_logits, w, out=grad_x[s:e])                 # [c, H]
-            if acc is not None:
+            if acc is not None and fresh:
+                torch.matmul(grad_logits.t(), x[s:e].to(grad_logits.dtype), out=acc) if acc.dtype == grad_logits.dtype \
+                    else acc.copy_(torch.matmul(grad_logits.t(), x[s:e].to(grad_logits.dtype)))
+                fresh = False
+            elif acc is not None:
                 accumulate(acc, grad_logits, x[s:e])                         # [valid, H] += [valid, c] @ [c, H]
             del grad_logits
         if grad_x is not None and opt.group is not None:
