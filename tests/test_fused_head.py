@@ -235,9 +235,9 @@ def test_hidden_at_head_restores_the_layer(world):
 def test_config_keys_reach_the_engine():
     base = {"actor_rollout": {"model_path": "x"}}
     tr = load_config_dict(base).training
-    assert tr.fused_head is True and tr.fused_head_chunk_tokens == 256
+    assert tr.fused_head is True and tr.fused_head_chunk_tokens == 128
     b = passes.batching(tr, 8)
-    assert b.fused_head and b.head_chunk_tokens == 256
+    assert b.fused_head and b.head_chunk_tokens == 128
     off = load_config_dict({**base, "training": {"fused_head": False, "fused_head_chunk_tokens": 64}}).training
     b = passes.batching(off, 8)
     assert not b.fused_head and b.head_chunk_tokens == 64

@@ -7,9 +7,15 @@ For each model shape (SmolLM2: V 49,152, hidden 576; Qwen2.5: V 151,936, hidden 
 count N it runs forward + backward of the head on the same fp32 hidden states [N, H], head weight
 [V, H], labels and output gradients (d logp, d entropy: a PPO loss with an entropy term):
 
-  unfused  today's path: logits = hidden @ W^T (autograd), then vocab_parallel_logprob_entropy
+  unfused  today's path in the trainer: logits = hidden @ W^T through the LM head of
+           training.sparse_vocab_grads (pfppo_mega.models.vocab_grads: d hidden = g @ W, and
+           g^T @ hidden added into the weight's fp32 main_grad), then vocab_parallel_logprob_entropy
            through the kernels backend (the trainer's default, `kernels: auto`);
-  fused    pfppo_mega.kernels.fused_head.fused_linear_logprob_entropy, same backend.
+  fused    pfppo_mega.kernels.fused_head.fused_linear_logprob_entropy, same backend, its weight
+           gradient into the same main_grad.
+
+main_grad stands for megatron DDP's gradient buffer: made before the head runs (not counted), zeroed
+between runs; the gradients compared are d hidden and main_grad.
 
 Reported per shape: peak_bytes_* (the most bytes of tensor storage alive at once among the
 tensors the head creates, forward and backward, gradients included; the inputs are not counted),
@@ -40,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from pfppo_mega.bench.kernels import git_sha, machine_info
 from pfppo_mega.kernels import get_backend, vocab_parallel_logprob_entropy
 from pfppo_mega.kernels.fused_head import DEFAULT_CHUNK_TOKENS, check_chunk_tokens, fused_linear_logprob_entropy
+from pfppo_mega.models import vocab_grads
 
 MODELS = {"smollm2": (49152, 576), "qwen2.5": (151936, 896)}  # name -> (V, hidden)
 DEFAULT_SHAPES = ("smollm2:4096,8192,16384", "qwen2.5:4096")
@@ -110,35 +117,43 @@ class _Inputs:
     labels: torch.Tensor   # [N]
     grad_logp: torch.Tensor
     grad_entropy: torch.Tensor
+    held: vocab_grads._HeadBuffer  # the unfused head's held rows (vocab_grads), flushed by _run
 
 
 def _inputs(vocab: int, hidden: int, tokens: int, seed: int = 0) -> _Inputs:
     g = torch.Generator().manual_seed(seed)
     # hidden states of RMS ~1 and a head of std 1/sqrt(H): logits of std ~1, as a trained model's
-    return _Inputs(torch.randn(tokens, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden ** 0.5,
-                   torch.randint(0, vocab, (tokens,), generator=g),
-                   torch.randn(tokens, generator=g) / tokens, torch.randn(tokens, generator=g) * 0.01 / tokens)
+    weight = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).requires_grad_(True)
+    weight.main_grad = torch.zeros(vocab, hidden)  # DDP's fp32 gradient buffer
+    return _Inputs(torch.randn(tokens, hidden, generator=g), weight, torch.randint(0, vocab, (tokens,), generator=g),
+                   torch.randn(tokens, generator=g) / tokens, torch.randn(tokens, generator=g) * 0.01 / tokens,
+                   vocab_grads._HeadBuffer(max_rows=hidden))
 
 
 def _run(inp: _Inputs, head: Callable) -> tuple[torch.Tensor, ...]:
-    """Forward + backward of one head; (logp, entropy, d hidden, d W)."""
+    """Forward + backward of one head; (logp, entropy, d hidden, d W: the weight's main_grad)."""
     x = inp.hidden.detach().requires_grad_(True)
-    w = inp.weight.detach().requires_grad_(True)
+    w = inp.weight  # a leaf that requires grad, with main_grad (see _inputs)
+    w.main_grad.zero_()
     logp, ent = head(x, w)
     torch.autograd.backward([logp, ent], [inp.grad_logp, inp.grad_entropy])
-    return logp.detach(), ent.detach(), x.grad, w.grad
+    inp.held.flush()  # the step's end (gpt._finalize): held rows of the unfused head into main_grad
+    return logp.detach(), ent.detach(), x.grad, w.main_grad.clone()
 
 
 def heads(inp: _Inputs, backend, chunk_tokens: int) -> dict[str, Callable]:
     vocab = inp.weight.shape[0]
+    buffer = inp.held  # flushes into main_grad once it holds H rows; _run flushes the rest
 
     def unfused(x, w):
-        return vocab_parallel_logprob_entropy(x @ w.t(), inp.labels, vocab_start=0, vocab_size=vocab, group=None,
+        logits = vocab_grads._DeferredHead.apply(x, w, buffer, False, None) if torch.is_grad_enabled() else x @ w.t()
+        return vocab_parallel_logprob_entropy(logits, inp.labels, vocab_start=0, vocab_size=vocab, group=None,
                                               backend=backend)
 
     def fused(x, w):
         return fused_linear_logprob_entropy(x, w, inp.labels, vocab_size=vocab, backend=backend,
-                                            chunk_tokens=chunk_tokens)
+                                            chunk_tokens=chunk_tokens,
+                                            grad_weight_into=w.main_grad if torch.is_grad_enabled() else None)
 
     return {"unfused": unfused, "fused": fused}
 

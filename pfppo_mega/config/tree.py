@@ -696,9 +696,10 @@ class TrainingConfig(Section):
               "rounding. Not used under parallel.sequence_parallel (megatron's head there); false: megatron's "
               "output layer and the [tokens, vocabulary] logits (docs/perf.md, `pfppo bench head`).")
     fused_head_chunk_tokens: int = opt(
-        256, "With fused_head: the rows of one chunk of logits [chunk, vocabulary / TP] computed at a time, in "
-             "[1, 1048576]. Smaller holds less (256 x 151,936 fp32 is 156 MB) and stays in cache better; too small "
-             "leaves the matrix products too thin to run fast.")
+        128, "With fused_head: the rows of one chunk of logits [chunk, vocabulary / TP] computed at a time, in "
+             "[1, 1048576]. Smaller holds less (128 x 151,936 fp32 is 78 MB; 128 x 49,152 is 25 MB, under glibc's "
+             "32 MB mmap threshold, so the blocks are reused without page faults on the CPU); too small leaves the "
+             "matrix products too thin to run fast (docs/perf.md).")
     fused_layers: bool = opt(
         True, "On CPU fp32 models (the local spec): each decoder layer's RMSNorms, SwiGLU and RoPE run as one "
               "fused kernel each (csrc/cpu/layers.cpp, forward and backward) and its attention through torch's "

@@ -55,7 +55,7 @@ from pfppo_mega.kernels.backends import KernelBackend, TorchBackend
 from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials, check_labels, valid_columns
 from pfppo_mega.kernels.vocab_parallel import combine_over_group
 
-DEFAULT_CHUNK_TOKENS = 256  # rows per chunk, as training.fused_head_chunk_tokens: [256, 151936] fp32 is 156 MB
+DEFAULT_CHUNK_TOKENS = 128  # rows per chunk, as training.fused_head_chunk_tokens: [128, 151936] fp32 is 78 MB
 MAX_CHUNK_TOKENS = MAX_HEAD_CHUNK_TOKENS
 _DTYPES = (torch.float32, torch.bfloat16)
 
