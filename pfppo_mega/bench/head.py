@@ -18,9 +18,11 @@ main_grad stands for megatron DDP's gradient buffer: made before the head runs (
 between runs; the gradients compared are d hidden and main_grad.
 
 Reported per shape: peak_bytes_* (the most bytes of tensor storage alive at once among the
-tensors the head creates, forward and backward, gradients included; the inputs are not counted),
+tensors the head creates, forward and backward, d hidden included; the inputs and main_grad are not
+counted; ops that write into a storage they were given, views and in-place ops, add nothing),
 time_*_s (min wall time of forward + backward over --reps interleaved runs, after one untimed
-run), time_*_forward_s (forward alone without gradients, as in prepare), grad_max_abs_diff (max |fused - unfused| over d hidden and d W), logp/entropy differences.
+run), time_*_forward_s (forward alone without gradients, as in prepare), grad_max_abs_diff (max
+|fused - unfused| over d hidden and d W), logp / entropy differences.
 
 How peak bytes are counted on the CPU (no allocator statistics there): a TorchDispatchMode sees
 every aten op's outputs, records each new storage's size with a weak reference, and before each op
@@ -72,13 +74,15 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
         out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
                 held = self.live.get(key)
-                if nbytes == 0 or (held is not None and not held[0].expired()):
-                    continue  # a view or an in-place result: no new bytes
+                if nbytes == 0 or key in given or (held is not None and not held[0].expired()):
+                    continue  # a view, an in-place or out= result: no new bytes
                 if held is not None:
                     self.now -= held[1]
                 self.live[key] = (StorageWeakRef(storage), nbytes)
@@ -138,7 +142,7 @@ def _run(inp: _Inputs, head: Callable) -> tuple[torch.Tensor, ...]:
     logp, ent = head(x, w)
     torch.autograd.backward([logp, ent], [inp.grad_logp, inp.grad_entropy])
     inp.held.flush()  # the step's end (gpt._finalize): held rows of the unfused head into main_grad
-    return logp.detach(), ent.detach(), x.grad, w.main_grad.clone()
+    return logp.detach(), ent.detach(), x.grad, w.main_grad  # the next run zeroes main_grad: clone to keep it
 
 
 def heads(inp: _Inputs, backend, chunk_tokens: int) -> dict[str, Callable]:
@@ -165,7 +169,8 @@ def measure(model: str, tokens: int, *, reps: int, chunk_tokens: int, backend) -
     peak, outs = {}, {}
     for name, fn in fns.items():  # the untimed run: counts the bytes, keeps the results
         with LiveBytes() as counter:
-            outs[name] = _run(inp, fn)
+            out = _run(inp, fn)
+        outs[name] = (*out[:3], out[3].clone())
         peak[name] = counter.peak
     times = {name: float("inf") for name in fns}
     forward = {name: float("inf") for name in fns}
