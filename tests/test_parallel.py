@@ -63,8 +63,10 @@ def _expected_checks() -> list[tuple[int, str, str]]:
                     out.append((world, layout, f"{check}[{kind}]"))
             for backend in BACKENDS:
                 out.append((world, layout, f"logp_entropy_vs_fp64[llama,{backend}]"))
+                out.append((world, layout, f"logp_entropy_vs_fp64[llama,{backend},fused_head]"))
                 if tp > 1:
                     out.append((world, layout, f"vocab_parallel_fwd_bwd[{backend}]"))
+                    out.append((world, layout, f"fused_head_fwd_bwd[{backend}]"))  # checks.check_fused_head_grads
             out += [(world, layout, check) for check in refit_checks.CHECKS]  # tests/multirank/refit_checks.py
             if world == 2:
                 out.append((world, layout, "token_budget_logp_vs_fp64[llama]"))  # checks.check_token_budget

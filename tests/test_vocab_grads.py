@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
 
 import common  # noqa: E402
 
-from pfppo_mega import ppo  # noqa: E402
 from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
 from pfppo_mega.models import passes, gpt, hf_io, vocab_grads  # noqa: E402
 
@@ -49,12 +48,7 @@ def _grads(path: Path, batching, *, sparse: bool, dtype: str = "float32"):
     inp = batch.inputs
     actor, ddp, opt = _actor(path, sparse=sparse, dtype=dtype)
 
-    def loss(logp, entropy, mb):
-        m = mb.inputs.response_mask
-        out = ppo.policy_loss(logp, (logp.detach() + batch.logp_noise[mb.rows]) * m, batch.advantages[mb.rows], m,
-                              clip_ratio_low=common.CLIP_LOW, clip_ratio_high=common.CLIP_HIGH)
-        ent = ppo.agg_loss(entropy, m, mode="token-mean")
-        return (out.loss - 0.01 * ent) * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
+    loss = common.actor_loss(batch)
 
     ddp.train()
     res = passes.train_step(ddp, opt, inp, loss, temperature=common.TEMPERATURE, micro_batch_size=batching)

@@ -9,7 +9,7 @@ Two parts, one process:
     update   the shape of Llama-3.2-1B (16 layers, hidden 2048, SwiGLU 8192, 32 / 8 heads, vocabulary
              128,256, tied; bf16 with fp32 main weights), random init, ``--rows`` rows of ``--seq``
              tokens (a 64-token prompt, the rest response), micro-batches of one row, the head at the
-             response tokens; engine.train_step as the trainer runs it (PPO's clipped loss, megatron's
+             response tokens; passes.train_step as the trainer runs it (PPO's clipped loss, megatron's
              schedule and DDP, the fused AdamW) with the default features (model.layer_spec auto:
              TE's layers where installed, else training.fused_layers' SDPA path; the LM head the
              defaults give). ``--steps`` timed steps after one warm-up.
@@ -133,19 +133,19 @@ def _arm(mc: ModelConfig, features, inp, device: torch.device):
     """(train one step, the actor) of a fresh random-init actor with ``features``."""
     from pfppo_mega.bench.passes import _losses
     from pfppo_mega.kernels import get_backend
-    from pfppo_mega.models import gpt, passes as engine
+    from pfppo_mega.models import gpt, passes
 
     actor = gpt.build_actor(mc, features=features, device=device)
     ddp = gpt.wrap_ddp(actor, features=features)
     opt = gpt.build_optimizer(ddp, lr=1e-6, weight_decay=0.0, grad_clip=1.0)
     kernels = get_backend("auto")
-    batching = engine.Batching(1, response_only=True)
-    old, _ = engine.forward_logp_entropy(ddp, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
+    batching = passes.Batching(1, response_only=True)
+    old, _ = passes.forward_logp_entropy(ddp, inp, temperature=1.0, micro_batch_size=batching, kernels=kernels)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(2)).to(old.device)
     actor_loss, _ = _losses(inp, old * inp.response_mask, old, adv, adv)
 
     def step() -> float:
-        return engine.train_step(ddp, opt, inp, actor_loss, temperature=1.0, micro_batch_size=batching,
+        return passes.train_step(ddp, opt, inp, actor_loss, temperature=1.0, micro_batch_size=batching,
                                  kernels=kernels).loss
     return step, actor
 

@@ -754,6 +754,19 @@ class TrainingConfig(Section):
               "rows only, instead of a dense [vocab, hidden] gradient per micro-batch "
               "(pfppo_mega/models/vocab_grads.py). Gradients change only by the order of floating-point sums; "
               "false: megatron's own backward.")
+    fused_head: bool = opt(
+        True, "The actor's LM head fused with the log-prob and entropy, in prepare (old / reference log-probs) "
+              "and in the update: the final hidden states are multiplied by the head's weight fused_head_chunk_tokens "
+              "rows at a time, each chunk reduced to its softmax statistics at once and recomputed in the "
+              "backward, so no [tokens, vocabulary] logits or gradient exist (pfppo_mega/kernels/fused_head.py; "
+              "vocabulary-parallel at TP > 1 with the same all-reduces). Results change only by floating-point "
+              "rounding. Not used under parallel.sequence_parallel (megatron's head there); false: megatron's "
+              "output layer and the [tokens, vocabulary] logits (docs/perf.md, `pfppo bench head`).")
+    fused_head_chunk_tokens: int = opt(
+        128, "With fused_head: the rows of one chunk of logits [chunk, vocabulary / TP] computed at a time, in "
+             "[1, 1048576]. Smaller holds less (128 x 151,936 fp32 is 78 MB; 128 x 49,152 is 25 MB, under glibc's "
+             "32 MB mmap threshold, so the blocks are reused without page faults on the CPU); too small leaves the "
+             "matrix products too thin to run fast (docs/perf.md).")
     fused_layers: bool = opt(
         True, "With the local layers (model.layer_spec local, or auto without transformer-engine), on GPUs in "
               "any dtype and on CPU fp32 models: each decoder layer's attention runs through torch's "
@@ -821,6 +834,7 @@ class TrainingConfig(Section):
         _range(p, "critic_grad_clip", self.critic_grad_clip, ge=0, optional=True)
         _range(p, "total_training_steps", self.total_training_steps, ge=1, le=C.MAX_STEPS)
         _range(p, "critic_warmup_steps", self.critic_warmup_steps, ge=0, le=C.MAX_STEPS)
+        _range(p, "fused_head_chunk_tokens", self.fused_head_chunk_tokens, ge=1, le=C.MAX_HEAD_CHUNK_TOKENS)
         warm, total = self.critic_warmup_steps, self.total_training_steps
         if type(warm) is int and type(total) is int and 0 < warm >= total:
             p.append(Problem("critic_warmup_steps", warm,

@@ -24,22 +24,28 @@ import torch
 import torch.distributed as dist
 
 from pfppo_mega.kernels.backends import KernelBackend, TorchBackend
-from pfppo_mega.kernels.shard_math import LogProbCombined, finish_partials, rescale_partials
+from pfppo_mega.kernels.shard_math import LogProbCombined, LogProbPartials, finish_partials, rescale_partials
+
+
+def combine_over_group(partials: LogProbPartials, group: Optional[dist.ProcessGroup]) -> LogProbCombined:
+    """This rank's partials [N] combined with the other vocab shards' of ``group`` (None: this shard is
+    the whole vocabulary): one all-reduce MAX of [N], one all-reduce SUM of [3, N]. Not differentiable
+    (the callers' backward uses the closed-form shard gradient)."""
+    global_max = partials.max.clone()  # [N]
+    if group is not None:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    sumexp, shifted = rescale_partials(partials, global_max)
+    sums = torch.stack([sumexp, shifted, partials.target])  # [3, N]
+    if group is not None:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return finish_partials(global_max, sums[0], sums[1], sums[2])
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_shard, labels, backend, vocab_start, vocab_size, temperature, group):
         shard = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
-        partials = backend.logprob_entropy_partials(logits_shard, labels, **shard)
-        global_max = partials.max.clone()  # [N]
-        if group is not None:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        sumexp, shifted = rescale_partials(partials, global_max)
-        sums = torch.stack([sumexp, shifted, partials.target])  # [3, N]
-        if group is not None:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        out = finish_partials(global_max, sums[0], sums[1], sums[2])
+        out = combine_over_group(backend.logprob_entropy_partials(logits_shard, labels, **shard), group)
         ctx.save_for_backward(logits_shard, labels, out.max, out.log_sumexp, out.entropy)
         ctx.backend, ctx.shard = backend, shard
         return out.logp, out.entropy

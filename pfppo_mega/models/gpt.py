@@ -495,6 +495,36 @@ def head_at(model: torch.nn.Module, index: Optional[Tensor]) -> Iterator[None]:
         layer.head_index = None
 
 
+@contextlib.contextmanager
+def hidden_at_head(model: torch.nn.Module, on: bool = True) -> Iterator[Optional[torch.nn.Module]]:
+    """Within it (``on``), the LM head of ``model``'s last pipeline stage multiplies nothing: it returns
+    its input, so the model returns the final hidden states [b, S, H] ([1, N, H] under head_at) where
+    it returned logits, for a fused head (pfppo_mega.kernels.fused_head) to take with the weight the
+    layer would have used, ``layer.head_weight`` (the tied embedding's, or its own; this rank's
+    vocabulary shard [Vp/tp, H]). Yields the layer, or None where there is no LM head here (another
+    stage, the critic's ValueHead) or ``on`` is false. Under sequence parallelism the head's input is
+    this rank's S/tp shard: refused."""
+    inner = unwrap(model)
+    layer = getattr(inner, "output_layer", None) if getattr(inner, "post_process", False) else None
+    if not on or layer is None or isinstance(layer, ValueHead):
+        yield None
+        return
+    if inner.config.sequence_parallel:
+        raise ValueError("training.fused_head = true with parallel.sequence_parallel = true: the output layer's "
+                         "input is split over the sequence; set one of them false")
+
+    def forward(hidden_states: Tensor, weight: Optional[Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> tuple[Tensor, None]:
+        layer.head_weight = weight if weight is not None else layer.weight          # [Vp/tp, H]
+        return hidden_states, None
+
+    layer.forward = forward  # an instance attribute: nn.Module.__call__ (and its pre-hooks) call it
+    try:
+        yield layer
+    finally:
+        del layer.forward
+
+
 # ----------------------------------------------------------------------------- forward helpers
 
 

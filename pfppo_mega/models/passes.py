@@ -23,7 +23,10 @@ were on: the trainer passes them there too). Log-probs come from the kernels bac
 (``kernels=``, pure torch when None) through pfppo_mega.kernels.vocab_parallel: at tp > 1 each
 rank reduces its vocabulary shard to per-row partials and two all-reduces combine them (the
 vocabulary is never gathered); temperature and megatron's vocabulary padding are handled inside
-the backend's kernel.
+the backend's kernel. With ``Batching(fused_head=True)`` (the trainer's default, training.fused_head)
+the LM head returns its input hidden states (gpt.hidden_at_head) and pfppo_mega.kernels.fused_head
+multiplies them by the head's weight shard chunk by chunk, with the same backend and collectives:
+no [tokens, V] logits exist, forward or backward.
 
 Loss normalisation (the rule that makes micro-batching and data parallelism invisible):
 ``loss_fn`` returns this micro-batch's *share* of the global loss, i.e. the step minimises
@@ -58,10 +61,11 @@ from torch import Tensor
 from pfppo_mega import parallel, ppo
 from pfppo_mega.compat import onednn
 from pfppo_mega.models import microbatch
-from pfppo_mega.models.gpt import (_check_right_padded, _positions, _quiet_megatron, head_at, optimizer_step, unwrap,
-                                   zero_grads)
+from pfppo_mega.models.gpt import (_check_right_padded, _positions, _quiet_megatron, head_at, hidden_at_head,
+                                   optimizer_step, unwrap, zero_grads)
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
+from pfppo_mega.kernels.fused_head import DEFAULT_CHUNK_TOKENS, fused_linear_logprob_entropy
 from pfppo_mega.types import PackedInputs
 
 with _quiet_megatron():
@@ -105,6 +109,10 @@ class Batching:
     #                                     by length (microbatch.by_token_budget); None: consecutive rows
     response_only: bool = False         # run the LM / value head only at the response tokens
     tally: Optional[Tally] = None       # counts the work of the pass (decoder positions, padding, head)
+    fused_head: bool = False            # the LM head fused with log-prob + entropy over chunks of
+    #                                     head_chunk_tokens rows (kernels.fused_head): no [tokens, V] logits;
+    #                                     megatron's head instead under sequence parallelism
+    head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 def _as_batching(micro_batch_size: Union[int, Batching]) -> Batching:
@@ -298,12 +306,14 @@ def _variable_shapes(model: torch.nn.Module, chunks: list[_Chunk]) -> Iterator[N
 
 
 def _run_schedule(model: torch.nn.Module, chunks: list[_Chunk], micro_batch_size: int,
-                  head: Callable[[_Chunk, Tensor], tuple[Tensor, dict]], *, forward_only: bool) -> None:
+                  head: Callable[[_Chunk, Tensor], tuple[Tensor, dict]], *, forward_only: bool,
+                  hidden_head: bool = False) -> None:
     """megatron's schedule over ``chunks``; ``head(chunk, output)`` runs on the last stage and
-    returns what megatron's loss function returns (loss, dict)."""
+    returns what megatron's loss function returns (loss, dict). ``hidden_head``: the LM head returns
+    its input hidden states (gpt.hidden_at_head) for the fused head in ``head``."""
     def forward_step(data_iterator, module):
         chunk = next(data_iterator)
-        with head_at(module, chunk.head_index):
+        with head_at(module, chunk.head_index), hidden_at_head(module, hidden_head):
             output = module(chunk.input_ids, _positions(chunk.input_ids), None)
         return output, functools.partial(head, chunk)
 
@@ -351,15 +361,33 @@ def _tp() -> tuple[int, int, Optional[dist.ProcessGroup]]:
             ps.get_tensor_model_parallel_group())
 
 
+def fused_head_on(model: torch.nn.Module, batching: Batching) -> bool:
+    """Whether ``batching`` runs ``model``'s LM head fused (not under sequence parallelism, where the
+    head's input is split over the sequence: megatron's head there)."""
+    config = getattr(unwrap(model), "config", None)
+    return batching.fused_head and not (config is not None and config.sequence_parallel)
+
+
+def _head_main_grad(model: torch.nn.Module, weight: Tensor) -> Optional[Tensor]:
+    """The head weight's DDP main_grad when training.sparse_vocab_grads installed its path
+    (pfppo_mega.models.vocab_grads): the fused head adds its weight gradient there directly."""
+    layer = unwrap(model).output_layer
+    if getattr(layer, "vocab_grad_buffer", None) is None or not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    return getattr(weight, "main_grad", None)
+
+
 def _logp_entropy(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temperature: float,
-                  kernels: Optional[KernelBackend]) -> tuple[Tensor, Tensor]:
+                  kernels: Optional[KernelBackend], fused: Optional[Batching] = None) -> tuple[Tensor, Tensor]:
     """This rank's vocab shard of the chunk's logits -> logp, entropy [b, T] of its labels under
     logits / temperature over the unpadded vocabulary (b = the chunk's real rows). logits: [b', S,
     Vp/tp] (every position; extra padded rows ignored), or [1, N, Vp/tp] at the response tokens
-    only (chunk.head_index; the other slots of the result are 0)."""
+    only (chunk.head_index; the other slots of the result are 0). With ``fused`` (a Batching with
+    fused_head) ``logits`` are the final hidden states [b', S, H] / [1, N, H] (gpt.hidden_at_head)
+    and kernels.fused_head multiplies them by the head's weight shard chunk by chunk."""
     inputs = chunk.inputs
     b, t = inputs.labels.shape
-    vs = logits.shape[-1]
+    vs = logits.shape[-1]  # Vp/tp, or H for the fused head
     if chunk.head_index is not None:
         resp = inputs.response_mask.to(logits.device).bool()                      # [b, T]
         sel = logits.reshape(-1, vs)                                               # [N, Vp/tp]
@@ -370,11 +398,19 @@ def _logp_entropy(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temp
         labels = inputs.labels.to(logits.device).reshape(-1)                       # [b*T]
         # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
         # and the padding columns are applied inside the backend's kernel, not on this tensor.
-        sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs)).view(-1, vs)  # [b*T, Vp/tp]
+        sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs)).view(-1, vs)  # [b*T, Vp/tp or H]
     tp, tp_rank, group = _tp()
-    logp, ent = vocab_parallel_logprob_entropy(
-        sel, labels, vocab_start=tp_rank * vs, vocab_size=unwrap(model).unpadded_vocab_size,
-        group=group if tp > 1 else None, temperature=temperature, backend=kernels)
+    vocab_size = unwrap(model).unpadded_vocab_size
+    if fused is not None:
+        weight = unwrap(model).output_layer.head_weight                           # [Vp/tp, H]
+        logp, ent = fused_linear_logprob_entropy(
+            sel, weight, labels, vocab_start=tp_rank * weight.shape[0], vocab_size=vocab_size,
+            group=group if tp > 1 else None, temperature=temperature, backend=kernels,
+            chunk_tokens=fused.head_chunk_tokens, grad_weight_into=_head_main_grad(model, weight))
+    else:
+        logp, ent = vocab_parallel_logprob_entropy(
+            sel, labels, vocab_start=tp_rank * vs, vocab_size=vocab_size,
+            group=group if tp > 1 else None, temperature=temperature, backend=kernels)
     if chunk.head_index is None:
         return logp.view(b, t), ent.view(b, t)
     return _scatter(logp, resp), _scatter(ent, resp)
@@ -398,7 +434,8 @@ def _values(values: Tensor, chunk: _Chunk) -> Tensor:
 
 
 def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_size: Union[int, Batching],
-                     compute: Callable[[Tensor, _Chunk], Tensor], out_shape: tuple[int, ...]) -> Tensor:
+                     compute: Callable[[Tensor, _Chunk], Tensor], out_shape: tuple[int, ...], *,
+                     hidden_head: bool = False) -> Tensor:
     """Run the forward schedule; compute(output, chunk) -> [b, ...] per micro-batch on the last
     stage; the results in row order, float32, on every stage and on the model's device (where the
     trainer keeps everything that meets the model; see pfppo_mega.trainer.instruments.devicecheck)."""
@@ -415,7 +452,8 @@ def _forward_collect(model: torch.nn.Module, inputs: PackedInputs, micro_batch_s
         return torch.zeros((), device=output.device), {}
 
     with torch.no_grad():
-        _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head, forward_only=True)
+        _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head, forward_only=True,
+                      hidden_head=hidden_head)
         result = _in_row_order(parts, chunks, out_shape) if _last_stage() else None
         result = _broadcast_from_last_stage(result, out_shape, device)
     return result
@@ -443,11 +481,13 @@ def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temper
     if not temperature > 0:
         raise ValueError(f"temperature({temperature}) must be > 0")
     b, t = inputs.labels.shape
+    batching = _as_batching(micro_batch_size)
+    fused = batching if fused_head_on(model, batching) else None
     both = _forward_collect(
-        model, inputs, micro_batch_size,
+        model, inputs, batching,
         lambda logits, chunk: torch.stack(_logp_entropy(model, logits, chunk, temperature=temperature,
-                                                        kernels=kernels), dim=1),   # [b, 2, T]
-        (b, 2, t))
+                                                        kernels=kernels, fused=fused), dim=1),   # [b, 2, T]
+        (b, 2, t), hidden_head=fused is not None)
     return both[:, 0], both[:, 1]
 
 
@@ -537,7 +577,8 @@ def _require_ddp(model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
 
 def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,
            micro_batch_size: Union[int, Batching],
-           share_of: Callable[[Tensor, _Chunk, MicroBatch], tuple[Tensor, Stats]]) -> StepResult:
+           share_of: Callable[[Tensor, _Chunk, MicroBatch], tuple[Tensor, Stats]], *,
+           hidden_head: bool = False) -> StepResult:
     _require_ddp(model, optimizer)
     batching = _as_batching(micro_batch_size)
     _check_inputs(inputs, batching.micro_batch_size)
@@ -564,7 +605,7 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
 
     zero_grads(model, optimizer)
     _run_schedule(model, chunks, None if batching.max_tokens is not None else mbs, head,
-                  forward_only=False)  # backward + finalize_model_grads
+                  forward_only=False, hidden_head=hidden_head)  # backward + finalize_model_grads
     shares, stats, tokens = _to_host(shares, stats, tokens)  # one host sync for every micro-batch
     local_loss = math.fsum(shares) if _last_stage() else None
     local_stats = _token_weighted(stats, tokens, norm.tokens) if _last_stage() else None
@@ -586,11 +627,14 @@ def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inp
     if not temperature > 0:
         raise ValueError(f"temperature({temperature}) must be > 0")
 
+    batching = _as_batching(micro_batch_size)
+    fused = batching if fused_head_on(model, batching) else None
+
     def share_of(logits: Tensor, chunk: _Chunk, mb: MicroBatch):
-        logp, ent = _logp_entropy(model, logits, chunk, temperature=temperature, kernels=kernels)
+        logp, ent = _logp_entropy(model, logits, chunk, temperature=temperature, kernels=kernels, fused=fused)
         return loss_fn(logp, ent, mb)
 
-    return _train(model, optimizer, inputs, micro_batch_size, share_of)
+    return _train(model, optimizer, inputs, batching, share_of, hidden_head=fused is not None)
 
 
 def critic_train_step(critic: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,

@@ -39,19 +39,7 @@ from torch import Tensor
 
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-
-def accumulate(main: Tensor, g: Tensor, x: Tensor) -> None:
-    """main [V/tp, H] (fp32) += g^T [V/tp, N] @ x [N, H].
-
-    On the CPU in main's dtype (fp32: the CPU has no fast bf16 GEMM, and the tests compare this path
-    with megatron's in fp32). Elsewhere (a GPU) with bf16 / fp16 operands the product runs on the
-    tensor cores in the operands' dtype (fp32 accumulation inside the GEMM, rounded once) and is
-    added into the fp32 buffer: megatron's own weight gradient without its fused accumulation. An
-    fp32 GEMM there (no TF32) cost an estimated 3-5 s per 70B step."""
-    if main.device.type != "cpu" and g.dtype in (torch.bfloat16, torch.float16) and g.dtype != main.dtype:
-        main.add_(torch.matmul(g.t(), x.to(g.dtype)))                               # [V/tp, H]
-    else:
-        main.addmm_(g.t().to(main.dtype), x.to(main.dtype))
+from pfppo_mega.kernels.fused_head import accumulate  # main [V/tp, H] += g^T @ x, shared with the fused head
 
 
 class _HeadBuffer:

@@ -1,5 +1,5 @@
 """The micro-batching of the trainer's model passes (pfppo_mega.models.passes) (training.micro_batch_size,
-use_dynamic_bsz, max_tokens_per_micro_batch, response_only_head), and the work those passes did
+use_dynamic_bsz, max_tokens_per_micro_batch, response_only_head, fused_head), and the work those passes did
 (counted per phase and head for the perf/ metrics, trainer/instruments/perf.py)."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def batching(training, rows: int, tally: Optional[Tally] = None) -> model_passes
     return model_passes.Batching(
         micro_batch_size=training.micro_batch_size or rows,
         max_tokens=training.max_tokens_per_micro_batch if training.use_dynamic_bsz else None,
-        response_only=training.response_only_head, tally=tally)
+        response_only=training.response_only_head, tally=tally, fused_head=training.fused_head,
+        head_chunk_tokens=training.fused_head_chunk_tokens)
 
 
 def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:

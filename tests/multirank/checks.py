@@ -102,11 +102,13 @@ def check_logp_entropy(layout: str, kind: str, path: Path, mbs: int, batch: comm
 
     _, actor = _actor(path)
     for backend in available_backends():
-        logp, ent = passes.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
-                                                micro_batch_size=mbs, kernels=backend)
-        err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
-                                 (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
-        report(layout, f"logp_entropy_vs_fp64[{kind},{backend.name}]", err < LOGP_TOL, err, LOGP_TOL)
+        for fused, tag in ((False, ""), (True, ",fused_head")):  # the fused head: 3-row chunks (several per batch)
+            batching = passes.Batching(mbs, fused_head=fused, head_chunk_tokens=3)
+            logp, ent = passes.forward_logp_entropy(actor, batch.inputs, temperature=common.TEMPERATURE,
+                                                    micro_batch_size=batching, kernels=backend)
+            err = max_over_ranks(max((logp.double() - refs[f"logp/{kind}"]).abs().max().item(),
+                                     (ent.double() - refs[f"entropy/{kind}"]).abs().max().item()))
+            report(layout, f"logp_entropy_vs_fp64[{kind},{backend.name}{tag}]", err < LOGP_TOL, err, LOGP_TOL)
 
 
 def check_vocab_parallel_grads(layout: str) -> None:
@@ -169,6 +171,60 @@ def check_vocab_parallel_grads(layout: str) -> None:
         report(layout, f"vocab_parallel_fwd_bwd[{backend.name}]", ok, vs_fp64, GRAD_TOL,
                f"vs_tp1: logp={vs_tp1[0]:.2e} entropy={vs_tp1[1]:.2e} grad={vs_tp1[2]:.2e} T={temperature} "
                + " ".join(notes))
+        check_fused_head_grads(layout, backend, group=group, tp=tp, rank=rank)
+
+
+def check_fused_head_grads(layout: str, backend, *, group, tp: int, rank: int) -> None:
+    """kernels.fused_head on this rank's rows of a head weight padded as megatron pads it (vocab 51 to
+    a multiple of tp * 8 and tp * 128: rank 1 partly / all padding, padding rows huge), temperature
+    0.7, 5-row chunks: log-prob, entropy, d hidden (all-reduced inside) and d W (all-gathered here)
+    vs today's path at TP = 1 (logits = hidden @ W^T, vocab_parallel_logprob_entropy) and vs fp64."""
+    from pfppo_mega.kernels import vocab_parallel_logprob_entropy
+    from pfppo_mega.kernels.fused_head import fused_linear_logprob_entropy
+
+    n, h, v, temperature = 24, 12, common.VOCAB, 0.7
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[1] = v - 1
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+    def run(x, w, fused: bool, **kw):
+        x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if fused:
+            logp, ent = fused_linear_logprob_entropy(x, w, labels, temperature=temperature, backend=backend,
+                                                     chunk_tokens=5, vocab_size=v, **kw)
+        else:
+            logp, ent = vocab_parallel_logprob_entropy(x @ w.t(), labels, temperature=temperature, backend=backend,
+                                                       vocab_start=0, vocab_size=v, group=None)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+        return [logp.detach(), ent.detach(), x.grad, w.grad]
+
+    one = run(hidden, weight, False)
+    xd, wd = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logq = F.log_softmax((xd @ wd.t()) / temperature, dim=-1)
+    ref_logp, ref_ent = logq.gather(1, labels[:, None])[:, 0], -(logq.exp() * logq).sum(-1)
+    ((ref_logp * g_logp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
+    ref = [ref_logp, ref_ent, xd.grad, wd.grad]
+    vs_tp1, vs_fp64, notes, ok = 0.0, 0.0, [], True
+    for divisible_by in (8, 128):
+        vp = -(-v // (tp * divisible_by)) * tp * divisible_by
+        padded = torch.cat([weight, torch.full((vp - v, h), 30.0)])  # padding rows must not count
+        shard = padded.chunk(tp, dim=0)[rank]
+        got = run(hidden, shard, True, vocab_start=rank * (vp // tp), group=group)
+        grads = [torch.empty_like(got[3]) for _ in range(tp)]
+        dist.all_gather(grads, got[3].contiguous(), group=group)
+        full_w = torch.cat(grads)
+        got = got[:3] + [full_w[:v]]
+        vs_tp1 = max(vs_tp1, *((a - b).abs().max().item() for a, b in zip(got, one)))
+        vs_fp64 = max(vs_fp64, *((a.double() - b).abs().max().item() for a, b in zip(got, ref)))
+        pad_zero = bool((full_w[v:] == 0).all())
+        ok = ok and pad_zero
+        notes.append(f"pad{divisible_by}:rows={vp - v},pad_grad_zero={pad_zero}")
+    vs_tp1, vs_fp64 = max_over_ranks(vs_tp1), max_over_ranks(vs_fp64)
+    ok = all_ranks_ok(ok and vs_tp1 < GRAD_TOL and vs_fp64 < GRAD_TOL)
+    report(layout, f"fused_head_fwd_bwd[{backend.name}]", ok, vs_fp64, GRAD_TOL,
+           f"vs_tp1_unfused={vs_tp1:.2e} T={temperature} " + " ".join(notes))
 
 
 def check_round_trip(layout: str, kind: str, path: Path, out_root: Path) -> None:

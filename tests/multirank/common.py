@@ -252,3 +252,18 @@ def ppo_update(path: Path, batch: PPOBatch, *, micro_batch_size: int, dp_rank: i
     weights = {f"actor/{n}": t.detach().clone() for n, t in hf_io.gather_hf_weights(actor, cfg)}
     weights.update({f"critic/{n}": t.detach().clone() for n, t in hf_io.gather_critic_weights(critic, cfg)})
     return UpdateResult(a.loss, a.stats, a.grad_norm, c.loss, c.stats, c.grad_norm, weights)
+
+
+def actor_loss(batch: "PPOBatch"):
+    """A model-passes ActorLossFn over ``batch``: the clipped policy loss against perturbed old log-probs
+    minus 0.01 x the token-mean entropy, as this micro-batch's share (gradients reach both outputs)."""
+    from pfppo_mega.models import passes
+
+    def loss(logp, entropy, mb):
+        m = mb.inputs.response_mask
+        out = ppo.policy_loss(logp, (logp.detach() + batch.logp_noise[mb.rows]) * m, batch.advantages[mb.rows], m,
+                              clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
+        ent = ppo.agg_loss(entropy, m, mode="token-mean")
+        return (out.loss - 0.01 * ent) * passes.share_scale(m, mb.norm, mode="token-mean", like=out.loss), {}
+
+    return loss
