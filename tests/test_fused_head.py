@@ -32,7 +32,7 @@ from pfppo_mega.config import ConfigError, load_config_dict  # noqa: E402
 from pfppo_mega.kernels import available_backends, vocab_parallel_logprob_entropy  # noqa: E402
 from pfppo_mega.kernels.fused_head import fused_linear_logprob_entropy  # noqa: E402
 from pfppo_mega.models import gpt, hf_io, passes  # noqa: E402
-from pfppo_mega.trainer import passes  # noqa: E402
+from pfppo_mega.trainer import passes as step_passes  # noqa: E402
 
 # Measured (this machine, fp32, N 37, H 16, V 101..112): fused vs unfused <= 3e-6 (logp) and 3e-6
 # (grads), either vs fp64 <= 4e-6. Bounds a few times above.
@@ -235,12 +235,17 @@ def test_hidden_at_head_restores_the_layer(world):
 def test_config_keys_reach_the_engine():
     base = {"actor_rollout": {"model_path": "x"}}
     tr = load_config_dict(base).training
-    assert tr.fused_head is True and tr.fused_head_chunk_tokens == 128
-    b = passes.batching(tr, 8)
+    assert tr.fused_head is None and tr.fused_head_chunk_tokens == 128  # null: by the pass and the device
+    b = step_passes.batching(tr, 8)  # prepare: fused on every device
     assert b.fused_head and b.head_chunk_tokens == 128
+    assert not step_passes.batching(tr, 8, update_on=torch.device("cpu")).fused_head  # the CPU's update: megatron's
+    assert step_passes.batching(tr, 8, update_on=torch.device("meta")).fused_head  # a GPU's (CUDA mapped to meta)
+    on = load_config_dict({**base, "training": {"fused_head": True}}).training
+    assert step_passes.batching(on, 8, update_on=torch.device("cpu")).fused_head
     off = load_config_dict({**base, "training": {"fused_head": False, "fused_head_chunk_tokens": 64}}).training
-    b = passes.batching(off, 8)
+    b = step_passes.batching(off, 8)
     assert not b.fused_head and b.head_chunk_tokens == 64
+    assert not step_passes.batching(off, 8, update_on=torch.device("meta")).fused_head
     with pytest.raises(ConfigError, match=r"training.fused_head"):
         load_config_dict({**base, "training": {"fused_head": "fast"}})
 

@@ -754,9 +754,11 @@ class TrainingConfig(Section):
               "rows only, instead of a dense [vocab, hidden] gradient per micro-batch "
               "(pfppo_mega/models/vocab_grads.py). Gradients change only by the order of floating-point sums; "
               "false: megatron's own backward.")
-    fused_head: bool = opt(
-        True, "The actor's LM head fused with the log-prob and entropy, in prepare (old / reference log-probs) "
-              "and in the update: the final hidden states are multiplied by the head's weight fused_head_chunk_tokens "
+    fused_head: Optional[bool] = opt(
+        None, "The actor's LM head fused with the log-prob and entropy. null (auto): in prepare (old / "
+              "reference log-probs) on every device, in the update on GPUs only (on the CPU its backward's "
+              "recomputed logits make the head 0.66-0.77x as fast as megatron's, docs/perf.md); true: in "
+              "prepare and in the update everywhere. Fused, the final hidden states are multiplied by the head's weight fused_head_chunk_tokens "
               "rows at a time, each chunk reduced to its softmax statistics at once and recomputed in the "
               "backward, so no [tokens, vocabulary] logits or gradient exist (pfppo_mega/kernels/fused_head.py; "
               "vocabulary-parallel at TP > 1 with the same all-reduces). Results change only by floating-point "

@@ -34,13 +34,23 @@ class PassWork:
         return out
 
 
-def batching(training, rows: int, tally: Optional[Tally] = None) -> model_passes.Batching:
-    """The engine's plan for a pass over ``rows`` rows under the config's training section."""
+def batching(training, rows: int, tally: Optional[Tally] = None, *,
+             update_on: Optional[torch.device] = None) -> model_passes.Batching:
+    """The engine's plan for a pass over ``rows`` rows under the config's training section.
+    ``update_on``: the device of an update's pass (None: a forward-only pass, prepare)."""
     return model_passes.Batching(
         micro_batch_size=training.micro_batch_size or rows,
         max_tokens=training.max_tokens_per_micro_batch if training.use_dynamic_bsz else None,
-        response_only=training.response_only_head, tally=tally, fused_head=training.fused_head,
-        head_chunk_tokens=training.fused_head_chunk_tokens)
+        response_only=training.response_only_head, tally=tally,
+        fused_head=fused_head(training.fused_head, update_on), head_chunk_tokens=training.fused_head_chunk_tokens)
+
+
+def fused_head(setting: Optional[bool], update_on: Optional[torch.device]) -> bool:
+    """training.fused_head: true / false as set; null: fused for forward-only passes everywhere and
+    for an update on a GPU (on the CPU the backward's recomputed logits cost more than they save)."""
+    if setting is not None:
+        return setting
+    return update_on is None or update_on.type != "cpu"
 
 
 def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,7 +152,8 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
     res = model_passes.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
                              temperature=run.cfg.actor_rollout.temperature,
                              micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
-                                                              run.passes.update_lm), kernels=run.kernels)
+                                                              run.passes.update_lm, update_on=run.device),
+                             kernels=run.kernels)
     count_skip(run, "actor", res)
     return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
 

@@ -143,7 +143,7 @@ def test_bad_chunk_key(value):
     assert "training.fused_head_chunk_tokens" in str(info.value)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None, "fast"])
+@pytest.mark.parametrize("value", ["yes", 1, 0.5, "fast", [True]])
 def test_bad_fused_head_key(value):
     with pytest.raises(ConfigError) as info:
         load_config_dict({**BASE, "training": {"fused_head": value}})
