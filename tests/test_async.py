@@ -152,6 +152,8 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
     first = proc.pid
     try:
         proc.push_weights(7, _buckets(spec, 7))
+        root = proc.files.root
+        assert sorted(p.name for p in root.iterdir()) == ["v7.weights"]  # only the path went through the pipe
         proc.submit(_request(0))
         r = proc.next_result()
         assert (r.rid, r.version) == (0, 7) and r.responses.shape == (4, 3)  # 2 prompts x n 2
@@ -164,6 +166,7 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
         assert [x.rid for x in got] == [1, 2, 3] and {x.version for x in got} == {8}  # redone with the pool's newest
         assert proc.restarts == 1 and proc.pid != first and not _alive(first)
         assert proc.pool.versions == [8]  # window 0: only the newest may still be used
+        assert sorted(p.name for p in root.iterdir()) == ["v8.weights"]  # the evicted version's file removed
         os.kill(proc.pid, signal.SIGKILL)
         proc.submit(_request(4))
         from pfppo_mega.trainer.asynchronous.process import GeneratorFailed
@@ -174,6 +177,49 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
         pid = proc.pid
         proc.stop()
     assert pid is None or not _alive(pid)
+    assert not root.exists() and proc.files.root is None  # nothing left behind
+
+
+def _fake_buckets(version: int, sizes=((3, 4), (5,), (2, 2, 2))):
+    from pfppo_mega.rollout.weights import Bucket, BucketSpec
+
+    g = torch.Generator().manual_seed(version)
+    return [Bucket.pack(BucketSpec(i, (f"w{i}",), (s,), torch.float32), version, [torch.randn(s, generator=g)])
+            for i, s in enumerate(sizes)]
+
+
+def test_a_weight_file_maps_back_to_the_same_verified_buckets(tmp_path):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    sent = _fake_buckets(4)
+    path = tmp_path / "v4.weights"
+    weightfile.write(path, 4, sent)
+    got = weightfile.read(path, 4)
+    assert [b.spec for b in got] == [b.spec for b in sent] and [b.checksum for b in got] == [b.checksum for b in sent]
+    for a, b in zip(sent, got):
+        b.verify(4)  # the engine's check: version and bytes
+        assert torch.equal(a.flat, b.flat) and b.flat.data_ptr() % 64 == 0
+    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, then renamed
+
+
+def test_weight_files_live_in_shared_memory_or_the_output_dir_and_leave_nothing(tmp_path, monkeypatch):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    files = weightfile.WeightFiles(tmp_path)
+    files.write(0, _fake_buckets(0))
+    shm = weightfile.SHM.is_dir() and os.access(weightfile.SHM, os.W_OK)
+    assert files.root.parent == (weightfile.SHM if shm else tmp_path / "async_weights")
+    files.close()
+    monkeypatch.setattr(weightfile, "SHM", tmp_path / "no_dev_shm")  # a machine without /dev/shm
+    files = weightfile.WeightFiles(tmp_path)
+    p0, p1 = files.write(0, _fake_buckets(0)), files.write(1, _fake_buckets(1))
+    assert Path(p0).parent.parent == tmp_path / "async_weights"
+    files.remove([0])
+    assert not Path(p0).exists() and Path(p1).exists()
+    root = files.root
+    files.close()
+    files.close()  # idempotent
+    assert not root.exists() and list((tmp_path / "async_weights").iterdir()) == []
 
 
 def test_generator_dies_with_its_trainer(sft_dir, tmp_path):

@@ -6,11 +6,15 @@ holds, push those weights into the engine when it holds another, generate, send 
 New weights therefore enter between requests, never inside one.
 
 Messages in (trainer -> generator), tuples:
-    ("weights", version, [Bucket, ...])   a complete, checksummed stream; older versions beyond
-                                          the window are forgotten
+    ("weights", version, path)            the version's weight file (weightfile.py), mapped on
+                                          receipt; older versions beyond the window are forgotten
     ("request", Request)                  n responses for each prompt of the request
     ("stop",)
 Messages out: ("ready",), ("result", Result), ("error", text).
+
+A weight file that is torn or of another version is refused by name (an "error": the trainer
+restarts the process). A missing one is skipped: the trainer removes a version's file only after
+announcing a version that evicts it from the pool, whose message follows in the pipe.
 
 A reader thread receives the messages (so a trainer's push never waits for a request to end); when
 the trainer's end of the pipe closes (the trainer died) the process exits at once, and on Linux
@@ -34,6 +38,8 @@ from typing import Any
 import torch
 
 from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.weights import WeightUpdateError
+from pfppo_mega.trainer.asynchronous import weightfile
 from pfppo_mega.trainer.asynchronous.buffer import VersionPool, choose_version
 
 
@@ -105,7 +111,27 @@ def main(inbox, outbox, spec: WorkerSpec, parent_pid: int) -> None:
     messages: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(inbox, messages), daemon=True).start()
     outbox.send(("ready",))
-    serve(engine, messages, outbox, spec)
+    try:
+        serve(engine, messages, outbox, spec)
+    except Exception:
+        outbox.send(("error", traceback.format_exc()))
+
+
+def _map(pool: VersionPool, version: int, path: str) -> None:
+    """Version ``version``'s weight file into the pool (mapped, not yet read); a missing file is skipped."""
+    try:
+        pool.add(version, (path, weightfile.read(path, version)))
+    except weightfile.WeightFileMissing:
+        pass  # removed by the trainer: a version that evicts it is on its way
+
+
+def _load(engine, pool: VersionPool, version: int) -> None:
+    """Push held version ``version`` into the engine (verified bucket by bucket), naming its file on refusal."""
+    path, buckets = pool.held[version]
+    try:
+        engine.update_weights(iter(buckets), version)
+    except WeightUpdateError as e:
+        raise weightfile.WeightFileError(f"weight file {path} (version {version}) refused by the engine: {e}") from e
 
 
 def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
@@ -124,7 +150,7 @@ def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
             if kind == "stop":
                 return
             if kind == "weights":
-                pool.add(msg[1], msg[2])
+                _map(pool, msg[1], msg[2])
             elif kind == "request":
                 pending.append(msg[1])
             try:
@@ -139,7 +165,7 @@ def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
         version = choose_version(pool.versions, spec.rule, random.Random(req.params.seed),
                                  temperature=spec.temperature)
         if engine.weight_version != version:
-            engine.update_weights(iter(pool.held[version]), version)  # verified bucket by bucket
+            _load(engine, pool, version)
         switch_s = time.perf_counter() - t0
         prompts = [p for p in req.prompts for _ in range(req.n)]
         out = engine.generate(prompts, req.params)
