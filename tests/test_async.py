@@ -426,6 +426,30 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     assert e.value.code == 2
 
 
+def test_async_tiny_trains_with_vllm_in_the_generator_process(sft_dir, tmp_path):
+    """actor_rollout.engine vllm: the generator process builds an in-process vLLM engine (its own
+    gloo group of one first) and takes each pushed version from its weight file through vLLM's
+    reload. Rows of staleness 1 were written by a version pushed after the start."""
+    from pfppo_mega.rollout import vllm as rvllm
+
+    if rvllm.unavailable_reason():
+        pytest.skip(rvllm.unavailable_reason())
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    over = [f"actor_rollout.model_path={sft_dir}", f"logging.output_dir={tmp_path}", "actor_rollout.engine=vllm",
+            "training.total_training_steps=3"]
+    with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as t:
+        res = t.fit()
+        proc = t.run.collector.proc
+        assert proc.pid is None and proc.files.root is None  # stopped, its weight files removed
+    steps = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
+    assert res.steps == 3 and len(steps) == 3
+    assert all(r["async/staleness_max"] <= 2 and r["async/restarts"] == 0 for r in steps)
+    assert steps[0]["async/staleness_max"] == 0 and any(r["async/staleness_max"] >= 1 for r in steps[1:])
+    for r in steps[1:]:  # vLLM's log-probs of rows one version old against the trainer's proximal policy
+        assert 0.5 < r["is/mean"] < 2.0 and r["async/ess"] > 0.5, r
+
+
 def test_async_ppo_raises_reward(tmp_path):
     """Decoupled PPO under staleness learns as the synchronous loop does (test_trainer's task and
     warm start, 40 steps): mean sampled reward over the last 8 steps beats the first 8. The versions

@@ -46,7 +46,6 @@ REFUSED = [
     (["algorithm.filter_groups.enable=true", "actor_rollout.n_samples_per_prompt=2"],
      "algorithm.filter_groups.enable", "asynchronous"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baseline"),
-    (["actor_rollout.engine=vllm"], "actor_rollout.engine", "builtin"),
     (["algorithm.pool.is_mode=tis", "algorithm.policy_loss=gspo"], "algorithm.policy_loss", "tis"),
 ]
 

@@ -87,6 +87,24 @@ def _die_with_parent() -> None:
         pass  # not Linux: the closed pipe still ends the process
 
 
+def _own_process_group() -> str:
+    """An in-process vLLM engine needs torch.distributed initialised first in its process: a gloo
+    group of one, on a file store of its own (the trainer's MASTER_ADDR / MASTER_PORT, inherited
+    through the environment, belong to the trainer's group). Returns the store's file: vLLM's own
+    groups, made while it builds, use it; remove it after."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    store = tempfile.NamedTemporaryFile(prefix="pfppo-generator-pg-", delete=False)
+    store.close()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    return store.name
+
+
 def _reader(inbox, messages: "queue.Queue") -> None:
     try:
         while True:
@@ -100,14 +118,20 @@ def main(inbox, outbox, spec: WorkerSpec, parent_pid: int) -> None:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
     torch.set_num_threads(spec.num_threads)
+    store = None
     try:
         from pfppo_mega.trainer.engine_sync import build_engine
 
+        if spec.cfg.actor_rollout.engine == "vllm":
+            store = _own_process_group()
         engine = build_engine(spec.cfg, Path(spec.model_dir), spec.hf_cfg, pad_token_id=spec.pad_token_id,
                               world_size=1, log=lambda *_: None)
     except Exception:
         outbox.send(("error", traceback.format_exc()))
         return
+    finally:
+        if store is not None:
+            os.unlink(store)
     messages: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(inbox, messages), daemon=True).start()
     outbox.send(("ready",))
