@@ -152,6 +152,8 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
     first = proc.pid
     try:
         proc.push_weights(7, _buckets(spec, 7))
+        root = proc.files.root
+        assert sorted(p.name for p in root.iterdir()) == ["v7.weights"]  # only the path went through the pipe
         proc.submit(_request(0))
         r = proc.next_result()
         assert (r.rid, r.version) == (0, 7) and r.responses.shape == (4, 3)  # 2 prompts x n 2
@@ -164,6 +166,7 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
         assert [x.rid for x in got] == [1, 2, 3] and {x.version for x in got} == {8}  # redone with the pool's newest
         assert proc.restarts == 1 and proc.pid != first and not _alive(first)
         assert proc.pool.versions == [8]  # window 0: only the newest may still be used
+        assert sorted(p.name for p in root.iterdir()) == ["v8.weights"]  # the evicted version's file removed
         os.kill(proc.pid, signal.SIGKILL)
         proc.submit(_request(4))
         from pfppo_mega.trainer.asynchronous.process import GeneratorFailed
@@ -174,6 +177,49 @@ def test_generator_tags_rows_with_the_version_it_holds_and_restarts_after_a_kill
         pid = proc.pid
         proc.stop()
     assert pid is None or not _alive(pid)
+    assert not root.exists() and proc.files.root is None  # nothing left behind
+
+
+def _fake_buckets(version: int, sizes=((3, 4), (5,), (2, 2, 2))):
+    from pfppo_mega.rollout.weights import Bucket, BucketSpec
+
+    g = torch.Generator().manual_seed(version)
+    return [Bucket.pack(BucketSpec(i, (f"w{i}",), (s,), torch.float32), version, [torch.randn(s, generator=g)])
+            for i, s in enumerate(sizes)]
+
+
+def test_a_weight_file_maps_back_to_the_same_verified_buckets(tmp_path):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    sent = _fake_buckets(4)
+    path = tmp_path / "v4.weights"
+    weightfile.write(path, 4, sent)
+    got = weightfile.read(path, 4)
+    assert [b.spec for b in got] == [b.spec for b in sent] and [b.checksum for b in got] == [b.checksum for b in sent]
+    for a, b in zip(sent, got):
+        b.verify(4)  # the engine's check: version and bytes
+        assert torch.equal(a.flat, b.flat) and b.flat.data_ptr() % 64 == 0
+    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, then renamed
+
+
+def test_weight_files_live_in_shared_memory_or_the_output_dir_and_leave_nothing(tmp_path, monkeypatch):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    files = weightfile.WeightFiles(tmp_path)
+    files.write(0, _fake_buckets(0))
+    shm = weightfile.SHM.is_dir() and os.access(weightfile.SHM, os.W_OK)
+    assert files.root.parent == (weightfile.SHM if shm else tmp_path / "async_weights")
+    files.close()
+    monkeypatch.setattr(weightfile, "SHM", tmp_path / "no_dev_shm")  # a machine without /dev/shm
+    files = weightfile.WeightFiles(tmp_path)
+    p0, p1 = files.write(0, _fake_buckets(0)), files.write(1, _fake_buckets(1))
+    assert Path(p0).parent.parent == tmp_path / "async_weights"
+    files.remove([0])
+    assert not Path(p0).exists() and Path(p1).exists()
+    root = files.root
+    files.close()
+    files.close()  # idempotent
+    assert not root.exists() and list((tmp_path / "async_weights").iterdir()) == []
 
 
 def test_generator_dies_with_its_trainer(sft_dir, tmp_path):
@@ -379,6 +425,61 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     with pytest.raises(SystemExit) as e:  # `pfppo train`: a run that cannot start, not a traceback
         sys.exit(main(["train", str(CONFIG), *over, "checkpoint.resume=true", "training.total_training_steps=6"]))
     assert e.value.code == 2
+
+
+def test_async_tiny_trains_with_vllm_in_the_generator_process(sft_dir, tmp_path):
+    """actor_rollout.engine vllm: the generator process builds an in-process vLLM engine (its own
+    gloo group of one first) and takes each pushed version from its weight file through vLLM's
+    reload. Rows of staleness 1 were written by a version pushed after the start."""
+    from pfppo_mega.rollout import vllm as rvllm
+
+    if rvllm.unavailable_reason():
+        pytest.skip(rvllm.unavailable_reason())
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    over = [f"actor_rollout.model_path={sft_dir}", f"logging.output_dir={tmp_path}", "actor_rollout.engine=vllm",
+            "training.total_training_steps=3"]
+    with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as t:
+        res = t.fit()
+        proc = t.run.collector.proc
+        assert proc.pid is None and proc.files.root is None  # stopped, its weight files removed
+    steps = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
+    assert res.steps == 3 and len(steps) == 3
+    assert all(r["async/staleness_max"] <= 2 and r["async/restarts"] == 0 for r in steps)
+    assert steps[0]["async/staleness_max"] == 0 and any(r["async/staleness_max"] >= 1 for r in steps[1:])
+    for r in steps[1:]:  # vLLM's log-probs of rows one version old against the trainer's proximal policy
+        assert 0.5 < r["is/mean"] < 2.0 and r["async/ess"] > 0.5, r
+
+
+def test_vllm_in_the_generator_takes_each_version_from_its_file_exactly(sft_dir):
+    """The same request (same seed) on version 1, on halved weights (version 2), and on version 1's
+    weights again (version 3): 3 reproduces 1 bit for bit, 2 differs -- each file's weights, and
+    only them, are in vLLM when it generates."""
+    from pfppo_mega.rollout import vllm as rvllm
+
+    if rvllm.unavailable_reason():
+        pytest.skip(rvllm.unavailable_reason())
+    from pfppo_mega.rollout.weights import Bucket
+    from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
+
+    def again(buckets, version, scale=1.0):
+        return [Bucket.pack(b.spec, version, [t * scale for _, t in b.spec.split(b.flat)]) for b in buckets]
+
+    first = _buckets(_spec(sft_dir), 1)  # planned by the built-in engine: the same layout, in order
+    spec = _spec(sft_dir, cfg=load_config(CONFIG, [f"actor_rollout.model_path={sft_dir}", "actor_rollout.engine=vllm"]))
+    proc = GeneratorProcess(spec, max_restarts=0, result_timeout_s=300, log=lambda *_: None)
+    proc.start()
+    try:
+        got = []
+        for rid, (version, buckets) in enumerate([(1, first), (2, again(first, 2, 0.5)), (3, again(first, 3))]):
+            proc.push_weights(version, buckets)
+            proc.submit(_request(rid, seed=3))
+            got.append(proc.next_result())
+    finally:
+        proc.stop()
+    assert [r.version for r in got] == [1, 2, 3]
+    assert torch.equal(got[2].responses, got[0].responses) and torch.equal(got[2].logprobs, got[0].logprobs)
+    assert not torch.equal(got[1].logprobs, got[0].logprobs)
 
 
 def test_async_ppo_raises_reward(tmp_path):

@@ -1060,10 +1060,6 @@ class Config(Section):
                              "must be false with model.layer_spec 'local': megatron's local spec norms "
                              "(WrappedTorchNorm) refuse sequence parallelism on every device; sequence parallelism "
                              "needs model.layer_spec transformer_engine (where transformer-engine is installed)"))
-        if self.algorithm.async_rl.enable and self.actor_rollout.engine != "builtin":
-            p.append(Problem("actor_rollout.engine", self.actor_rollout.engine,
-                             "must be builtin with algorithm.async_rl.enable: the generator process builds the "
-                             "built-in engine (vLLM in its own process is not built yet, docs/async.md)"))
         if self.algorithm.filter_groups.enable and self.actor_rollout.n_samples_per_prompt < 2:
             p.append(Problem("algorithm.filter_groups.enable", True,
                              "needs actor_rollout.n_samples_per_prompt >= 2 (a group of one always agrees)"))

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,7 +46,6 @@ REFUSED = [
     (["algorithm.filter_groups.enable=true", "actor_rollout.n_samples_per_prompt=2"],
      "algorithm.filter_groups.enable", "asynchronous"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baseline"),
-    (["actor_rollout.engine=vllm"], "actor_rollout.engine", "builtin"),
     (["algorithm.pool.is_mode=tis", "algorithm.policy_loss=gspo"], "algorithm.policy_loss", "tis"),
 ]
 
@@ -113,6 +113,92 @@ def test_a_hung_generator_is_killed_and_replaced_within_the_timeout(sft_dir):
         assert time.monotonic() - t0 < 120
     finally:
         proc.stop()
+
+
+# ----------------------------------------------------------------------------- the weight files
+
+
+def _weight_file(tmp_path, version=3):
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_async import _fake_buckets  # noqa: E402
+
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    path = tmp_path / f"v{version}.weights"
+    weightfile.write(path, version, _fake_buckets(version))
+    return path
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 40])
+
+
+def _scramble_header(path):
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _not_weights(path):
+    path.write_bytes(b"hello, not weights at all")
+
+
+@pytest.mark.parametrize("damage, match", [(_truncate, "torn"), (_scramble_header, "header checksum"),
+                                           (_not_weights, "bad magic")])
+def test_a_torn_weight_file_is_refused_by_name(tmp_path, damage, match):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    path = _weight_file(tmp_path)
+    damage(path)
+    with pytest.raises(weightfile.WeightFileError, match=match) as e:
+        weightfile.read(path, 3)
+    assert str(path) in str(e.value)
+
+
+def test_a_stale_or_missing_weight_file_is_refused_by_name(tmp_path):
+    from pfppo_mega.trainer.asynchronous import weightfile
+
+    path = _weight_file(tmp_path, version=3)
+    with pytest.raises(weightfile.WeightFileError, match="holds version 3, version 4 was announced: stale") as e:
+        weightfile.read(path, 4)
+    assert str(path) in str(e.value)
+    with pytest.raises(weightfile.WeightFileMissing, match="missing"):
+        weightfile.read(tmp_path / "v9.weights", 9)
+
+
+class _CheckingEngine:
+    """Verifies every bucket as the real engines do (version, checksum of the bytes)."""
+
+    weight_version = -1
+
+    def update_weights(self, buckets, version):
+        for b in buckets:
+            b.verify(version)
+        self.weight_version = version
+
+
+def test_the_generator_refuses_a_weight_file_with_corrupt_bytes_naming_it(tmp_path):
+    """The header is intact, one weight byte flipped: the engine's check fails, the error names the file."""
+    import queue
+
+    from pfppo_mega.trainer.asynchronous import weightfile
+    from pfppo_mega.trainer.asynchronous.worker import serve
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_async import _request  # noqa: E402
+
+    path = _weight_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-60] ^= 0x01  # inside the last bucket's bytes
+    path.write_bytes(bytes(data))
+    messages: queue.Queue = queue.Queue()
+    messages.put(("weights", 3, str(path)))
+    messages.put(("weights", 4, str(tmp_path / "v4.weights")))  # missing: skipped, version 3 still held
+    messages.put(("request", _request(0)))
+    spec = SimpleNamespace(window=2, rule="newest", temperature=1.0)
+    with pytest.raises(weightfile.WeightFileError, match=f"{path}.*checksum"):
+        serve(_CheckingEngine(), messages, None, spec)
 
 
 # ----------------------------------------------------------------------------- the pending-requests file

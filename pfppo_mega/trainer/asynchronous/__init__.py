@@ -7,6 +7,8 @@
     process.py    the trainer's handle on that process: start, restart (requests redone), stop,
                   and its death when the trainer dies
     pending.py    the requests in flight at a checkpoint, written beside it and asked again on resume
+    weightfile.py a weight version as one shared-memory file (header + flat buckets): the trainer
+                  packs into it, only its path goes through the pipe, the generator maps it
     mode.py       the trainer's seams: AsyncCollector (the step's rows from the buffer) and
                   AsyncBehaviour (decoupled PPO's correction, the push after each update, metrics)
 

@@ -22,7 +22,6 @@ import torch
 
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
-from pfppo_mega.rollout.weights import Bucket
 from pfppo_mega.trainer.asynchronous import pending as pending_file
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     version_window
@@ -68,14 +67,12 @@ def save_pending(run) -> None:
                     f"its checkpoint cannot be resumed asynchronously")
 
 
-def live_buckets(sync, version: int) -> list[Bucket]:
-    """The actor's current weights as the engine's checksummed bucket stream, on the host (one
-    process: no collective), detached from the stream's buffers so they can be pickled and kept."""
+def write_live(sync, files, version: int) -> str:
+    """The actor's current weights as version ``version``'s file (weightfile.py): the engine's
+    checksummed buckets packed straight into it, on the host (one process: no collective)."""
     from pfppo_mega.rollout.live import LiveWeights
 
-    source = LiveWeights(sync.actor, sync.model_cfg, sync.layout, version)
-    return [Bucket(b.spec, b.version, b.flat.detach().to("cpu").clone(), b.checksum)
-            for b in source.buckets(sync.plan)]
+    return files.pack(version, sync.plan, LiveWeights(sync.actor, sync.model_cfg, sync.layout, version).produce)
 
 
 class AsyncCollector:
@@ -86,7 +83,8 @@ class AsyncCollector:
         # the run's training state (its step), prompt-seed stream, tokenizer and device: shared, not copied
         self.state, self.rng, self.tokenizer, self.device = state, rng, tokenizer, device
         self.n = cfg.actor_rollout.n_samples_per_prompt
-        self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log)
+        self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log,
+                                     output_dir=cfg.logging.output_dir)
         self.buffer = StalenessBuffer(ac.max_staleness)
         self.started = False
         self.keys: dict[int, list[tuple[int, Sample]]] = {}  # request id -> its groups' (key, prompt), until answered
@@ -104,14 +102,15 @@ class AsyncCollector:
 
     def push(self, version: int) -> None:
         """The actor's weights ``version`` into the pool and the generator (between its requests)."""
-        self.proc.push_weights(version, live_buckets(self.sync, version))
+        self.proc.push_file(version, write_live(self.sync, self.proc.files, version))
 
     def close(self) -> None:
         """Stop the generator process (idempotent). A later collect starts a new one afresh."""
         self.proc.stop()
         if self.started:
             self.proc = GeneratorProcess(self.proc.spec, max_restarts=self.ac.max_restarts,
-                                         result_timeout_s=self.ac.result_timeout_s, log=self.log)
+                                         result_timeout_s=self.ac.result_timeout_s, log=self.log,
+                                         output_dir=self.cfg.logging.output_dir)
             self.buffer, self.keys, self.started = StalenessBuffer(self.ac.max_staleness), {}, False
             self.asked, self.origin, self.discard = {}, {}, set()
 

@@ -7,6 +7,10 @@ yet answered and the versions of the pool: when the process dies (killed, crashe
 past result_timeout_s, a new one is started, given the pool's versions again and asked the
 unanswered requests again (same ids and seeds), at most max_restarts times (then GeneratorFailed).
 ``stop()`` ends it and waits; a trainer that dies ends it too (closed pipe, PR_SET_PDEATHSIG).
+
+Weights travel as files (weightfile.py): each pushed version is written once into shared memory
+and only (version, path) goes through the pipe; the pool holds the paths, a version it evicts has
+its file removed, and ``stop()`` removes them all.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from typing import Callable, Optional
 
 from pfppo_mega.trainer.asynchronous.buffer import VersionPool
+from pfppo_mega.trainer.asynchronous.weightfile import WeightFiles
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec, main
 
 START_TIMEOUT_S = 300.0  # a spawned interpreter imports torch and builds the engine
@@ -31,9 +36,10 @@ class GeneratorFailed(RuntimeError):
 
 class GeneratorProcess:
     def __init__(self, spec: WorkerSpec, *, max_restarts: int, result_timeout_s: float,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, output_dir: Optional[str] = None) -> None:
         self.spec, self.max_restarts, self.result_timeout_s, self.log = spec, max_restarts, result_timeout_s, log
-        self.pool: VersionPool = VersionPool(spec.window)   # the versions a request may still be generated with
+        self.pool: VersionPool = VersionPool(spec.window)   # version -> its file's path, while it may still be used
+        self.files = WeightFiles(output_dir)                # under /dev/shm, else <output_dir>/async_weights
         self.in_flight: dict[int, Request] = {}             # requests sent and not answered, by id
         self.restarts = 0
         self.proc: Optional[mp.Process] = None
@@ -71,8 +77,8 @@ class GeneratorProcess:
             why = str(payload).strip() if payload else (f"no answer in {START_TIMEOUT_S:g} s" if kind == "timeout"
                                                          else f"it exited with code {code}")
             raise GeneratorFailed(f"the generator process did not start: {why}")
-        for version, buckets in sorted(self.pool.held.items()):  # a restarted process gets the pool again
-            self._send(("weights", version, buckets))
+        for version, path in sorted(self.pool.held.items()):  # a restarted process gets the pool again
+            self._send(("weights", version, path))
         for rid in sorted(self.in_flight):  # and the requests it had not answered, same ids and seeds
             self._send(("request", self.in_flight[rid]))
 
@@ -102,18 +108,20 @@ class GeneratorProcess:
             pass  # the process died; the next wait notices it and restarts it
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """End the process and wait for it (killed when it does not stop in time). Idempotent."""
+        """End the process and wait for it (killed when it does not stop in time), then remove the
+        weight files (the pool is emptied). Idempotent."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        self._send(("stop",))
-        proc.join(timeout_s)
-        if proc.is_alive():
-            proc.kill()
+        if proc is not None:
+            self._send(("stop",))
             proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
         if self._to_child is not None:
             self._to_child.close()
             self._to_child = None
+        self.pool.held.clear()
+        self.files.close()
 
     def restart(self, why: str) -> None:
         self.restarts += 1
@@ -133,9 +141,15 @@ class GeneratorProcess:
     # ------------------------------------------------------------------ traffic
 
     def push_weights(self, version: int, buckets: list) -> None:
-        """Version ``version`` enters the pool (older ones beyond the window leave) and the generator."""
-        self.pool.add(version, buckets)
-        self._send(("weights", version, buckets))
+        """``push_file`` of ``buckets`` written to version ``version``'s file."""
+        self.push_file(version, self.files.write(version, buckets))
+
+    def push_file(self, version: int, path: str) -> None:
+        """Version ``version`` (its file written: self.files) enters the pool and the generator (only
+        its path goes through the pipe); the files of older versions beyond the window are removed."""
+        gone = self.pool.add(version, path)
+        self._send(("weights", version, path))
+        self.files.remove(gone)  # after the message of the version that evicts them (worker.py)
 
     def submit(self, request: Request) -> None:
         self.in_flight[request.rid] = request

@@ -6,11 +6,15 @@ holds, push those weights into the engine when it holds another, generate, send 
 New weights therefore enter between requests, never inside one.
 
 Messages in (trainer -> generator), tuples:
-    ("weights", version, [Bucket, ...])   a complete, checksummed stream; older versions beyond
-                                          the window are forgotten
+    ("weights", version, path)            the version's weight file (weightfile.py), mapped on
+                                          receipt; older versions beyond the window are forgotten
     ("request", Request)                  n responses for each prompt of the request
     ("stop",)
 Messages out: ("ready",), ("result", Result), ("error", text).
+
+A weight file that is torn or of another version is refused by name (an "error": the trainer
+restarts the process). A missing one is skipped: the trainer removes a version's file only after
+announcing a version that evicts it from the pool, whose message follows in the pipe.
 
 A reader thread receives the messages (so a trainer's push never waits for a request to end); when
 the trainer's end of the pipe closes (the trainer died) the process exits at once, and on Linux
@@ -34,6 +38,8 @@ from typing import Any
 import torch
 
 from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.weights import WeightUpdateError
+from pfppo_mega.trainer.asynchronous import weightfile
 from pfppo_mega.trainer.asynchronous.buffer import VersionPool, choose_version
 
 
@@ -81,6 +87,24 @@ def _die_with_parent() -> None:
         pass  # not Linux: the closed pipe still ends the process
 
 
+def _own_process_group() -> str:
+    """An in-process vLLM engine needs torch.distributed initialised first in its process: a gloo
+    group of one, on a file store of its own (the trainer's MASTER_ADDR / MASTER_PORT, inherited
+    through the environment, belong to the trainer's group). Returns the store's file: vLLM's own
+    groups, made while it builds, use it; remove it after."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    store = tempfile.NamedTemporaryFile(prefix="pfppo-generator-pg-", delete=False)
+    store.close()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    return store.name
+
+
 def _reader(inbox, messages: "queue.Queue") -> None:
     try:
         while True:
@@ -94,18 +118,44 @@ def main(inbox, outbox, spec: WorkerSpec, parent_pid: int) -> None:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
     torch.set_num_threads(spec.num_threads)
+    store = None
     try:
         from pfppo_mega.trainer.colocation.engine_sync import build_engine
 
+        if spec.cfg.actor_rollout.engine == "vllm":
+            store = _own_process_group()
         engine = build_engine(spec.cfg, Path(spec.model_dir), spec.hf_cfg, pad_token_id=spec.pad_token_id,
                               world_size=1, log=lambda *_: None)
     except Exception:
         outbox.send(("error", traceback.format_exc()))
         return
+    finally:
+        if store is not None:
+            os.unlink(store)
     messages: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(inbox, messages), daemon=True).start()
     outbox.send(("ready",))
-    serve(engine, messages, outbox, spec)
+    try:
+        serve(engine, messages, outbox, spec)
+    except Exception:
+        outbox.send(("error", traceback.format_exc()))
+
+
+def _map(pool: VersionPool, version: int, path: str) -> None:
+    """Version ``version``'s weight file into the pool (mapped, not yet read); a missing file is skipped."""
+    try:
+        pool.add(version, (path, weightfile.read(path, version)))
+    except weightfile.WeightFileMissing:
+        pass  # removed by the trainer: a version that evicts it is on its way
+
+
+def _load(engine, pool: VersionPool, version: int) -> None:
+    """Push held version ``version`` into the engine (verified bucket by bucket), naming its file on refusal."""
+    path, buckets = pool.held[version]
+    try:
+        engine.update_weights(iter(buckets), version)
+    except WeightUpdateError as e:
+        raise weightfile.WeightFileError(f"weight file {path} (version {version}) refused by the engine: {e}") from e
 
 
 def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
@@ -124,7 +174,7 @@ def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
             if kind == "stop":
                 return
             if kind == "weights":
-                pool.add(msg[1], msg[2])
+                _map(pool, msg[1], msg[2])
             elif kind == "request":
                 pending.append(msg[1])
             try:
@@ -139,7 +189,7 @@ def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
         version = choose_version(pool.versions, spec.rule, random.Random(req.params.seed),
                                  temperature=spec.temperature)
         if engine.weight_version != version:
-            engine.update_weights(iter(pool.held[version]), version)  # verified bucket by bucket
+            _load(engine, pool, version)
         switch_s = time.perf_counter() - t0
         prompts = [p for p in req.prompts for _ in range(req.n)]
         out = engine.generate(prompts, req.params)
