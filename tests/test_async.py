@@ -443,6 +443,15 @@ def test_async_tiny_trains_with_vllm_in_the_generator_process(sft_dir, tmp_path)
         res = t.fit()
         proc = t.run.collector.proc
         assert proc.pid is None and proc.files.root is None  # stopped, its weight files removed
+    # the trainer's own vLLM engine was built on the trainer's process group: destroying that group
+    # destroys vLLM's groups over it, so the next engine built in this process starts afresh (before,
+    # it found them stale: "not initialized in the world group map")
+    import vllm.distributed.parallel_state as vllm_groups
+
+    from pfppo_mega import parallel
+    assert vllm_groups._WORLD is not None
+    parallel.destroy_parallel()
+    assert vllm_groups._WORLD is None
     steps = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
     assert res.steps == 3 and len(steps) == 3
     assert all(r["async/staleness_max"] <= 2 and r["async/restarts"] == 0 for r in steps)

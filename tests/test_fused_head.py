@@ -181,6 +181,7 @@ def _actor(path: Path, sparse: bool):
 def _step(path: Path, batching, sparse: bool):
     batch = common.ppo_batch()
     actor, ddp, opt = _actor(path, sparse)
+    names, keys = [n for n, _ in actor.named_parameters()], set(actor.state_dict())
 
     loss = common.actor_loss(batch)
 
@@ -189,6 +190,8 @@ def _step(path: Path, batching, sparse: bool):
                                            micro_batch_size=batching)
     ddp.train()
     res = passes.train_step(ddp, opt, batch.inputs, loss, temperature=common.TEMPERATURE, micro_batch_size=batching)
+    # the fused head leaves the model's parameters and checkpoint keys as they were (no head_weight)
+    assert [n for n, _ in actor.named_parameters()] == names and set(actor.state_dict()) == keys
     return logp, {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}, res
 
 

@@ -3,6 +3,7 @@ no critic is built, the pool's is/* metrics are logged, every group the estimato
 samples of one prompt, the actor's weights move, and every policy loss the update computes equals a
 reference written here token by token in plain Python from the inputs the update passed it."""
 
+import dataclasses
 import json
 import math
 from itertools import combinations
@@ -50,7 +51,7 @@ def _train(tmp_path, sft_dir, **algorithm):  # noqa: F811
         frozen = PolicyLossInputs(**{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in x.__dict__.items()})
         calls.append((frozen, p, res.loss.item()))
         return res
-    tr.run.policy_loss = watched
+    tr.run.policy_loss = dataclasses.replace(loss_fn, fn=watched)  # the same variant and declarations, watched
     before = {n: t.detach().clone() for n, t in tr.run.actor.named_parameters()}
     res = tr.fit()
     return tr, [json.loads(line) for line in open(res.metrics_path)][1:], calls, before  # step-0 eval record first

@@ -515,7 +515,9 @@ def hidden_at_head(model: torch.nn.Module, on: bool = True) -> Iterator[Optional
 
     def forward(hidden_states: Tensor, weight: Optional[Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> tuple[Tensor, None]:
-        layer.head_weight = weight if weight is not None else layer.weight          # [Vp/tp, H]
+        # a plain reference, not a registered parameter (nn.Module.__setattr__ would add it to the
+        # model's parameters and state dict under a new name)
+        layer.__dict__["head_weight"] = weight if weight is not None else layer.weight  # [Vp/tp, H]
         return hidden_states, None
 
     layer.forward = forward  # an instance attribute: nn.Module.__call__ (and its pre-hooks) call it
