@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -197,23 +196,10 @@ def destroy_parallel() -> None:
     watchdog.stop()
     parallel_state.destroy_model_parallel()
     if _state.owns_process_group and dist.is_initialized():
-        _forget_vllm_groups()  # (vLLM's teardown may destroy the process group itself)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     if _state.store_dir is not None:
         shutil.rmtree(_state.store_dir, ignore_errors=True)
     _state = None
-
-
-def _forget_vllm_groups() -> None:
-    """An in-process vLLM engine built on this process group keeps its own groups over it (vLLM's
-    parallel_state): destroyed with it, or the next engine built in this process finds them stale
-    ("not initialized in the world group map"). Only where vLLM is already loaded: never imported here."""
-    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
-    if vllm_state is None or getattr(vllm_state, "_WORLD", None) is None:
-        return
-    vllm_state.destroy_model_parallel()
-    vllm_state.destroy_distributed_environment()
 
 
 # ----------------------------------------------------------------------------- collectives
