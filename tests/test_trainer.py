@@ -428,3 +428,23 @@ def test_sft_stops_on_steps_and_max_seconds_is_only_a_safety_limit(tmp_path):
     d["sft"]["max_seconds"] = 0  # no limit: exactly sft.steps steps
     out = run_sft(load_config_dict(d), log=lambda *_: None)
     assert json.loads((out / "sft_info.json").read_text())["steps"] == 3
+
+
+def test_a_finished_pf_ppo_trainer_frees_its_engine_without_the_garbage_collector(sft_dir, tmp_path):
+    """No reference cycle holds a finished run's engine: an in-process vLLM engine tears its process
+    groups down when freed, so one freed by a later garbage collection would do it in the middle of
+    the next run's build (pfppo compare's four trainers in one process failed this way)."""
+    import gc
+    import weakref
+
+    cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 1},
+               algorithm={"use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}})
+    gc.disable()
+    try:
+        with PPOTrainer(cfg, log=lambda *_: None) as t:
+            t.fit()
+            engine, run = weakref.ref(t.run.engine), weakref.ref(t.run)
+        del t
+        assert run() is None and engine() is None, "the finished run's engine is held by a reference cycle"
+    finally:
+        gc.enable()

@@ -13,6 +13,7 @@ Arms (`--arms`, comma-separated; the pool arms differ from `ppo` only in algorit
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -457,8 +458,10 @@ def main(argv: list[str]) -> int:
                     with PPOTrainer(cfg, log=lambda *_: None) as trainer:  # its reward workers end with it
                         trainer.fit()
                     # Free this run (its in-process engine tears down process groups) before the next
-                    # one builds; `trainer` would otherwise live until the next run's construction.
+                    # one builds; `trainer` would otherwise live until the next run's construction, and
+                    # what a reference cycle holds until the collector runs: collected here, now.
                     del trainer
+                    gc.collect()
                     wall = time.monotonic() - t0
                 recs = read_jsonl(metrics)
                 stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,

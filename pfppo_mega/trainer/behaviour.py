@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -95,7 +96,11 @@ class SnapshotPolicy(BehaviourPolicy):
         self.guards, self.dp_rank, self.log = guards, dp_rank, log
         self.pool = gen.sync.new_pool(pool_cfg.pool_size)
         gen.sync.capture(self.pool, step)
-        gen.push_again = self._push_again  # an engine failure with a snapshot: that snapshot again
+        # an engine failure with a snapshot: that snapshot again. Held weakly: gen <-> policy as a
+        # cycle would keep the engine (an in-process vLLM and its process groups) alive past the
+        # run until the garbage collector ran -- in the middle of the next run's build (pfppo compare)
+        push_again = weakref.WeakMethod(self._push_again)
+        gen.push_again = lambda version, step: push_again()(version, step)
         log(f"[pfppo] PF-PPO pool: {pool_cfg.pool_size} x {self.pool.bytes_per_snapshot / 1e6:.2f} MB snapshot "
             f"shards per rank in host memory ({self.pool.layout.nbytes / 1e6:.2f} MB per snapshot per node), "
             f"sampling={pool_cfg.sampling}, every {pool_cfg.snapshot_interval} steps")
