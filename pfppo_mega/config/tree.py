@@ -169,7 +169,23 @@ class ModelConfig(Section):
     tie_word_embeddings: Optional[bool] = opt(None, "Share the input embedding and the LM head.")
     params_dtype: str = opt(
         "float32", "Parameter and compute dtype of the trainer models. bfloat16: bf16 weights and compute, "
-                   "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer.")
+                   "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer. float16: "
+                   "the same with fp16 weights and compute, and megatron's loss scaler (loss_scale, "
+                   "initial_loss_scale, min_loss_scale, loss_scale_window, loss_scale_hysteresis): the loss is "
+                   "multiplied by the scale before the backward, and a step whose gradients hold an inf/nan is "
+                   "skipped (counted in guard/loss_scale_overflows and guard/skipped_updates) and lowers the "
+                   "scale; the scaler's state is in the checkpoint. verl's megatron.dtype float16 (fp16 removes "
+                   "much of the training/inference mismatch when the engine also runs float16).")
+    loss_scale: Optional[float] = opt(
+        None, "float16: a constant loss scale (> 0); null = dynamic (megatron's DynamicGradScaler). Read only "
+              "with params_dtype float16.")
+    initial_loss_scale: float = opt(2.0 ** 32, "float16, dynamic: the first scale (megatron's default 2^32; "
+                                               "the first steps overflow and halve it).")
+    min_loss_scale: float = opt(1.0, "float16, dynamic: the scale never falls below it, in (0, initial_loss_scale].")
+    loss_scale_window: int = opt(1000, "float16, dynamic: the scale doubles after this many steps without "
+                                       "an inf/nan gradient.")
+    loss_scale_hysteresis: int = opt(2, "float16, dynamic: inf/nan steps tolerated before the first halving "
+                                        "(megatron's hysteresis); later ones halve at once until a clean window.")
     layer_spec: str = opt(
         "auto", "Transformer layer implementation: local (megatron's layers in pure torch, any machine; with "
                 "training.fused_layers their fused version: SDPA / flash attention, fused RMSNorm, SwiGLU and "
@@ -201,6 +217,7 @@ class ModelConfig(Section):
             _range(p, key, getattr(self, key), ge=1, le=C.MAX_TOKENS, optional=True)
         _range(p, "rope_theta", self.rope_theta, gt=0, optional=True)
         _range(p, "norm_epsilon", self.norm_epsilon, gt=0, optional=True)
+        self._check_loss_scaling(p)
         h, q = self.num_attention_heads, self.num_query_groups
         if h and self.hidden_size and self.hidden_size % h:
             p.append(Problem("hidden_size", self.hidden_size,
@@ -211,6 +228,26 @@ class ModelConfig(Section):
 
     def is_complete(self) -> bool:
         return all(getattr(self, k) is not None for k in self.SHAPE_FIELDS)
+
+    SCALER_DEFAULTS: ClassVar[dict[str, Any]] = {"loss_scale": None, "initial_loss_scale": 2.0 ** 32,
+                                                  "min_loss_scale": 1.0, "loss_scale_window": 1000,
+                                                  "loss_scale_hysteresis": 2}
+
+    def _check_loss_scaling(self, p: list[Problem]) -> None:
+        _range(p, "loss_scale", self.loss_scale, gt=0, le=C.MAX_LOSS_SCALE, optional=True)
+        _range(p, "initial_loss_scale", self.initial_loss_scale, gt=0, le=C.MAX_LOSS_SCALE)
+        _range(p, "min_loss_scale", self.min_loss_scale, gt=0, le=C.MAX_LOSS_SCALE)
+        _range(p, "loss_scale_window", self.loss_scale_window, ge=1, le=C.MAX_STEPS)
+        _range(p, "loss_scale_hysteresis", self.loss_scale_hysteresis, ge=1, le=C.MAX_STEPS)
+        lo, hi = self.min_loss_scale, self.initial_loss_scale
+        if not any(q.key in ("min_loss_scale", "initial_loss_scale") for q in p) and lo > hi:
+            p.append(Problem("min_loss_scale", lo, f"must be <= initial_loss_scale ({hi})"))
+        if self.params_dtype != "float16":
+            for key, default in self.SCALER_DEFAULTS.items():
+                if getattr(self, key) != default and not any(q.key == key for q in p):
+                    p.append(Problem(key, getattr(self, key),
+                                     f"is read only with params_dtype float16 (here {self.params_dtype!r}: "
+                                     f"no loss scaler); remove it or set params_dtype float16"))
 
 
 @dataclass

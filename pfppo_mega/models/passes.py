@@ -62,7 +62,7 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.compat import onednn
 from pfppo_mega.models import microbatch
 from pfppo_mega.models.gpt import (_check_right_padded, _positions, _quiet_megatron, head_at, hidden_at_head,
-                                   optimizer_step, unwrap, zero_grads)
+                                   loss_scale, optimizer_step, unwrap, zero_grads)
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
 from pfppo_mega.kernels.fused_head import DEFAULT_CHUNK_TOKENS, fused_linear_logprob_entropy
@@ -125,6 +125,8 @@ class StepResult:
     stats: dict[str, float]  # loss_fn's stats, averaged over micro-batches and DP ranks weighted by tokens
     grad_norm: float         # global gradient norm before clipping (nan when skipped)
     update_successful: bool  # False when the loss or grad norm was not finite (no step taken) or the optimizer refused
+    overflow: bool = False   # fp16: the loss scaler found an inf/nan gradient, skipped the step and lowered its scale
+    loss_scale: Optional[float] = None  # fp16: the scale after this step (None without a scaler)
 
 
 ActorLossFn = Callable[[Tensor, Tensor, MicroBatch], tuple[Tensor, Stats]]  # (logp, entropy, mb) -> (share, stats)
@@ -614,7 +616,8 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
         zero_grads(model, optimizer)
         return StepResult(loss=loss, stats=mean_stats, grad_norm=float("nan"), update_successful=False)
     step = optimizer_step(model, optimizer, finalize=False)  # a non-finite grad norm is skipped there too
-    return StepResult(loss=loss, stats=mean_stats, grad_norm=step.grad_norm, update_successful=step.update_successful)
+    return StepResult(loss=loss, stats=mean_stats, grad_norm=step.grad_norm, update_successful=step.update_successful,
+                      overflow=step.overflow, loss_scale=loss_scale(optimizer))
 
 
 def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,

@@ -52,7 +52,7 @@ class SetupError(RuntimeError):
 
 
 GUARDS = ("bad_rewards", "reward_errors", "reward_timeouts", "skipped_updates", "corrupt_snapshots",
-          "value_loss_spikes", "engine_failures")
+          "value_loss_spikes", "engine_failures", "loss_scale_overflows")
 
 
 @dataclass
@@ -228,10 +228,13 @@ def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir
         value = gpt.build_critic(model_cfg, arch=arch, features=features, device=device)
         hf_io.load_critic_trunk_from_hf(value, model_dir)
         value = gpt.wrap_ddp(value, features=features)
-    t = cfg.training
-    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    t, m = cfg.training, cfg.model
+    scaling = gpt.LossScaling(static=m.loss_scale, initial=m.initial_loss_scale, min=m.min_loss_scale,
+                              window=m.loss_scale_window, hysteresis=m.loss_scale_hysteresis)
+    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                    loss_scaling=scaling)
     critic_opt = None if value is None else gpt.build_optimizer(
-        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip)
+        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip, loss_scaling=scaling)
     return actor, ref, value, actor_opt, critic_opt
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from pfppo_mega.config.verl.keys import R_
 from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SINGLE_TURN, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
+from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
 
 
 def _engine(value: Any, v: View) -> Any:
@@ -43,10 +43,10 @@ def _same_length(data_key: str) -> Callable[[Any, View], Any]:
 
 def _rollout_dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
-    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto"}
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto",
+             "float16": "float16", "fp16": "float16"}
     if name not in names:
-        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype); "
-                     f"set it to bfloat16")
+        raise Bad("must be auto, bfloat16, float16 or float32 (actor_rollout.dtype)")
     return names[name]
 
 
@@ -85,7 +85,7 @@ RULES: tuple[Rule, ...] = (
     I(f"{R_}.val_kwargs.**", "validation sampling; here every evaluation logs eval/accuracy (sampled at the "
                              "rollout temperature) and eval/accuracy_greedy",
       ("do_sample", "n", "temperature", "top_k", "top_p")),
-    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="bfloat16 / float32; float16 refused"),
+    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="auto / bfloat16 / float16 / float32"),
     M(f"{R_}.enforce_eager", "actor_rollout.enforce_eager", why="vLLM only; speed only"),
     M(f"{R_}.max_num_seqs", "actor_rollout.max_num_seqs", why="vLLM only; memory and speed only"),
     I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO, check=positive_int),
