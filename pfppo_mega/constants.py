@@ -10,6 +10,9 @@ and tests/test_config.py checks that the C++ kernels hard-code the same LOG_RATI
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")  # model.params_dtype (float16: with a loss scaler)
 LAYER_SPECS = ("auto", "local", "transformer_engine")  # model.layer_spec: TE where installed, else local;
 # megatron's torch layers (fused by training.fused_layers); TE's
+ROLLOUT_IS_LEVELS = ("token", "sequence")  # algorithm.rollout_correction.rollout_is (ppo/rollout_correction.py)
+ROLLOUT_RS_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # rollout_rs
 RECOMPUTE_MODES = ("none", "selective", "full")  # training.recompute: activation recomputation
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels

@@ -194,7 +194,6 @@ def test_verl_defaults_used_here_are_verls():
 # Keys the table refuses by name in verl's scripts: a phrase of the reason each refusal gives, and a
 # phrase of the fix it names (what a verl user changes to run the script here).
 LORA_FIX = "remove it to train every weight instead (full fine-tuning"
-CORRECTION_FIX = "remove the rollout_correction keys to train with the clipped loss"
 MANAGER_FIX = "remove them with the reward manager that reads them"
 EXPECTED_REFUSED = {
     "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": ("fp8 training",
@@ -209,10 +208,6 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
     "actor_rollout_ref.rollout.over_sample_rate": ("over-sampling", "remove the key or set it to 0"),
     "algorithm.adv_estimator": ("has no counterpart here", "is one of 'gae', 'grpo'"),  # optimal_token_baseline
-    "algorithm.rollout_correction.rollout_is": ("rollout importance weights", CORRECTION_FIX),
-    "algorithm.rollout_correction.rollout_rs": ("rollout rejection sampling", CORRECTION_FIX),
-    "algorithm.rollout_correction.loss_type": ("rollout-correction loss", CORRECTION_FIX),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": ("rollout importance weights", CORRECTION_FIX),
     "data.apply_chat_template_kwargs.reasoning_effort": ("chat-template arguments", "the template's defaults apply"),
     "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
     "data.sampler.class_path": ("curriculum sampler", "remove it to draw the prompts"),
@@ -228,7 +223,7 @@ EXPECTED_REFUSED = {
 # Every script that does not load, with the keys refused there (nothing else fails). Before issue 36's
 # mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
 # remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
-# fp16 training (megatron's loss scaler) 117.
+# fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_gptoss_20b.sh':
         ('data.apply_chat_template_kwargs.reasoning_effort',),
@@ -252,10 +247,6 @@ REFUSED_SCRIPTS = {
         ('algorithm.adv_estimator',),
     'examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh':
         ('reward_model.sandbox_fusion.url',),
-    'examples/rollout_correction/run_with_rollout_corr.sh':
-        ('algorithm.rollout_correction.loss_type', 'algorithm.rollout_correction.rollout_is', 'algorithm.rollout_correction.rollout_is_batch_normalize'),
-    'examples/rollout_correction/run_with_rollout_corr_multi_rs.sh':
-        ('algorithm.rollout_correction.rollout_is', 'algorithm.rollout_correction.rollout_rs'),
     'examples/router_replay/run_qwen30_a3b_megatron_sglang.sh':
         ('actor_rollout_ref.actor.router_replay.mode',),
     'examples/router_replay/run_qwen30_a3b_megatron_vllm.sh':
@@ -311,7 +302,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 117
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 119
 
 
 def survey():
@@ -344,7 +335,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 117 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 119 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():

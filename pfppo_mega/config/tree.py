@@ -449,6 +449,84 @@ class FilterGroupsConfig(Section):
 
 
 @dataclass
+class RolloutCorrectionConfig(Section):
+    """verl 0.9.1's rollout correction in its bypass mode (verl's algorithm.rollout_correction with
+    bypass_mode true; pfppo_mega/ppo/rollout_correction.py): the engine's log-probs are the proximal
+    policy (algorithm.recompute_old_logp false), and inside the loss the trainer's log-probs against them
+    give importance weights and a rejection mask. On when rollout_is or rollout_rs is set, or loss_type
+    is reinforce."""
+
+    rollout_is: Optional[str] = opt(
+        None, "Importance weights w = pi_theta / pi_rollout: token (each token's ratio) or sequence (the row's "
+              "product, on each of its tokens); log-ratios clamped to +-20; detached. null: none. Applied by "
+              "loss_type reinforce; ppo_clip's ratio is already pi_theta / pi_rollout (verl: not applied).")
+    rollout_is_threshold: float = opt(2.0, "Upper bound of w (> 0): TIS clamps w to it; with "
+                                           "rollout_is_threshold_lower, IcePop zeroes w outside [lower, upper].")
+    rollout_is_threshold_lower: Optional[float] = opt(
+        None, "IcePop's lower bound (in (0, rollout_is_threshold]); null: TIS (verl's 'lower_upper' threshold).")
+    rollout_is_batch_normalize: bool = opt(
+        False, "Divide w by its mean (over the micro-batch's tokens, or rows for sequence), as verl 0.9.1's "
+               "bypass loss does per micro-batch.")
+    rollout_rs: list[str] = opt(
+        factory=list, doc="Rejection criteria, every one must pass or the token (a seq_* criterion: the row) "
+                          "leaves the loss: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 "
+                          "(k1 = -log ratio, k2 = log ratio^2 / 2, k3 = ratio - 1 - log ratio; verl's rollout_rs).")
+    rollout_rs_upper: list[float] = opt(
+        factory=list, doc="Per criterion of rollout_rs, its upper bound (> 0): k1 a ratio bound "
+                          "(log(lower) <= k1 <= log(upper)), k2 / k3 the value bound.")
+    rollout_rs_lower: list[Optional[float]] = opt(
+        factory=list, doc="Per criterion, the k1 criteria's lower ratio bound in (0, upper] (null: 1 / upper, as "
+                          "verl); null for k2 / k3. Empty: null for each.")
+    loss_type: str = opt("ppo_clip", "ppo_clip (the clipped surrogate on pi_theta / pi_rollout over the kept "
+                                     "tokens) or reinforce (-w A log pi_theta; verl's compute_policy_loss_reinforce).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"loss_type": ("ppo_clip", "reinforce")}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or bool(self.rollout_rs) or self.loss_type != "ppo_clip"
+
+    def criteria(self) -> list[tuple[str, Optional[float], float]]:
+        """(name, lower, upper) per rollout_rs criterion, a k1's missing lower filled as 1 / upper."""
+        lowers = self.rollout_rs_lower or [None] * len(self.rollout_rs)
+        return [(n, (1.0 / u if lo is None else lo) if n.endswith("k1") else None, u)
+                for n, lo, u in zip(self.rollout_rs, lowers, self.rollout_rs_upper)]
+
+    def _check(self, p: list[Problem]) -> None:
+        if self.rollout_is is not None:
+            _choice(p, "rollout_is", self.rollout_is, C.ROLLOUT_IS_LEVELS)
+        _range(p, "rollout_is_threshold", self.rollout_is_threshold, gt=0)
+        _range(p, "rollout_is_threshold_lower", self.rollout_is_threshold_lower, gt=0,
+               le=self.rollout_is_threshold if _finite(self.rollout_is_threshold) else None, optional=True)
+        for name in self.rollout_rs:
+            if name not in C.ROLLOUT_RS_CRITERIA:
+                p.append(Problem("rollout_rs", name, f"must be one of {', '.join(C.ROLLOUT_RS_CRITERIA)}"))
+        if len(set(self.rollout_rs)) != len(self.rollout_rs):
+            p.append(Problem("rollout_rs", self.rollout_rs, "names a criterion twice"))
+        n = len(self.rollout_rs)
+        if len(self.rollout_rs_upper) != n:
+            p.append(Problem("rollout_rs_upper", self.rollout_rs_upper, f"must have one bound per rollout_rs "
+                             f"criterion ({n})"))
+        if self.rollout_rs_lower and len(self.rollout_rs_lower) != n:
+            p.append(Problem("rollout_rs_lower", self.rollout_rs_lower, f"must be empty or have one entry per "
+                             f"rollout_rs criterion ({n})"))
+        if any(q.key.startswith("rollout_rs") for q in p):
+            return
+        for name, lower, upper in zip(self.rollout_rs, self.rollout_rs_lower or [None] * n, self.rollout_rs_upper):
+            if not (_finite(upper) and upper > 0):
+                p.append(Problem("rollout_rs_upper", upper, f"{name}: must be a finite number > 0"))
+            elif lower is not None and not name.endswith("k1"):
+                p.append(Problem("rollout_rs_lower", lower, f"{name}: only the k1 criteria have a lower bound; "
+                                 f"set it null"))
+            elif lower is not None and not (_finite(lower) and 0 < lower <= upper):
+                p.append(Problem("rollout_rs_lower", lower, f"{name}: must be in (0, upper = {upper}]"))
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
 class AsyncConfig(Section):
     """Asynchronous RL (pfppo_mega/trainer/asynchronous/, docs/async.md): a generator process
     produces samples continuously with the versions it holds while the trainer trains; the pool of
@@ -545,6 +623,9 @@ class AlgorithmConfig(Section):
     pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
     filtration: FiltrationConfig = opt(factory=FiltrationConfig, doc="Policy filtration.")
     filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig, doc="DAPO's dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = opt(
+        factory=RolloutCorrectionConfig, doc="verl's rollout correction (bypass mode): IS weights and rejection "
+                                             "of the trainer's vs the engine's log-probs.")
     async_rl: AsyncConfig = opt(factory=AsyncConfig, doc="Asynchronous RL: generation overlapped with training.")
 
     ALIASES: ClassVar[dict[str, str]] = {
@@ -613,11 +694,27 @@ class AlgorithmConfig(Section):
                              "(untested here)"))
         if self.async_rl.enable:
             self._check_async(p)
+        if self.rollout_correction.enabled:
+            self._check_rollout_correction(p)
         if (self.use_pf_ppo or self.async_rl.enable) and self.pool.is_mode == "tis" and self.policy_loss != "ppo_clip":
             p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with use_pf_ppo and pool.is_mode "
                              "'tis': tis is a policy loss of its own (truncated IS, no proximal clip); use "
                              "pool.is_mode truncate or mask with this loss"))
 
+
+    def _check_rollout_correction(self, p: list[Problem]) -> None:
+        """verl's bypass mode only: the correction compares pi_theta with the engine's log-probs, which are
+        the proximal policy; one policy loss (ppo_clip or reinforce, verl's loss_type)."""
+        if self.recompute_old_logp:
+            p.append(Problem("recompute_old_logp", True, "must be false with rollout_correction (verl's bypass "
+                             "mode: the engine's log-probs are the proximal policy); verl's decoupled mode (IS "
+                             "weights from recomputed old log-probs) is not built"))
+        if self.policy_loss != "ppo_clip":
+            p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with rollout_correction (verl's "
+                             "bypass mode trains rollout_correction.loss_type, ppo_clip or reinforce)"))
+        if self.use_pf_ppo:
+            p.append(Problem("use_pf_ppo", True, "must be false with rollout_correction (the pool corrects "
+                             "its own behaviour policies)"))
 
     def _check_async(self, p: list[Problem]) -> None:
         """What async_rl.enable cannot run with (each named by its own key)."""
