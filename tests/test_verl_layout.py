@@ -206,7 +206,6 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
                                                     "remove it for single-turn generation"),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
-    "actor_rollout_ref.rollout.over_sample_rate": ("over-sampling", "remove the key or set it to 0"),
     "algorithm.adv_estimator": ("has no counterpart here", "is one of 'gae', 'grpo'"),  # optimal_token_baseline
     "data.apply_chat_template_kwargs.reasoning_effort": ("chat-template arguments", "the template's defaults apply"),
     "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
@@ -223,7 +222,8 @@ EXPECTED_REFUSED = {
 # Every script that does not load, with the keys refused there (nothing else fails). Before issue 36's
 # mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
 # remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
-# fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119.
+# fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119; over_sample_rate
+# ignored as verl 0.9.1 ignores it (declared, read nowhere) 121.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_gptoss_20b.sh':
         ('data.apply_chat_template_kwargs.reasoning_effort',),
@@ -255,12 +255,8 @@ REFUSED_SCRIPTS = {
         ('data.sampler.class_path',),
     'examples/sglang_multiturn/run_qwen0.5b_gsm8k_multiturn_curriculum.sh':
         ('data.sampler.class_path',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh':
-        ('actor_rollout_ref.rollout.over_sample_rate',),
     'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen3-4b_gsm8k_multiturn.sh':
-        ('actor_rollout_ref.rollout.over_sample_rate',),
     'examples/sglang_multiturn/run_qwen3_4b_dapo_multiturn.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh':
@@ -302,7 +298,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 119
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 121
 
 
 def survey():
@@ -335,7 +331,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 119 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 121 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():
@@ -362,6 +358,15 @@ def test_fp16_scripts_train_and_serve_in_float16():
         with pytest.raises(ConfigError) as e:
             resolve_config_dict({}, [f"{key}=fp8", "actor_rollout_ref.model.path=/m"])
         assert key in str(e.value) and "float16" in str(e.value)
+
+
+def test_over_sample_rate_is_ignored_as_verl_091_ignores_it():
+    res = resolve_config_dict({}, ["actor_rollout_ref.rollout.over_sample_rate=0.1", "actor_rollout_ref.model.path=/m"])
+    (use,) = [u for u in res.verl.uses if u.key == "actor_rollout_ref.rollout.over_sample_rate"]
+    assert use.outcome == "ignored" and "no code of its reads it" in use.detail
+    with pytest.raises(ConfigError) as e:
+        resolve_config_dict({}, ["actor_rollout_ref.rollout.over_sample_rate=1.5", "actor_rollout_ref.model.path=/m"])
+    assert "over_sample_rate" in str(e.value) and "must be in [0, 1)" in str(e.value)
 
 
 def test_megatron_defaults_load_as_a_config():
