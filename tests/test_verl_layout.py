@@ -207,7 +207,6 @@ EXPECTED_REFUSED = {
                                                     "remove it for single-turn generation"),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
     "algorithm.adv_estimator": ("has no counterpart here", "is one of 'gae', 'grpo'"),  # optimal_token_baseline
-    "data.apply_chat_template_kwargs.reasoning_effort": ("chat-template arguments", "the template's defaults apply"),
     "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
     "data.sampler.class_path": ("curriculum sampler", "remove it to draw the prompts"),
     "reward_model.enable": ("a reward function here cannot query the model",  # FAPO's generative RM
@@ -223,10 +222,8 @@ EXPECTED_REFUSED = {
 # mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
 # remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
 # fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119; over_sample_rate
-# ignored as verl 0.9.1 ignores it (declared, read nowhere) 121.
+# ignored as verl 0.9.1 ignores it (declared, read nowhere) 121; chat-template arguments 122.
 REFUSED_SCRIPTS = {
-    'examples/grpo_trainer/run_gptoss_20b.sh':
-        ('data.apply_chat_template_kwargs.reasoning_effort',),
     'examples/grpo_trainer/run_minicpmo2_6.sh':
         ('data.custom_cls.path',),
     'examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh':
@@ -290,7 +287,7 @@ REFUSED_SCRIPTS = {
     'recipe/langgraph_agent/example/run_qwen2.5_3b.sh':
         ('actor_rollout_ref.rollout.agent.agent_loop_config_path',),
     'recipe/retool/run_gpt_oss_ppo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.apply_chat_template_kwargs.reasoning_effort', 'data.custom_cls.path'),
+        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
     'recipe/retool/run_qwen2-32b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
     'recipe/retool/run_qwen2-32b_ppo.sh':
@@ -298,7 +295,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 121
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 122
 
 
 def survey():
@@ -331,7 +328,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 121 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 122 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():

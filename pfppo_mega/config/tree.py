@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -522,6 +523,14 @@ class RolloutCorrectionConfig(Section):
                 p.append(Problem("rollout_rs_lower", lower, f"{name}: must be in (0, upper = {upper}]"))
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -1019,6 +1028,10 @@ class DataConfig(Section):
                                             "function (missing: {}).")
     apply_chat_template: bool = opt(True, "Render prompts with the checkpoint's chat template "
                                           "(tokenizer_config.json); a string prompt becomes one user message.")
+    chat_template_kwargs: list[str] = opt(
+        factory=list, doc="Variables for the chat template, each name=<JSON value> (e.g. enable_thinking=false, "
+                          "reasoning_effort=\"medium\"), passed as transformers' apply_chat_template(**kwargs) "
+                          "passes them (verl's data.apply_chat_template_kwargs). Read with apply_chat_template true.")
     overlong_prompts: str = opt("filter", "Prompts longer than max_prompt_length: filter (dropped, "
                                           "counted and reported at start), error (refused at start), or cut "
                                           "to max_prompt_length tokens (after the chat template) as verl's "
@@ -1053,6 +1066,22 @@ class DataConfig(Section):
         for key in ("prompt_key", "data_source_key", "ground_truth_key", "extra_info_key"):
             if not getattr(self, key) or any(not part for part in getattr(self, key).split(".")):
                 p.append(Problem(key, getattr(self, key), "must be a column name (dotted path: no empty part)"))
+        self._check_template_kwargs(p)
+
+    def _check_template_kwargs(self, p: list[Problem]) -> None:
+        """Each name=<JSON value>, a name once; only where a template is applied (data/chat.py reads them)."""
+        names = []
+        for item in self.chat_template_kwargs:
+            name, sep, text = item.partition("=")
+            if not (sep and name.isidentifier() and _is_json(text)):
+                p.append(Problem("chat_template_kwargs", item, "each must be name=<JSON value> (a string quoted: "
+                                 "reasoning_effort=\"medium\"; a flag: enable_thinking=false)"))
+            names.append(name)
+        if len(set(names)) != len(names):
+            p.append(Problem("chat_template_kwargs", self.chat_template_kwargs, "names a variable twice"))
+        if self.chat_template_kwargs and (not self.apply_chat_template or self.source == "task"):
+            p.append(Problem("chat_template_kwargs", self.chat_template_kwargs, "are read only when a chat template "
+                             "renders the prompts (data.source files with apply_chat_template true); remove them"))
 
 
 @dataclass
