@@ -206,7 +206,6 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
                                                     "remove it for single-turn generation"),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
-    "algorithm.adv_estimator": ("has no counterpart here", "is one of 'gae', 'grpo'"),  # optimal_token_baseline
     "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
     "data.sampler.class_path": ("curriculum sampler", "remove it to draw the prompts"),
     "reward_model.enable": ("a reward function here cannot query the model",  # FAPO's generative RM
@@ -222,7 +221,8 @@ EXPECTED_REFUSED = {
 # mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
 # remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
 # fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119; over_sample_rate
-# ignored as verl 0.9.1 ignores it (declared, read nowhere) 121; chat-template arguments 122.
+# ignored as verl 0.9.1 ignores it (declared, read nowhere) 121; chat-template arguments 122;
+# optimal_token_baseline 123.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_minicpmo2_6.sh':
         ('data.custom_cls.path',),
@@ -240,8 +240,6 @@ REFUSED_SCRIPTS = {
         ('trainer.device',),
     'examples/mtp_trainer/test_dapo_mimo_7b_with_mtp_math_megatron.sh':
         ('actor_rollout_ref.model.mtp.enable',),
-    'examples/otb_trainer/run_qwen2_5-7b.sh':
-        ('algorithm.adv_estimator',),
     'examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh':
         ('reward_model.sandbox_fusion.url',),
     'examples/router_replay/run_qwen30_a3b_megatron_sglang.sh':
@@ -295,7 +293,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 122
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 123
 
 
 def survey():
@@ -328,7 +326,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 122 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 123 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():

@@ -171,7 +171,8 @@ RULES: tuple[Rule, ...] = (
     M(f"{A}.kl_loss_coef", "algorithm.kl_coeff", _kl_coef("loss"), why='only with use_kl_loss alone'),
     M(f"{A}.kl_loss_type", "algorithm.kl_estimator", _kl_type("loss"), why='only with use_kl_loss alone: kl/k1, abs, mse/k2, low_var_kl/k3; full and the + forms refused'),
     I(f"{A}.calculate_entropy", "entropy is always logged here (policy/entropy)"),
-    I(f"{A}.calculate_sum_pi_squared", "a logged statistic"),
+    I(f"{A}.calculate_sum_pi_squared", "sum_v pi(v)^2 is computed here when the estimator reads it "
+      "(optimal_token_baseline), else only logged by verl"),
     I(f"{A}.entropy_checkpointing", SPEED), I(f"{A}.entropy_from_logits_with_chunking", SPEED),
     I(f"{A}.sum_pi_squared_checkpointing", SPEED),
     I(f"{A}.use_torch_compile", SPEED), I(f"{A}.use_fused_kernels", SPEED), I(f"{A}.use_prefix_grouper", SPEED),
