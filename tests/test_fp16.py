@@ -105,3 +105,19 @@ def test_the_ledger_counts_fp16_as_bf16_bytes():
     bf16 = {h.name.replace("bf16", "x"): h.bytes for h in ledger._train_state("actor", n, 1, False, "bfloat16")}
     assert fp16 == bf16 and fp16["actor weights (x)"] == 2 * n  # fp16 weights; fp32 grads, main weights, Adam
     assert sum(fp16.values()) == (2 + 4 + 12) * n
+
+
+def test_the_distributed_optimizers_scaler_resumes_too(sft_small, tmp_path):
+    def trainer(steps):
+        return PPOTrainer(_cfg(tmp_path, sft_small, model=FP16, parallel={"use_distributed_optimizer": True},
+                               training={"total_training_steps": steps}, logging=_LOG,
+                               checkpoint={"save_interval": 0}), log=quiet)
+
+    tr = trainer(2)
+    tr.train_step()
+    _scaler(tr.run.actor_opt)._scale.fill_(96.0)
+    resume.save(tr.run, tmp_path / "checkpoints")
+    resume.wait(tmp_path / "checkpoints")
+    again = trainer(4)
+    assert again.step == 1 and _scaler(again.run.actor_opt).scale.item() == 96.0
+    assert math.isfinite(again.train_step()["policy/pg_loss"])
