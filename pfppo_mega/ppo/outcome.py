@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pfppo_mega.ppo.masked import ReduceSum, masked_whiten, zero_padding
+from pfppo_mega.ppo.masked import ReduceSum, check_same_shape, masked_whiten, zero_padding
 
 GRPO_EPSILON = 1e-6  # verl's epsilon in the GRPO / GPG / pass@k denominators
 
@@ -188,6 +188,11 @@ def optimal_token_baseline_advantages(token_rewards, mask, group_ids, old_logp, 
     the longest, its baseline past the second-longest row's length is 0 (there only it contributes,
     which would make its advantage ~0). token_rewards, mask, old_logp, sum_pi_squared: [B, T];
     group_ids: [B] -> (advantages, returns), both [B, T], zero on padding."""
+    check_same_shape("optimal_token_baseline_advantages", token_rewards=token_rewards, mask=mask, old_logp=old_logp,
+                     sum_pi_squared=sum_pi_squared)
+    if group_ids.shape != token_rewards.shape[:1]:
+        raise ValueError(f"optimal_token_baseline_advantages: group_ids must be [B] = [{token_rewards.shape[0]}], "
+                         f"got {list(group_ids.shape)}")
     m = mask.to(token_rewards.dtype)
     returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)             # [B, T]
     w = 1 - 2 * torch.exp(old_logp.to(returns.dtype)) + sum_pi_squared.to(returns.dtype)
