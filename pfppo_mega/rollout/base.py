@@ -46,7 +46,7 @@ class EngineSetupError(ValueError):
     and the rule."""
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def engine_dtype(cfg) -> torch.dtype:

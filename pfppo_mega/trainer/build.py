@@ -40,7 +40,8 @@ from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.filtration import KeepAll, PolicyFiltration, choose_filtration
 from pfppo_mega.trainer.passes import PassWork
-from pfppo_mega.trainer.policy_loss import PolicyLoss, PolicyLossParams, choose_policy_loss, get_policy_loss
+from pfppo_mega.trainer.policy_loss import (PolicyLoss, PolicyLossParams, RolloutCorrection, choose_policy_loss,
+                                            get_policy_loss)
 from pfppo_mega.trainer.proximal import EngineLogp, Recompute, choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
@@ -52,7 +53,7 @@ class SetupError(RuntimeError):
 
 
 GUARDS = ("bad_rewards", "reward_errors", "reward_timeouts", "skipped_updates", "corrupt_snapshots",
-          "value_loss_spikes", "engine_failures")
+          "value_loss_spikes", "engine_failures", "loss_scale_overflows")
 
 
 @dataclass
@@ -228,10 +229,13 @@ def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir
         value = gpt.build_critic(model_cfg, arch=arch, features=features, device=device)
         hf_io.load_critic_trunk_from_hf(value, model_dir)
         value = gpt.wrap_ddp(value, features=features)
-    t = cfg.training
-    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    t, m = cfg.training, cfg.model
+    scaling = gpt.LossScaling(static=m.loss_scale, initial=m.initial_loss_scale, min=m.min_loss_scale,
+                              window=m.loss_scale_window, hysteresis=m.loss_scale_hysteresis)
+    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                    loss_scaling=scaling)
     critic_opt = None if value is None else gpt.build_optimizer(
-        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip)
+        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip, loss_scaling=scaling)
     return actor, ref, value, actor_opt, critic_opt
 
 
@@ -260,7 +264,17 @@ def policy_loss_params(cfg: Config, kernels: KernelBackend) -> PolicyLossParams:
                             clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
                             kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
                             tau_neg=a.tau_neg,
-                            generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
+                            generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)),
+                            correction=rollout_correction(a.rollout_correction))
+
+
+def rollout_correction(c) -> Optional[RolloutCorrection]:
+    """algorithm.rollout_correction as the loss's plain values (None when off)."""
+    if not c.enabled:
+        return None
+    return RolloutCorrection(is_level=c.rollout_is, is_upper=c.rollout_is_threshold,
+                             is_lower=c.rollout_is_threshold_lower, is_normalize=c.rollout_is_batch_normalize,
+                             criteria=tuple(c.criteria()), loss_type=c.loss_type)
 
 
 def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
@@ -356,7 +370,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                                            next_batch=data.train.next_batch, state=state, rng=rng,
                                            tokenizer=tokenizer, device=device, log=log)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
-                                   name=a.policy_loss)
+                                   name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
                tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
                eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,

@@ -255,11 +255,15 @@ class PPOTrainer:
         values = None if run.critic is None else model_passes.forward_values(
             run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],
                                                               run.passes.prepare_value))   # [B, T]
+        spp = None if not run.estimator.needs_sum_pi_squared else model_passes.forward_sum_pi_squared(
+            run.actor, inp, temperature=run.cfg.actor_rollout.temperature,
+            micro_batch_size=passes.batching(run.cfg.training, m.shape[0], run.passes.prepare_lm))  # [B, T]
         devicecheck.expect("prepare: model inputs and results", run.device, inputs=inp, old_logp=old_logp,
-                           ref_logp=ref_logp, values=values, scores=sb.scores)
+                           ref_logp=ref_logp, values=values, scores=sb.scores, sum_pi_squared=spp)
         return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m,
                              values=None if values is None else values * m,
-                             entropy=None if entropy is None else entropy * m)
+                             entropy=None if entropy is None else entropy * m,
+                             sum_pi_squared=None if spp is None else spp * m)
 
     def advantages(self, sb: ScoredBatch, prep: PreparedBatch) -> ExperienceBatch:
         run, a = self.run, self.run.cfg.algorithm
@@ -272,7 +276,7 @@ class PPOTrainer:
         else:
             kl_ref = ppo.kl_estimate(old_logp, ref_logp, estimator=a.kl_estimator) * m
         rows = AdvantageInputs(token_rewards=token_rewards, mask=m, values=prep.values, group_ids=sb.rollout.group_ids,
-                               baselines=sb.baselines)
+                               baselines=sb.baselines, old_logp=old_logp, sum_pi_squared=prep.sum_pi_squared)
         ctx = EstimatorContext(algorithm=a, gae=run.kernels.gae, reduce_sum=run.dp.sum)
         adv, returns = run.estimator.compute(rows, ctx)                                # [B, T] each
         behav_logp = sb.rollout.behav_logp * m

@@ -43,7 +43,7 @@ from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.trainer.instruments import machine
 from pfppo_mega.trainer.batch import ScoredBatch
 
-_BYTES = {"float32": 4, "bfloat16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def layer_matmul_params(shape: DecoderShape) -> int:
