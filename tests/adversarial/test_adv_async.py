@@ -47,6 +47,11 @@ REFUSED = [
      "algorithm.filter_groups.enable", "asynchronous"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baseline"),
     (["algorithm.pool.is_mode=tis", "algorithm.policy_loss=gspo"], "algorithm.policy_loss", "tis"),
+    (["algorithm.async_rl.partial_rollouts=yes please"], "algorithm.async_rl.partial_rollouts", "bool"),
+    (["algorithm.async_rl.partial_rollouts=true", "algorithm.async_rl.sampling=uniform"],
+     "algorithm.async_rl.partial_rollouts", "needs sampling newest"),
+    (["algorithm.async_rl.partial_rollouts=true", "actor_rollout.engine=vllm"],
+     "algorithm.async_rl.partial_rollouts", "needs actor_rollout.engine in ('builtin',)"),
 ]
 
 

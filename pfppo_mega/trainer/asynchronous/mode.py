@@ -22,9 +22,10 @@ import torch
 
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.base import oldest_versions
 from pfppo_mega.trainer.asynchronous import pending as pending_file
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
-    version_window
+    token_staleness_metrics, version_window
 from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
 from pfppo_mega.trainer.batch import RolloutBatch
@@ -162,8 +163,10 @@ class AsyncCollector:
                 self.discard.discard(key)
                 continue
             rows = slice(j * n, (j + 1) * n)
-            self.buffer.add(Group(key, sample, result.version, result.responses[rows], result.mask[rows],
-                                  result.logprobs[rows], result.finished[rows]))
+            tv = None if result.token_versions is None else result.token_versions[rows]
+            version = result.version if tv is None else int(oldest_versions(tv, result.version).min())
+            self.buffer.add(Group(key, sample, version, result.responses[rows], result.mask[rows],
+                                  result.logprobs[rows], result.finished[rows], tv))
 
     # ------------------------------------------------------------------ the collect phase
 
@@ -208,7 +211,10 @@ class AsyncCollector:
             scored = score(self._rollout(taken))
         window = t_enter - self._last_collect if self._last_collect is not None else 0.0
         self._last_collect = t_enter
-        return scored, self._stats(scored, step, got, waited, window, dropped_now)
+        stats = self._stats(scored, step, got, waited, window, dropped_now)
+        if self.ac.partial_rollouts:
+            stats.update(self._token_stats(taken, step, got))
+        return scored, stats
 
     def _rollout(self, groups: list[Group]) -> RolloutBatch:
         n, pad = self.n, self.tokenizer.pad_id
@@ -225,7 +231,7 @@ class AsyncCollector:
         return RolloutBatch(samples=samples, prompt_ids=[list(s.prompt_ids) for s in samples], responses=responses,
                             response_mask=mask, behav_logp=cat("logprobs", 0.0),
                             finished=torch.cat([g.finished for g in groups]),
-                            versions=torch.tensor([g.version for g in groups for _ in range(n)], dtype=torch.long),
+                            versions=torch.cat([g.row_versions() for g in groups]),  # [B] oldest token's
                             texts=texts, group_ids=torch.arange(len(groups)).repeat_interleave(n),
                             ).to(self.device)
 
@@ -249,6 +255,16 @@ class AsyncCollector:
             out["async/generator_busy_frac"] = busy_fraction(gen_busy, window)
             out["async/trainer_busy_frac"] = busy_fraction(window - self._prev_wait, window)
         self._prev_wait = waited
+        return out
+
+
+    def _token_stats(self, groups: list[Group], step: int, got: list[Result]) -> dict[str, float]:
+        """Partial rollouts: the share of tokens by age, rows with mixed versions, switches inside requests."""
+        T = max(g.responses.shape[1] for g in groups)
+        tv = torch.cat([torch.nn.functional.pad(g.row_token_versions(), (0, T - g.responses.shape[1]), value=-1)
+                        for g in groups])                                                         # [B, T]
+        out = token_staleness_metrics(tv, step, self.ac.max_staleness)
+        out["async/partial_switches"] = float(sum(r.switches for r in got))
         return out
 
 
@@ -286,9 +302,11 @@ def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, t
     ac = cfg.algorithm.async_rl
     spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=tokenizer.pad_id,
                       window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
-                      temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads)
+                      temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads,
+                      partial=ac.partial_rollouts)
     collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, state=state, rng=rng,
                                tokenizer=tokenizer, device=device, log=log)
     log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
-        f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request")
+        f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request"
+        + (", partial rollouts (new weights between decode steps)" if ac.partial_rollouts else ""))
     return AsyncBehaviour(collector, cfg.algorithm.pool), collector
