@@ -288,6 +288,12 @@ def test_a_data_parallel_rank_without_its_pending_file_is_refused_by_name(tmp_pa
     assert pending.read(tmp_path, 3, rank=0)[0] == 2
     with pytest.raises(pending.PendingFileError, match=r"step_00000003\.rank1\.json: missing .*data-parallel rank 1"):
         pending.read(tmp_path, 3, rank=1)
+    # a DP2 checkpoint resumed at DP1: rank 0's own file refuses the size (rank 1's requests would be lost)
+    pending.write(tmp_path, 6, 2, [], keep=9, rank=0, dp_size=2)
+    with pytest.raises(pending.PendingFileError, match=r"step_00000006\.json: dp_size = 2: .*resumed at 1"):
+        pending.read(tmp_path, 6, rank=0, dp_size=1)
+    assert pending.read(tmp_path, 6, rank=0, dp_size=2) == (2, [])
+    (tmp_path / "async_pending" / "step_00000006.json").unlink()
     # and rank 1's own files are kept apart from rank 0's (keep_last counts each rank's)
     for step in (4, 5):
         pending.write(tmp_path, step, 2, [], keep=1, rank=1)

@@ -47,7 +47,7 @@ def check_resume(run) -> None:
     if not run.cfg.algorithm.async_rl.enable or run.state.step == 0:
         return
     try:
-        next_key, requests = pending_file.read(run.out_dir, run.state.step, run.parallel.dp_rank)
+        next_key, requests = pending_file.read(run.out_dir, run.state.step, run.parallel.dp_rank, run.parallel.dp)
     except pending_file.PendingFileError as e:
         raise AsyncResumeError(
             f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
@@ -65,7 +65,8 @@ def save_pending(run) -> None:
         c = run.collector
         try:
             pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
-                               keep=run.cfg.checkpoint.keep_last or 1, rank=run.parallel.dp_rank)
+                               keep=run.cfg.checkpoint.keep_last or 1, rank=run.parallel.dp_rank,
+                               dp_size=run.parallel.dp)
         except TypeError as e:  # a prompt's metadata JSON cannot hold: this checkpoint resumes only synchronously
             run.log(f"[pfppo] async: the requests in flight at step {run.state.step} were not recorded ({e}); "
                     f"its checkpoint cannot be resumed asynchronously")

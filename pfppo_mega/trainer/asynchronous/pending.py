@@ -46,9 +46,9 @@ def path_for(out_dir: Path, step: int, rank: int = 0) -> Path:
 
 
 def write(out_dir: Path, step: int, next_key: int, requests: list[PendingRequest], *, keep: int,
-          rank: int = 0) -> Path:
+          rank: int = 0, dp_size: int = 1) -> Path:
     """Write rank ``rank``'s file of step ``step`` (tmp + rename) and delete all but its newest ``keep``."""
-    body = {"format": FORMAT, "step": step, "next_key": next_key,
+    body = {"format": FORMAT, "step": step, "next_key": next_key, "dp_size": dp_size,
             "requests": [{"seed": r.seed, "keys": [k for k, _ in r.groups],
                           "samples": [dataclasses.asdict(s) for _, s in r.groups], "pending": sorted(r.pending)}
                          for r in requests]}
@@ -63,8 +63,9 @@ def write(out_dir: Path, step: int, next_key: int, requests: list[PendingRequest
     return path
 
 
-def read(out_dir: Path, step: int, rank: int = 0) -> tuple[int, list[PendingRequest]]:
-    """(next_key, requests) of rank ``rank``'s file of step ``step``; PendingFileError naming what is wrong."""
+def read(out_dir: Path, step: int, rank: int = 0, dp_size: int = 1) -> tuple[int, list[PendingRequest]]:
+    """(next_key, requests) of rank ``rank``'s file of step ``step`` for a run at data-parallel size
+    ``dp_size`` (a file without the size was written at 1); PendingFileError naming what is wrong."""
     path = path_for(out_dir, step, rank)
     if not path.is_file():
         raise PendingFileError(f"{path}: missing (the checkpoint at step {step} has no record of the asynchronous "
@@ -80,6 +81,8 @@ def read(out_dir: Path, step: int, rank: int = 0) -> tuple[int, list[PendingRequ
 
     need(isinstance(body, dict) and body.get("format") == FORMAT, f"format must be {FORMAT}")
     need(body.get("step") == step, f"step = {body.get('step')!r} must be the checkpoint's step {step}")
+    need(body.get("dp_size", 1) == dp_size, f"dp_size = {body.get('dp_size', 1)!r}: saved at that data-parallel size, "
+         f"resumed at {dp_size} (each rank's requests in flight are its own generator's); resume at the same size")
     next_key = body.get("next_key")
     need(_int(next_key) and next_key >= 0, f"next_key = {next_key!r} must be an int >= 0")
     reqs = body.get("requests")
