@@ -551,7 +551,11 @@ class AsyncConfig(Section):
                                   "recency over the versions no older than max_staleness - prefetch_steps "
                                   "behind the newest (PF-PPO's snapshot sampling as a rule over the pool).")
     sampling_temperature: float = opt(1.0, "Temperature of the recency rule (> 0).")
-    request_prompts: int = opt(4, "Prompts per generator request; new weights enter between requests.")
+    request_prompts: int = opt(4, "Prompts per generator request; new weights enter between requests "
+                                  "(and, with partial_rollouts, between two decode steps of one).")
+    partial_rollouts: bool = opt(False, "New weights enter requests in flight at a token boundary (engine "
+                                        "builtin; sampling newest): each token tagged with the version that drew "
+                                        "it, the staleness bound counts a row's oldest token.")
     max_restarts: int = opt(3, "Generator process deaths tolerated (each restarted, its requests redone) "
                                "before the run stops.")
     result_timeout_s: float = opt(600.0, "Seconds the trainer waits for the generator's next result before "
@@ -570,6 +574,10 @@ class AsyncConfig(Section):
         _range(p, "request_prompts", self.request_prompts, ge=1, le=C.MAX_COUNT)
         _range(p, "max_restarts", self.max_restarts, ge=0, le=C.MAX_COUNT)
         _range(p, "result_timeout_s", self.result_timeout_s, gt=0)
+        if self.partial_rollouts and self.sampling != "newest":
+            p.append(Problem("partial_rollouts", True, f"needs sampling newest (sampling = {self.sampling!r}): a "
+                             f"request in flight switches to the newest version when one arrives, which a rule "
+                             f"drawing an older version per request would contradict"))
 
 
 @dataclass
@@ -1250,5 +1258,11 @@ class Config(Section):
             p.append(Problem("sft.carry_digit", self.sft.carry_digit,
                              f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
                              f"(no carry reaches a higher digit)"))
+        ar = self.algorithm.async_rl
+        if ar.enable and ar.partial_rollouts and self.actor_rollout.engine not in C.PARTIAL_ROLLOUT_ENGINES:
+            p.append(Problem("algorithm.async_rl.partial_rollouts", True,
+                             f"needs actor_rollout.engine in {C.PARTIAL_ROLLOUT_ENGINES} (got "
+                             f"{self.actor_rollout.engine!r}): only they take new weights between two decode steps "
+                             f"of a request (docs/async.md, Partial rollouts)"))
         if self.sft.warmup_steps >= self.sft.steps >= 1:
             p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))

@@ -362,13 +362,16 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                        dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     collector = build_collector(cfg, prompts=data.train, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
     if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
-        if par.world_size != 1:
-            raise SetupError(f"algorithm.async_rl.enable runs one trainer process and one generator process; "
-                             f"WORLD_SIZE = {par.world_size} (multi-rank asynchronous training is not built yet)")
+        if par.world_size != par.dp:
+            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
+                             f"rank); tensor_model_parallel_size = {tp}, pipeline_model_parallel_size = {pp} at "
+                             f"WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
+                             f"built yet (docs/async.md, Limits)")
         from pfppo_mega.trainer.asynchronous import build_async
         behaviour, collector = build_async(cfg, sync=sync, model_dir=model_dir, hf_cfg=hf_cfg,
                                            next_batch=data.train.next_batch, state=state, rng=rng,
-                                           tokenizer=tokenizer, device=device, log=log)
+                                           tokenizer=tokenizer, device=device, log=log, dp_rank=par.dp_rank,
+                                           dp_group=dp.group)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
                                    name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
