@@ -43,6 +43,12 @@ _SPLITS: tuple[tuple[str, Split], ...] = (
     ("self_attention.linear_proj.weight", Split.COLUMNS),
     ("mlp.linear_fc1.weight", Split.GLU_ROWS),
     ("mlp.linear_fc2.weight", Split.COLUMNS),
+    # LoRA adapters (models/lora.py): B of a column-parallel linear splits as its weight's rows, A of a
+    # row-parallel one as its weight's columns; the other factor is replicated
+    ("self_attention.linear_qkv.lora_B", Split.ROWS),
+    ("mlp.linear_fc1.lora_B", Split.GLU_ROWS),
+    ("self_attention.linear_proj.lora_A", Split.COLUMNS),
+    ("mlp.linear_fc2.lora_A", Split.COLUMNS),
 )
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -36,7 +36,6 @@ from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.evaluation import evaluate, kl_probe
 from pfppo_mega.trainer.instruments import devicecheck, perf
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
-from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import TrainingHalted, update
 
@@ -250,7 +249,7 @@ class PPOTrainer:
         run, rb = self.run, sb.rollout
         inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
         old_logp, entropy = run.proximal.old_logp(run, inp, rb)                     # entropy None: not recomputed
-        ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
+        ref_logp, _ = passes.reference_logp(run, inp, run.passes.prepare_lm)
         m = inp.response_mask
         values = None if run.critic is None else model_passes.forward_values(
             run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],

@@ -1,0 +1,174 @@
+"""LoRA training of the actor (model.lora, pfppo_mega/models/lora.py): adapters on megatron's linears at TP1
+(tensor parallelism: tests/multirank/lora_checks.py through test_lora_tp2_matches_tp1), the reference as the
+base with the adapters off, merged weights for engines and exports, PEFT files, and the trainer end to end:
+only the adapters change, and a resumed run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfppo_mega.config import ConfigError, load_config_dict
+from pfppo_mega.config.tree import LoraConfig
+from pfppo_mega.models import lora
+
+REPO = Path(__file__).resolve().parents[1]
+MULTIRANK = REPO / "tests" / "multirank"
+sys.path.insert(0, str(MULTIRANK))
+import common  # noqa: E402  (tests/multirank/common.py: tiny checkpoints, one PPO batch)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_targets_and_refusals():
+    assert not LoraConfig().enabled
+    assert lora.LoraSpec.of(LoraConfig(rank=8)).targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert lora.LoraSpec.of(LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])).targets \
+        == ("linear_qkv", "linear_fc2")
+    assert lora.LoraSpec.of(LoraConfig(rank=4, alpha=8)).scale == 2.0
+    for bad, words in ((dict(target_modules=["q_proj", "v_proj"]), "without k_proj"),
+                       (dict(target_modules=["gate_proj"]), "without up_proj"),
+                       (dict(target_modules=["lm_head"]), "unknown module name"),
+                       (dict(rank=-1), "rank"), (dict(alpha=0.0), "alpha"), (dict(dropout=0.1), "dropout"),
+                       (dict(init_a="normal"), "init_a"), (dict(exclude_modules=["("]), "regular expression")):
+        with pytest.raises(ConfigError, match=words):
+            LoraConfig(**{"rank": 8, **bad})
+
+
+def test_exclude_modules_refuses_half_a_fused_linear():
+    spec = lora.LoraSpec.of(LoraConfig(rank=4, exclude_modules=[r"layers\.1\.mlp"]))
+    assert spec.excluded(1, "linear_fc1") and not spec.excluded(0, "linear_fc1")
+    half = lora.LoraSpec.of(LoraConfig(rank=4, exclude_modules=[r"\.q_proj$"]))
+    with pytest.raises(lora.LoraError, match="part of the fused"):
+        half.excluded(0, "linear_qkv")
+
+
+# ----------------------------------------------------------------------------- the adapters at TP1
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    yield from common.tp1_world(tmp_path_factory.mktemp("lora"))
+
+
+def _actor(path: Path, rank: int = 4, **lora_keys):
+    from pfppo_mega.models import gpt, hf_io
+
+    cfg, arch = common.model_config(path)
+    actor = gpt.build_actor(cfg, arch=arch)
+    hf_io.load_actor_from_hf(actor, path)
+    spec = lora.apply(actor, LoraConfig(rank=rank, alpha=8.0, **lora_keys), seed=3)
+    return actor, cfg, spec
+
+
+def _randomise_b(actor, seed: int = 5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in lora.adapted(actor):
+            m.lora_B.copy_(0.2 * torch.randn(m.lora_B.shape, generator=g))
+
+
+@pytest.mark.parametrize("kind", common.CHECKPOINTS)
+def test_step0_is_the_base_and_merged_weights_are_what_the_adapters_compute(world, kind, tmp_path):
+    """B = 0: logits equal the base model's bit for bit. With B moved: the adapters-off model is the base
+    again, and the merged weights (gather_hf_weights, what engines and exports get) loaded into
+    transformers give the adapted model's logits."""
+    import transformers
+
+    from pfppo_mega.models import gpt, hf_io
+
+    ids = common.ppo_batch().inputs.input_ids
+    base_model, _, _ = _actor(world[kind], rank=0)
+    with torch.no_grad():
+        base = gpt.actor_logits(base_model, ids, gather_vocab=True).clone()
+    actor, cfg, spec = _actor(world[kind])
+    assert spec is not None and len(list(lora.adapted(actor))) == 4 * common.LAYERS
+    with torch.no_grad():
+        assert torch.equal(gpt.actor_logits(actor, ids, gather_vocab=True), base)
+        _randomise_b(actor)
+        adapted = gpt.actor_logits(actor, ids, gather_vocab=True).clone()
+        with lora.adapters_off(actor):
+            assert torch.equal(gpt.actor_logits(actor, ids, gather_vocab=True), base)
+    assert (adapted - base).abs().max() > 0.1
+    hf_io.export_hf(actor, cfg, tmp_path / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).float().eval()
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (theirs - adapted[..., :theirs.shape[-1]]).abs().max() < 1e-4
+    names = {n for n, _ in hf_io.gather_hf_weights(actor, cfg)}
+    assert names == {n for n, _ in hf_io.gather_hf_weights(base_model, cfg)}  # no adapter reaches an engine
+
+
+def test_only_adapters_train_and_reach_the_optimizer(world):
+    from pfppo_mega.models import gpt, passes
+
+    actor, _, _ = _actor(world["llama"])
+    frozen = {n for n, p in actor.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in actor.named_parameters() if not lora.is_adapter(n)}
+    model = gpt.wrap_ddp(actor)
+    opt = gpt.build_optimizer(model, lr=1e-2, weight_decay=0.01, grad_clip=1.0)
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == lora.adapter_numel(actor)
+    assert all(id(p) not in stepped for n, p in actor.named_parameters() if n in frozen)
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    model.train()
+    batch = common.ppo_batch()
+    res = passes.train_step(model, opt, batch.inputs, common.actor_loss(batch), temperature=1.0, micro_batch_size=3)
+    assert res.update_successful and res.grad_norm > 0
+    changed = {n for n, p in actor.named_parameters() if not torch.equal(p, before[n])}
+    assert {n for n in before if n.endswith(".lora_B")} <= changed  # B = 0 has a gradient; A moves by decay
+    assert not changed & frozen
+
+
+def test_peft_export_and_load_round_trip(world, tmp_path):
+    """export_peft writes PEFT's layout (per projection: the shared A, its rows of B); load_peft puts the
+    same adapters back into a fresh actor, whose logits then equal the exported one's."""
+    from pfppo_mega.models import gpt
+
+    actor, _, spec = _actor(world["qwen2"])
+    _randomise_b(actor)
+    lora.export_peft(actor, spec, tmp_path / "adapter", base="tiny")
+    cfg_file = json.loads((tmp_path / "adapter" / lora.PEFT_CONFIG).read_text())
+    assert cfg_file["r"] == 4 and cfg_file["lora_alpha"] == 8.0 and "q_proj" in cfg_file["target_modules"]
+    tensors = lora.read_peft_tensors(tmp_path / "adapter")
+    key = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
+    assert tensors[key].shape == (common.HIDDEN // common.HEADS * common.KV_HEADS, 4)
+    assert len(tensors) == common.LAYERS * 7 * 2
+    again, _, _ = _actor(world["qwen2"], rank=0, adapter_path=str(tmp_path / "adapter"))   # rank from the file
+    ids = common.ppo_batch().inputs.input_ids
+    with torch.no_grad():
+        assert torch.equal(gpt.actor_logits(again, ids), gpt.actor_logits(actor, ids))
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def test_lora_tp2_and_pp2_match_tp1(tmp_path):
+    """One 2-process launch (tests/multirank/lora_checks.py): at tp2 the logits and every adapter's
+    gradient (gathered) equal TP1's; at pp2 one optimizer step leaves the same adapters and the base
+    untouched. The TP1 reference runs in the launch too (its own world before the layouts)."""
+    common.hf_model("llama").save_pretrained(tmp_path / "llama")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(MULTIRANK)]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(MULTIRANK / "lora_checks.py"), str(tmp_path / "llama")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    print(out)
+    assert proc.returncode == 0, err[-4000:]
+    results = [line for line in out.splitlines() if line.startswith("RESULT")]
+    expected = {"tp2 logits", "tp2 grads", "pp2 step", "pp2 base_frozen", "tp2 merged_export"}
+    assert {" ".join(line.split()[1:3]) for line in results} == expected, results
+    assert all(" PASS " in line for line in results), results
