@@ -193,7 +193,6 @@ def test_verl_defaults_used_here_are_verls():
 
 # Keys the table refuses by name in verl's scripts: a phrase of the reason each refusal gives, and a
 # phrase of the fix it names (what a verl user changes to run the script here).
-LORA_FIX = "remove it to train every weight instead (full fine-tuning"
 CORRECTION_FIX = "remove the rollout_correction keys to train with the clipped loss"
 MANAGER_FIX = "remove them with the reward manager that reads them"
 EXPECTED_REFUSED = {
@@ -201,9 +200,6 @@ EXPECTED_REFUSED = {
     "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": ("fp8 training",
                                                                          "remove the key or set it to False"),
     "actor_rollout_ref.actor.router_replay.mode": ("MoE settings", "remove the key or set it to 'disabled'"),
-    "actor_rollout_ref.model.lora_rank": ("LoRA training", LORA_FIX),
-    "actor_rollout_ref.model.lora.rank": ("LoRA training", LORA_FIX),
-    "actor_rollout_ref.model.lora_adapter_path": ("LoRA adapters", "merge the adapter into its base model"),
     "actor_rollout_ref.model.mtp.enable": ("multi-token prediction", "remove the key or set it to False"),
     "actor_rollout_ref.rollout.dtype": ("a 'float16' rollout engine", "set it to bfloat16"),
     "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
@@ -229,22 +225,13 @@ EXPECTED_REFUSED = {
 }
 # Every script that does not load, with the keys refused there (nothing else fails). Before issue 36's
 # mappings (warm-up, truncation, gen_batch_size, the overlong buffer, the serving keys) 79 of 157 loaded;
-# remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115.
+# remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
+# LoRA (model.lora: the 13 scripts refused only for lora_rank / lora.rank / lora_adapter_path) 128.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_gptoss_20b.sh':
         ('data.apply_chat_template_kwargs.reasoning_effort',),
     'examples/grpo_trainer/run_minicpmo2_6.sh':
         ('data.custom_cls.path',),
-    'examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh':
-        ('actor_rollout_ref.model.lora.rank',),
-    'examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh':
-        ('actor_rollout_ref.model.lora_adapter_path',),
-    'examples/grpo_trainer/run_qwen2_5_vl-7b_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh':
-        ('actor_rollout_ref.model.lora.rank',),
     'examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh':
         ('trainer.device',),
     'examples/mtp_trainer/test_dapo_mimo_7b_with_mtp_math_megatron.sh':
@@ -273,24 +260,8 @@ REFUSED_SCRIPTS = {
         ('actor_rollout_ref.rollout.over_sample_rate',),
     'examples/sglang_multiturn/run_qwen3_4b_dapo_multiturn.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/1.5b/qwen2-1.5b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/14b/qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/32b/qwen2-32b_grpo-lora_4_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/3b/qwen2-3b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/70b/qwen2-72b_grpo-lora_8_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/7b/qwen2-7b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
     'recipe/collabllm/train_rl_collabllm.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'reward_model.reward_kwargs.llm_judge_kwargs.max_tokens', 'reward_model.reward_kwargs.llm_judge_kwargs.model', 'reward_model.reward_kwargs.llm_judge_kwargs.temperature', 'reward_model.reward_kwargs.metric_weights.accuracy', 'reward_model.reward_kwargs.metric_weights.interactivity', 'reward_model.reward_kwargs.metric_weights.token_amount', 'reward_model.reward_manager'),
-    'recipe/dapo/test_dapo_7b_math_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
     'recipe/dapo/test_dapo_8b_megatron_fp16.sh':
         ('actor_rollout_ref.actor.megatron.dtype', 'actor_rollout_ref.rollout.dtype'),
     'recipe/dapo/test_dapo_8b_megatron_fp8train.sh':
@@ -316,7 +287,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 115
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 128
 
 
 def survey():
@@ -349,7 +320,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 115 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 128 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():
@@ -473,7 +444,10 @@ def test_kl_loss_uses_kl_loss_coef_and_type(name, ours):
      "algorithm.kl_ctrl.type", "adaptive KL controller"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=wsd"], "actor_rollout_ref.actor.optim.lr_scheduler_type",
      "constant and cosine only"),
-    (["actor_rollout_ref.model.lora_rank=64"], "actor_rollout_ref.model.lora_rank", "LoRA"),
+    (["actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "actor_rollout_ref.model.lora_rank=8"],
+     "actor_rollout_ref.model.target_modules", "without k_proj"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
+     "actor_rollout_ref.model.lora.type", "dora"),
     (["algorithm.adv_estimator=no_such_estimator"], "algorithm.adv_estimator", "no counterpart here"),
     (["actor_rollout_ref.rollout.top_k=50"], "actor_rollout_ref.rollout.top_k", "top-k"),
     (["actor_rollout_ref.rollout.dtype=float16"], "actor_rollout_ref.rollout.dtype", "bfloat16 or float32"),

@@ -77,15 +77,15 @@ def _row(r: Rule) -> str:
 MAPPING = """## Config mapping: DAPO, learning-rate schedule, truncation, serving keys (issue 36)
 
 Counted over verl's 157 `main_ppo` example and recipe scripts (tests/data, verl b178a3c): 79 loaded
-unchanged before these mappings, 112 after them, 114 with `remax`, **115 of 157 (73%)** now, with
-`trainer.resume_from_path` ignored unless `resume_mode` is `resume_path` (verl reads it only then).
+unchanged before these mappings, 112 after them, 114 with `remax`, 115 with `trainer.resume_from_path`
+ignored unless `resume_mode` is `resume_path` (verl reads it only then), **128 of 157 (82%)** with LoRA
+(the 13 scripts refused only for `lora_rank`, `lora.rank` or `lora_adapter_path`).
 tests/test_verl_layout.py writes out every refused script with its keys, each refusal's reason and
-the fix it names. Issue 36's target, 90% (142 scripts), is not reached: the 42 scripts left need
+the fix it names. Issue 36's target, 90% (142 scripts), is not reached: the 29 scripts left need
 features this trainer does not have, and refusing is the honest answer for each:
 
 | scripts | what they need | the fix the refusal names |
 |---|---|---|
-| 13 | LoRA (`lora_rank`, `lora.rank`, `lora_adapter_path`) | remove it: full fine-tuning; merge an adapter into its base model |
 | 11 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class or reward manager (retool, collabllm, deepeyes, langgraph, sglang multi-turn, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
 | 3 | fp16 / fp8 training | `bfloat16`; remove the fp8 override |
 | 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
@@ -95,6 +95,18 @@ features this trainer does not have, and refusing is the honest answer for each:
 | 2 | rollout over-sampling (`over_sample_rate` 0.1) | 0 |
 | 1 each | chat-template arguments, multi-token prediction, `optimal_token_baseline`, sandbox-fusion rewards, an NPU | the template's defaults; remove it; one of our estimators; your own reward function; `cuda` |
 
+- **LoRA** (`model.lora`, pfppo_mega/models/lora.py): verl's FSDP keys (`model.lora_rank`, `lora_alpha`,
+  `target_modules`, `exclude_modules`, `lora_adapter_path`) and its megatron ones (`model.lora.rank`,
+  `alpha`, `target_modules`, `exclude_modules`, `adapter_path`, `lora_A_init_method`, `dropout`) map onto
+  it; a rank > 0 takes the alpha of its own spelling when the script leaves it out (16 for `lora_alpha`,
+  32 for `lora.alpha`, and `lora.lora_A_init_method`'s xavier), and the other settings of a spelling whose
+  rank is 0 are ignored (verl's composed config holds both spellings' defaults). As verl: base weights
+  frozen, B = 0 at step 0, scale alpha / rank, the reference policy is the base with the adapters off (no
+  second copy), the engines get merged weights. Differences: a fused megatron linear (q/k/v, gate/up)
+  takes one adapter, so a subset of its projections (`[q_proj, v_proj]`) is refused by name, and a PEFT
+  adapter whose q/k/v parts have different `lora_A` is refused at load (merge it into the base instead);
+  adapter dropout only 0; `lora.type` dora / canonical_lora, non-zero B init and an adapter dtype of its
+  own are refused; the critic takes no LoRA (`critic.model.lora_rank` stays refused).
 - **Dynamic sampling** (`data.gen_batch_size` > `data.train_batch_size`, with
   `algorithm.filter_groups.enable`): `algorithm.filter_groups.gen_batch_size`. Each round generates
   that many prompts; groups whose rewards all agree are dropped; the first `train_batch_size` kept

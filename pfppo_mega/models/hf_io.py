@@ -60,7 +60,7 @@ from pfppo_mega.families import (
 )
 from pfppo_mega.models import lora, reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
-from pfppo_mega.models.reshard import Split, Stage
+from pfppo_mega.models.reshard import Split, Stage, fuse_qkv, split_qkv  # noqa: F401  (hf_io.fuse_qkv / split_qkv: their old home)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -225,26 +225,6 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 # ----------------------------------------------------------------------------- name / layout conversion
-
-
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
-    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
-    (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
-    rest = tuple(q.shape[1:])
-    d = q.shape[0] // heads
-    q = q.reshape(groups, heads // groups * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, ...] -> q [nh*d, ...], k, v [ng*d, ...]."""
-    rest = tuple(qkv.shape[1:])
-    d = qkv.shape[0] // (heads + 2 * groups)
-    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
-    q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # old transformers' RoPE cache

@@ -299,9 +299,7 @@ def spec_for(cfg: LoraConfig) -> LoraSpec:
 def _parts_of(full: Tensor, linear: str, heads: int, groups: int) -> list[Tensor]:
     """The per-projection rows of a fused output [out, ...] (q, k, v / gate, up / the whole)."""
     if linear == "linear_qkv":
-        from pfppo_mega.models.hf_io import split_qkv
-
-        return list(split_qkv(full, heads=heads, groups=groups))
+        return list(reshard.split_qkv(full, heads=heads, groups=groups))
     if linear == "linear_fc1":
         return list(full.chunk(2, dim=0))
     return [full]
@@ -317,9 +315,7 @@ def _part_rows(out: int, linear: str, heads: int, groups: int) -> list[int]:
 
 def _fuse(parts: list[Tensor], linear: str, heads: int, groups: int) -> Tensor:
     if linear == "linear_qkv":
-        from pfppo_mega.models.hf_io import fuse_qkv
-
-        return fuse_qkv(*parts, heads=heads, groups=groups)
+        return reshard.fuse_qkv(*parts, heads=heads, groups=groups)
     return torch.cat(parts, dim=0)
 
 

@@ -122,6 +122,27 @@ def unshard(shards: list[Tensor], split: Split) -> Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
+    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
+    (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
+    rest = tuple(q.shape[1:])
+    d = q.shape[0] // heads
+    q = q.reshape(groups, heads // groups * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, ...] -> q [nh*d, ...], k, v [ng*d, ...]."""
+    rest = tuple(qkv.shape[1:])
+    d = qkv.shape[0] // (heads + 2 * groups)
+    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
+    q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+
 @dataclass(frozen=True)
 class Stage:
     """Pipeline stage ``index`` of ``pp`` for a model of ``num_layers`` layers."""
