@@ -169,7 +169,7 @@ def test_lora_tp2_and_pp2_match_tp1(tmp_path):
     print(out)
     assert proc.returncode == 0, err[-4000:]
     results = [line for line in out.splitlines() if line.startswith("RESULT")]
-    expected = {"tp2 logits", "tp2 grads", "pp2 step", "pp2 base_frozen", "tp2 merged_export"}
+    expected = {"tp2 logits", "tp2 grads", "pp2 step", "pp2 base_frozen", "tp2 merged_export", "tp2 ledger_count"}
     assert {" ".join(line.split()[1:3]) for line in results} == expected, results
     assert all(" PASS " in line for line in results), results
 
@@ -236,3 +236,46 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
     differ, n, max_diff = resume_comparison(straight, records_and_weights(resumed, resumed.fit()))
     assert not differ, differ[:10]
     assert max_diff == 0.0
+
+
+# ----------------------------------------------------------------------------- the ledger and the planner
+
+
+def test_ledger_counts_the_adapters_this_build_makes(world):
+    """ledger.lora_param_count equals the adapter parameters the builder makes (TP1 here; tp2 in the
+    multi-rank launch), and its arithmetic for every target subset."""
+    from pfppo_mega import ledger
+    from pfppo_mega.families import DecoderShape
+
+    for targets in (["all-linear"], ["q_proj", "k_proj", "v_proj"], ["o_proj", "down_proj"]):
+        actor, cfg, spec = _actor(world["llama"], rank=4, target_modules=targets)
+        shape = DecoderShape.from_model_config(cfg, actor.architecture)
+        assert ledger.lora_param_count(shape, 1, 1, 4, spec.targets) == lora.adapter_numel(actor), targets
+
+
+def test_the_plan_shows_what_lora_saves():
+    """The 70B plan with model.lora.rank 16: no reference copy, no grads or Adam states of the base, the
+    adapters' own states, and so much less trainer memory per GPU."""
+    from pfppo_mega import ledger
+    from pfppo_mega.config import load_config
+    from pfppo_mega.planning.memory import Hardware, Knobs, RunShape, make_plan
+
+    def plan(*overrides):
+        cfg = load_config(REPO / "configs" / "70b_pfppo_h100.yaml", list(overrides))
+        return make_plan(RunShape.from_config(cfg), Hardware.preset("h100", nodes=8, gpus_per_node=8),
+                         Knobs.from_config(cfg))
+
+    full, lo = plan(), plan("model.lora.rank=16")
+    names = {h.name: h.bytes for h in lo.holdings[0].trainer}
+    full_names = {h.name: h.bytes for h in full.holdings[0].trainer}
+    assert not any(n.startswith("reference") for n in names) and any(n.startswith("reference") for n in full_names)
+    assert "actor grads (fp32)" not in names and "actor grads (fp32)" in full_names
+    lay, run = lo.layout, lo.run
+    n = ledger.lora_param_count(run.model, lay.tp, lay.pp, 16, run.lora_targets)
+    assert names["actor LoRA adapters grads (fp32)"] == 4 * n
+    saved = sum(full_names.values()) - sum(names.values())
+    print(f"70B on 8x8 H100, stage 0: trainer holdings {sum(full_names.values()) / 2**30:.1f} GiB full, "
+          f"{sum(names.values()) / 2**30:.1f} GiB with LoRA rank 16 ({n / 1e6:.1f} M adapter params per rank)")
+    base_state = sum(b for k, b in full_names.items() if k.startswith(("actor grads", "actor optimizer", "reference")))
+    assert 0.99 * base_state < saved < base_state  # the base's grads, Adam states and reference copy, less the adapters'
+    assert lo.fits() and full.fits()

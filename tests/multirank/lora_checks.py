@@ -5,6 +5,7 @@
 - tp2: the logits and the gathered gradients equal TP1's (column-parallel: B split by output rows;
   row-parallel: A split by input columns, the r-wide partial sums all-reduced), and the merged weights
   gathered for an engine / export equal TP1's;
+- tp2: the adapter parameters of a rank equal the planner's count (ledger.lora_param_count);
 - pp2: one optimizer step (megatron DDP + optimizer through the pipeline schedule) leaves the same
   adapters as TP1's, and every base weight bit-identical.
 
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
-from pfppo_mega import parallel  # noqa: E402
+from pfppo_mega import ledger, parallel  # noqa: E402
+from pfppo_mega.families import DecoderShape  # noqa: E402
 from pfppo_mega.config.tree import LoraConfig  # noqa: E402
 from pfppo_mega.models import gpt, hf_io, lora, passes  # noqa: E402
 
@@ -118,6 +120,10 @@ def main() -> None:
     report("tp2", "grads", d <= TOL, d, TOL)
     d = diff(merged, ref_merged)
     report("tp2", "merged_export", d <= TOL, d, TOL)
+    actor, cfg = build(path)  # the planner's adapter count (pfppo_mega/ledger.py) against this rank's
+    shape = DecoderShape.from_model_config(cfg, actor.architecture)
+    counted = ledger.lora_param_count(shape, 2, 1, 4, lora.LoraSpec.of(LoraConfig(rank=4)).targets)
+    report("tp2", "ledger_count", counted == lora.adapter_numel(actor), abs(counted - lora.adapter_numel(actor)), 0)
     parallel.destroy_parallel()
 
     parallel.init_parallel(tp=1, pp=2, seed=1234)
