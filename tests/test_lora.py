@@ -211,7 +211,7 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
         return PPOTrainer(_cfg(tmp_path / sub, sft_small, model=_LORA, algorithm=_GRPO, logging=_LOG,
                                actor_rollout={"n_samples_per_prompt": 4},
                                training={"total_training_steps": steps, "rollout_batch_size": 8, "batch_size": 32},
-                               checkpoint={"save_interval": 0}),
+                               checkpoint={"save_interval": 0, "export_hf": True}),
                           log=lambda *_: None)
 
     tr = trainer("a", 4)
@@ -222,6 +222,10 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
     assert stepped == lora.adapter_numel(actor) > 0
     res = tr.fit()
     straight = records_and_weights(tr, res)
+    # the export: merged weights as a HF checkpoint, the adapters beside it in PEFT's layout
+    assert (res.export_dir / "model.safetensors").is_file()
+    assert (tmp_path / "a" / "lora_adapter" / lora.PEFT_CONFIG).is_file()
+    assert max(r["rollout/logp_gap_max"] for r in straight[0] if "rollout/logp_gap_max" in r) < 1e-3  # merged refit
     after = dict(actor.named_parameters())
     base_same = [n for n in before if not lora.is_adapter(n) and torch.equal(before[n], after[n])]
     assert len(base_same) == len([n for n in before if not lora.is_adapter(n)])

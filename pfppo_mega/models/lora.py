@@ -144,6 +144,7 @@ def attach(model: torch.nn.Module, spec: LoraSpec, *, seed: int) -> int:
                         "sequence; set parallel.sequence_parallel false")
     for p in model.parameters():
         p.requires_grad_(False)
+    model.lora_spec = spec  # read by spec_of (exports)
     count = 0
     for index, layer in _layers(model):
         for t, linear in enumerate(spec.targets):
@@ -206,6 +207,13 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
 
 def has_adapters(model: torch.nn.Module) -> bool:
     return next(adapted(model), None) is not None
+
+
+def spec_of(model: torch.nn.Module) -> Optional[LoraSpec]:
+    """The LoraSpec ``attach`` applied to ``model`` (any wrapper), or None."""
+    from pfppo_mega.models.gpt import unwrap
+
+    return getattr(unwrap(model), "lora_spec", None)
 
 
 # ----------------------------------------------------------------------------- merged weights
@@ -373,8 +381,8 @@ def fused_from_peft(tensors: dict[str, Tensor], spec: LoraSpec, *, num_layers: i
                 raise LoraError(f"{where}: layer {i} {p}: lora_A / lora_B must be 2-D, got {tuple(a.shape)} / "
                                 f"{tuple(b.shape)}")
             if a.shape[0] != spec.rank or b.shape[1] != spec.rank:
-                raise LoraError(f"{where}: layer {i} {p}: rank {a.shape[0]} (lora_A {tuple(a.shape)}, lora_B "
-                                f"{tuple(b.shape)}) but the run's rank is {spec.rank}")
+                raise LoraError(f"{where}: layer {i} {p}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not "
+                                f"of rank {spec.rank} (the run's: lora_A [r, in], lora_B [out, r])")
             if a.shape[1] != in_full or b.shape[0] != rows:
                 raise LoraError(f"{where}: layer {i} {p}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the "
                                 f"base model wants ({spec.rank}, {in_full}) / ({rows}, {spec.rank})")
