@@ -234,6 +234,10 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
     print("KL to the reference (the base) per step:", kl)
     assert len(kl) == 4 and kl[0] == 0.0 and all(k != 0.0 for k in kl[1:]), kl  # B = 0 at step 1: the base
 
+    from pfppo_mega.trainer.checkpoint import resume
+    saved = resume.tensor_state(actor)  # what a checkpoint holds of the actor: the adapters (the base is model_path's)
+    assert saved and all(lora.is_adapter(k) for k in saved) and sum(v.numel() for v in saved.values()) == stepped
+
     trainer("b", 2).fit()
     resumed = trainer("b", 4)
     assert resumed.step == 2
