@@ -287,3 +287,33 @@ def test_the_plan_shows_what_lora_saves():
     base_state = sum(b for k, b in full_names.items() if k.startswith(("actor grads", "actor optimizer", "reference")))
     assert 0.99 * base_state < saved < base_state  # the base's grads, Adam states and reference copy, less the adapters'
     assert lo.fits() and full.fits()
+
+
+def test_pf_ppo_pool_snapshots_hold_the_merged_weights(sft_small, tmp_path):
+    """PF-PPO with LoRA: the pool captures the actor in the rollout layout, i.e. merged (W + s B A), so a
+    switch to a behaviour snapshot needs nothing from the engines; the newest snapshot equals the merged
+    weights the export gathers, and differs from the base where the adapters moved."""
+    from test_trainer import _cfg
+
+    from pfppo_mega.models import hf_io
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    cfg = _cfg(tmp_path, sft_small, model=_LORA, logging=_LOG, actor_rollout={"n_samples_per_prompt": 4},
+               algorithm={**_GRPO, "use_pf_ppo": True, "pool": {"pool_size": 2, "snapshot_interval": 1}},
+               training={"total_training_steps": 2, "rollout_batch_size": 8, "batch_size": 32},
+               checkpoint={"save_interval": 0})
+    tr = PPOTrainer(cfg, log=lambda *_: None)
+    tr.fit()
+    pool = tr.run.behaviour.pool
+    newest = len(pool.state_meta()["snapshots"]) - 1
+    from pfppo_mega.rollout.weights import wire_flat
+
+    wires = {k.split("/", 1)[1]: v for k, v in pool.state_tensors().items() if k.startswith(f"{newest}/")}
+    snap = {n: t for i, spec in enumerate(tr.run.sync.plan)
+            for n, t in spec.split(wire_flat(wires[f"bucket.{i}"], spec))}  # one rank: it holds every bucket
+    merged = dict(hf_io.gather_hf_weights(tr.run.actor, tr.run.model_cfg))
+    with lora.adapters_off(tr.run.actor):
+        base = {k: v.clone() for k, v in hf_io.gather_hf_weights(tr.run.actor, tr.run.model_cfg)}
+    assert snap.keys() == merged.keys()
+    assert all(torch.equal(snap[k].to(merged[k].dtype), merged[k]) for k in snap)
+    assert not torch.equal(snap["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
