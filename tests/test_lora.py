@@ -317,3 +317,36 @@ def test_pf_ppo_pool_snapshots_hold_the_merged_weights(sft_small, tmp_path):
     assert snap.keys() == merged.keys()
     assert all(torch.equal(snap[k].to(merged[k].dtype), merged[k]) for k in snap)
     assert not torch.equal(snap["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+
+
+# ----------------------------------------------------------------------------- verl's keys
+
+
+def test_verl_lora_keys_map_with_each_spellings_defaults():
+    """verl's two spellings (FSDP: lora_rank, megatron: lora.rank) take their own defaults of alpha (and
+    init), written out here and checked against verl's composed defaults; rank 0 maps nothing."""
+    from pfppo_mega.config.verl import lora as vl
+    from pfppo_mega.config.verl.translate import translate
+
+    defaults = json.loads((REPO / "tests" / "data" / "verl_megatron_defaults.json").read_text())["defaults"]
+    m = "actor_rollout_ref.model"
+    assert (vl.FSDP_ALPHA, vl.MEGATRON_ALPHA, vl.MEGATRON_INIT) == (16, 32, "xavier")
+    assert (defaults[f"{m}.lora_alpha"], defaults[f"{m}.lora.alpha"], defaults[f"{m}.lora.lora_A_init_method"]) \
+        == (16, 32, "xavier")
+
+    def lora_keys(*items):
+        t = translate([(k, v, "override") for k, v in items])
+        return {k: v for k, v in t.values.items() if k.startswith("model.lora")}, [str(p) for p in t.problems]
+
+    assert lora_keys((f"{m}.lora_rank", 64)) == ({"model.lora.rank": 64, "model.lora.alpha": 16.0}, [])
+    assert lora_keys((f"{m}.lora.rank", 32)) == (
+        {"model.lora.rank": 32, "model.lora.alpha": 32.0, "model.lora.init_a": "xavier"}, [])
+    assert lora_keys((f"{m}.lora.rank", 256), (f"{m}.lora.alpha", 512), (f"{m}.lora.lora_A_init_method", "kaiming")) \
+        == ({"model.lora.rank": 256, "model.lora.alpha": 512.0, "model.lora.init_a": "kaiming"}, [])
+    assert lora_keys((f"{m}.lora_rank", 8), (f"{m}.target_modules", "all-linear"), (f"{m}.exclude_modules", ".*visual.*")) \
+        == ({"model.lora.rank": 8, "model.lora.alpha": 16.0, "model.lora.target_modules": ["all-linear"],
+             "model.lora.exclude_modules": [".*visual.*"]}, [])
+    assert lora_keys((f"{m}.lora_rank", 0), (f"{m}.lora_alpha", 32), (f"{m}.target_modules", ["q_proj"])) == ({}, [])
+    assert lora_keys((f"{m}.lora_adapter_path", "/ckpt/adapter")) == ({"model.lora.adapter_path": "/ckpt/adapter"}, [])
+    _, problems = lora_keys((f"{m}.lora.rank", 8), (f"{m}.lora.lora_A_init_method", "normal"))
+    assert problems and "normal" in problems[0]
