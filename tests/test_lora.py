@@ -169,7 +169,8 @@ def test_lora_tp2_and_pp2_match_tp1(tmp_path):
     print(out)
     assert proc.returncode == 0, err[-4000:]
     results = [line for line in out.splitlines() if line.startswith("RESULT")]
-    expected = {"tp2 logits", "tp2 grads", "pp2 step", "pp2 base_frozen", "tp2 merged_export", "tp2 ledger_count"}
+    expected = {"tp2 logits", "tp2 grads", "pp2 step", "pp2 base_frozen", "tp2 merged_export", "tp2 ledger_count",
+                "dp2 distributed_optimizer_step", "tp2 step"}
     assert {" ".join(line.split()[1:3]) for line in results} == expected, results
     assert all(" PASS " in line for line in results), results
 

@@ -6,6 +6,7 @@
   row-parallel: A split by input columns, the r-wide partial sums all-reduced), and the merged weights
   gathered for an engine / export equal TP1's;
 - tp2: the adapter parameters of a rank equal the planner's count (ledger.lora_param_count);
+- dp2: the step with megatron's distributed optimizer equals the plain one's, the base untouched;
 - pp2: one optimizer step (megatron DDP + optimizer through the pipeline schedule) leaves the same
   adapters as TP1's, and every base weight bit-identical.
 
@@ -79,12 +80,14 @@ def grads_and_logits(path: Path, ids: torch.Tensor):
     return logits.detach(), whole, merged
 
 
-def stepped(path: Path, batch: common.PPOBatch):
-    """Adapters (whole) after one optimizer step, and the base weights (HF names) before / after."""
+def stepped(path: Path, batch: common.PPOBatch, features=None):
+    """Adapters (whole) after one optimizer step (checked to have moved every B by ~lr), and the base
+    weights (HF names) before / after."""
     actor, cfg = build(path)
+    start = lora.gather_adapters(actor)
     with lora.adapters_off(actor):
         base_before = {n: t.clone() for n, t in hf_io.gather_hf_weights(actor, cfg)}
-    model = gpt.wrap_ddp(actor)
+    model = gpt.wrap_ddp(actor, features=features)
     opt = gpt.build_optimizer(model, lr=LR, weight_decay=0.0, grad_clip=0.0)
     model.train()
     res = passes.train_step(model, opt, batch.inputs, common.actor_loss(batch), temperature=1.0,
@@ -92,7 +95,11 @@ def stepped(path: Path, batch: common.PPOBatch):
     assert res.update_successful
     with lora.adapters_off(actor):
         base_after = {n: t.clone() for n, t in hf_io.gather_hf_weights(actor, cfg)}
-    return lora.gather_adapters(actor), base_before, base_after
+    after = lora.gather_adapters(actor)
+    # Adam's first step moves every adapter with a gradient by ~lr: the step happened (B's all have one)
+    moved = min(float((after[k] - start[k]).abs().max()) for k in after if k.endswith(lora.B_NAME))
+    assert moved > LR / 2, moved
+    return after, base_before, base_after
 
 
 def diff(a: dict, b: dict) -> float:
@@ -110,6 +117,11 @@ def main() -> None:
     parallel.init_parallel(tp=1, pp=1, seed=1234)
     ref_logits, ref_grads, ref_merged = grads_and_logits(path, ids)
     ref_step, _, _ = stepped(path, batch)
+    # dp2 (this world at tp1): megatron's distributed optimizer shards the adapters' fp32 state over DP
+    dist_step, before_base, after_base = stepped(path, batch, gpt.Features(use_distributed_optimizer=True))
+    d = diff(dist_step, ref_step)
+    same = all(torch.equal(before_base[k], after_base[k]) for k in before_base)
+    report("dp2", "distributed_optimizer_step", d <= LR / 50 and same, d, LR / 50)
     parallel.destroy_parallel()
 
     parallel.init_parallel(tp=2, pp=1, seed=1234)
@@ -124,6 +136,10 @@ def main() -> None:
     shape = DecoderShape.from_model_config(cfg, actor.architecture)
     counted = ledger.lora_param_count(shape, 2, 1, 4, lora.LoraSpec.of(LoraConfig(rank=4)).targets)
     report("tp2", "ledger_count", counted == lora.adapter_numel(actor), abs(counted - lora.adapter_numel(actor)), 0)
+    after, before_base, after_base = stepped(path, batch)  # megatron DDP + optimizer at tp2
+    d = diff(after, ref_step)
+    same = all(torch.equal(before_base[k], after_base[k]) for k in before_base)
+    report("tp2", "step", d <= LR / 50 and same, d, LR / 50)
     parallel.destroy_parallel()
 
     parallel.init_parallel(tp=1, pp=2, seed=1234)
