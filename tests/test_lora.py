@@ -351,3 +351,15 @@ def test_verl_lora_keys_map_with_each_spellings_defaults():
     assert lora_keys((f"{m}.lora_adapter_path", "/ckpt/adapter")) == ({"model.lora.adapter_path": "/ckpt/adapter"}, [])
     _, problems = lora_keys((f"{m}.lora.rank", 8), (f"{m}.lora.lora_A_init_method", "normal"))
     assert problems and "normal" in problems[0]
+
+
+def test_a_bad_adapter_path_stops_the_trainer_before_any_step(sft_small, tmp_path):
+    """The trainer turns a LoraError into its SetupError (``pfppo train`` prints it and exits 2)."""
+    from test_trainer import _cfg
+
+    from pfppo_mega.trainer.build import SetupError
+    from pfppo_mega.trainer.loop import PPOTrainer
+
+    cfg = _cfg(tmp_path, sft_small, model={"lora": {"adapter_path": str(tmp_path / "nowhere")}}, logging=_LOG)
+    with pytest.raises(SetupError, match="model.lora.adapter_path .*nowhere.*: no such directory"):
+        PPOTrainer(cfg, log=lambda *_: None)
