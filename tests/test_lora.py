@@ -363,3 +363,18 @@ def test_a_bad_adapter_path_stops_the_trainer_before_any_step(sft_small, tmp_pat
     cfg = _cfg(tmp_path, sft_small, model={"lora": {"adapter_path": str(tmp_path / "nowhere")}}, logging=_LOG)
     with pytest.raises(SetupError, match="model.lora.adapter_path .*nowhere.*: no such directory"):
         PPOTrainer(cfg, log=lambda *_: None)
+
+
+def test_an_exported_adapter_with_exclusions_loads_back_by_itself(world, tmp_path):
+    """exclude_modules travels in adapter_config.json (PEFT's key), so loading the adapter needs no config."""
+    from pfppo_mega.models import gpt
+
+    actor, _, spec = _actor(world["llama"], exclude_modules=[r"layers\.1\.", r"mlp\.linear_fc2"])
+    assert len(list(lora.adapted(actor))) == 3 * (common.LAYERS - 1)
+    _randomise_b(actor)
+    lora.export_peft(actor, spec, tmp_path / "adapter")
+    again, _, spec2 = _actor(world["llama"], rank=0, adapter_path=str(tmp_path / "adapter"))
+    assert len(list(lora.adapted(again))) == 3 * (common.LAYERS - 1)
+    ids = common.ppo_batch().inputs.input_ids
+    with torch.no_grad():
+        assert torch.equal(gpt.actor_logits(again, ids), gpt.actor_logits(actor, ids))

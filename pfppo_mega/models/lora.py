@@ -300,8 +300,10 @@ def spec_for(cfg: LoraConfig) -> LoraSpec:
         resolved = lora_targets(targets)
     except ValueError as e:
         raise LoraError(f"{cfg.adapter_path}/{PEFT_CONFIG}: {e}") from None
+    exclude = peft.get("exclude_modules") or []
+    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     return LoraSpec(rank=peft["r"], alpha=float(peft["lora_alpha"]), targets=resolved,
-                    exclude=tuple(cfg.exclude_modules), init_a=cfg.init_a)
+                    exclude=tuple(cfg.exclude_modules) + tuple(exclude), init_a=cfg.init_a)
 
 
 def _parts_of(full: Tensor, linear: str, heads: int, groups: int) -> list[Tensor]:
@@ -434,6 +436,8 @@ def write_peft(out_dir: str | Path, tensors: dict[str, Tensor], spec: LoraSpec, 
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
            "use_rslora": False, "base_model_name_or_path": base}
+    if spec.exclude:  # PEFT's key: a regular expression over module names (ours joined as alternatives)
+        cfg["exclude_modules"] = "|".join(f"(?:{p})" for p in spec.exclude)
     (d / PEFT_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
