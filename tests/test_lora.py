@@ -378,3 +378,30 @@ def test_an_exported_adapter_with_exclusions_loads_back_by_itself(world, tmp_pat
     ids = common.ppo_batch().inputs.input_ids
     with torch.no_grad():
         assert torch.equal(gpt.actor_logits(again, ids), gpt.actor_logits(actor, ids))
+
+
+def test_bf16_adapters_train_with_fp32_main_weights(world):
+    """model.params_dtype bfloat16: the adapters are bf16 like the base, megatron's optimizer keeps fp32
+    main weights of the adapters alone, and a step moves the adapters only."""
+    import dataclasses
+
+    from pfppo_mega.models import gpt, hf_io, passes
+
+    cfg, arch = common.model_config(world["llama"])
+    cfg = dataclasses.replace(cfg, params_dtype="bfloat16")
+    actor = gpt.build_actor(cfg, arch=arch)
+    hf_io.load_actor_from_hf(actor, world["llama"])
+    lora.apply(actor, LoraConfig(rank=4, alpha=8.0), seed=3)
+    assert all(p.dtype == torch.bfloat16 for p in actor.parameters())
+    model = gpt.wrap_ddp(actor)
+    opt = gpt.build_optimizer(model, lr=1e-2, weight_decay=0.0, grad_clip=1.0)
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    mains = [p for o in inner for g in o.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in mains) and sum(p.numel() for p in mains) == lora.adapter_numel(actor)
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    model.train()
+    batch = common.ppo_batch()
+    res = passes.train_step(model, opt, batch.inputs, common.actor_loss(batch), temperature=1.0, micro_batch_size=4)
+    assert res.update_successful
+    changed = {n for n, p in actor.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(lora.is_adapter(n) for n in changed)
