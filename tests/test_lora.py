@@ -198,7 +198,8 @@ def sft_small(tmp_path_factory):
 def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, tmp_path):
     """A GRPO run with LoRA: no reference copy and no critic are built, the optimizer holds the adapters
     alone, after 4 steps every base weight is bit-identical to the checkpoint's while the adapters (and the
-    KL to the reference, the base) moved; 2 steps + a resumed 2 equal 4 straight (metrics and weights)."""
+    KL to the reference, the base: exactly 0 at step 1) moved; 2 steps + a resumed 2 equal 4 straight
+    (metrics and weights)."""
     from test_trainer import _cfg
     from test_trainer_resume import resume_comparison
 
@@ -233,7 +234,9 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
     assert any(not torch.equal(before[n], after[n]) for n in before if n.endswith(".lora_B"))
     kl = [r["kl/ref_k1"] for r in straight[0] if "kl/ref_k1" in r]
     print("KL to the reference (the base) per step:", kl)
-    assert len(kl) == 4 and kl[0] == 0.0 and all(k != 0.0 for k in kl[1:]), kl  # B = 0 at step 1: the base
+    # B = 0 at step 1: the policy is the base exactly; once an update moved B (a step whose groups all
+    # agree moves nothing), the policy leaves the reference
+    assert len(kl) == 4 and kl[0] == 0.0 and any(k != 0.0 for k in kl[1:]), kl
 
     from pfppo_mega.trainer.checkpoint import resume
     saved = resume.tensor_state(actor)  # what a checkpoint holds of the actor: the adapters (the base is model_path's)
