@@ -9,7 +9,7 @@ from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.trainer.batch import PackedInputs, pack
 from pfppo_mega.trainer.build import Run
 from pfppo_mega.trainer.instruments import devicecheck
-from pfppo_mega.trainer.passes import policy_logp
+from pfppo_mega.trainer.passes import policy_logp, reference_logp
 from pfppo_mega.trainer.seeds import stream_seed
 
 
@@ -63,5 +63,5 @@ def kl_probe(run: Run) -> float:
     devicecheck.mark_host(out.responses, out.response_mask)
     inp = pack(prompts, out.responses, out.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
     logp, _ = policy_logp(run, run.actor, inp)
-    ref, _ = policy_logp(run, run.ref, inp)
+    ref, _ = reference_logp(run, inp)
     return ppo.masked_mean(logp - ref, inp.response_mask).item()

@@ -26,7 +26,7 @@ import torch
 
 from pfppo_mega import parallel, ppo
 from pfppo_mega.config import Config, dump_yaml
-from pfppo_mega.models import hf_io
+from pfppo_mega.models import hf_io, lora
 from pfppo_mega.models import passes as model_passes
 from pfppo_mega.trainer import asynchronous, passes, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch, pack
@@ -36,7 +36,6 @@ from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.evaluation import evaluate, kl_probe
 from pfppo_mega.trainer.instruments import devicecheck, perf
 from pfppo_mega.trainer.metrics import MetricsLogger, plot_curves, read_jsonl, truncate_jsonl
-from pfppo_mega.trainer.passes import policy_logp
 from pfppo_mega.trainer.step_metrics import add_guard_counts, dump_worst, over_dp, step_metrics
 from pfppo_mega.trainer.update import TrainingHalted, update
 
@@ -250,7 +249,7 @@ class PPOTrainer:
         run, rb = self.run, sb.rollout
         inp = pack(rb.prompt_ids, rb.responses, rb.response_mask, pad_id=run.tokenizer.pad_id, device=run.device)
         old_logp, entropy = run.proximal.old_logp(run, inp, rb)                     # entropy None: not recomputed
-        ref_logp, _ = policy_logp(run, run.ref, inp, run.passes.prepare_lm)
+        ref_logp, _ = passes.reference_logp(run, inp, run.passes.prepare_lm)
         m = inp.response_mask
         values = None if run.critic is None else model_passes.forward_values(
             run.critic, inp, micro_batch_size=passes.batching(run.cfg.training, m.shape[0],
@@ -338,7 +337,11 @@ class PPOTrainer:
         export = None
         if cfg.checkpoint.export_hf:
             export = run.out_dir / "hf_export"
-            hf_io.export_hf(run.actor, run.model_cfg, export, tokenizer_files=run.tokenizer.files())
+            hf_io.export_hf(run.actor, run.model_cfg, export, tokenizer_files=run.tokenizer.files())  # merged
+            spec = lora.spec_of(run.actor)
+            if spec is not None:  # the adapters alone as well, in PEFT's layout (beside it: not inside, where
+                # transformers would read the directory as an adapter)
+                lora.export_peft(run.actor, spec, run.out_dir / "lora_adapter", base=cfg.actor_rollout.model_path)
         result = RunResult(out_dir=run.out_dir, metrics_path=logger.jsonl_path, plot_path=plot,
                            export_dir=export, eval_before=eval_before, eval_after=eval_acc,
                            steps=st.step, wall_s=time.monotonic() - t_start)

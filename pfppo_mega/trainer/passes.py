@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from pfppo_mega.models import lora
 from pfppo_mega.models import passes as model_passes
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.trainer.batch import PackedInputs
@@ -60,3 +61,12 @@ def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) ->
     return model_passes.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
                                         micro_batch_size=batching(run.cfg.training, inp.labels.shape[0], tally),
                                         kernels=run.kernels)
+
+
+def reference_logp(run, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logp of the reference policy: the frozen copy, or with model.lora (run.ref None) the actor
+    with its adapters off, i.e. the base weights (verl's way: no second copy of the model)."""
+    if run.ref is not None:
+        return policy_logp(run, run.ref, inp, tally)
+    with lora.adapters_off(run.actor):
+        return policy_logp(run, run.actor, inp, tally)
