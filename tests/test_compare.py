@@ -1,6 +1,7 @@
 """`pfppo compare`: run statistics from metric records, the per-claim verdicts of each pool arm vs
 PPO, the cross-setting summary, and the arm registry (pure: no training here)."""
 
+import json
 import math
 
 import pytest
@@ -189,3 +190,12 @@ def test_timing_section_tables_every_arm_and_the_pool_of_the_async_ones_only():
     pool_rows = [line for line in lines if line.startswith("| async_newest |")]
     assert len(pool_rows) == 2 and "| 0.00 ± 0.00 | 1.00 ± 0.00 | 1.00 ± 0.00 | 2 | 8 |" in pool_rows[1]
     assert not any(line.startswith("| sync |") and "age" in line for line in lines)
+
+
+def test_a_sync_vs_async_report_has_the_clock_section_and_no_plain_ppo_section(tmp_path):
+    curves = {"sync": [_timed(3)], "async_uniform": [_timed(3, stale=([0.5, 0.5], 0.0))]}
+    stats = _stats("sync", [{}]) + _stats("async_uniform", [{}])
+    md = C.write_report(stats, curves, tmp_path, title="t", settings="s").read_text()
+    assert "## Clock, accuracy and staleness" in md and "What plain PPO did" not in md
+    timing = json.loads((tmp_path / "timing.json").read_text())
+    assert timing["async_uniform"][0]["age_1"] == 0.5 and "age_0" not in timing["sync"][0]

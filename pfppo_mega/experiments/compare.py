@@ -362,10 +362,12 @@ def timing_section(stats: list[RunStats], curves: dict[str, list[list[dict]]]) -
 def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out: Path, *,
                  title: str, settings: str) -> Path:
     arms = list(dict.fromkeys(s.arm for s in stats))
-    lines = [f"# {title}", "", settings, "", "## What plain PPO did", "", failure_summary(stats), "",
-             "## Every run", "",
-             "| arm | seed | " + " | ".join(label for _, label, _ in METRICS) + " |",
-             "|---|---|" + "---|" * len(METRICS)]
+    lines = [f"# {title}", "", settings, ""]
+    if "ppo" in arms:
+        lines += ["## What plain PPO did", "", failure_summary(stats), ""]
+    lines += ["## Every run", "",
+              "| arm | seed | " + " | ".join(label for _, label, _ in METRICS) + " |",
+              "|---|---|" + "---|" * len(METRICS)]
     for s in stats:
         lines.append(f"| {s.arm} | {s.seed} | " + " | ".join(f"{_field(s, f):.4g}" for f, _, _ in METRICS) + " |")
     lines += ["", "## Per arm (mean ± std over seeds)", "",
