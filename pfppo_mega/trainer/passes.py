@@ -53,10 +53,12 @@ def fused_head(setting: Optional[bool], update_on: Optional[torch.device]) -> bo
     return update_on is None or update_on.type != "cpu"
 
 
-def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logp(model: torch.nn.Module, inp: PackedInputs, *, temperature: float, training, kernels,
+                tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
     Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1; micro-batched as
-    training.* says, its work counted into ``tally`` when given. ``run``: the trainer's Run."""
-    return model_passes.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
-                                        micro_batch_size=batching(run.cfg.training, inp.labels.shape[0], tally),
-                                        kernels=run.kernels)
+    ``training`` (the config's training section) says, its work counted into ``tally`` when given;
+    ``kernels``: the run's kernels backend."""
+    return model_passes.forward_logp_entropy(model, inp, temperature=temperature,
+                                             micro_batch_size=batching(training, inp.labels.shape[0], tally),
+                                             kernels=kernels)

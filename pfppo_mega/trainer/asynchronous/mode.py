@@ -50,7 +50,7 @@ def check_resume(run) -> None:
             f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
             f"{e}. Resume it with algorithm.async_rl.enable=false, or start afresh (checkpoint.resume=false or a "
             f"new logging.output_dir)") from e
-    run.collector.restore(next_key, requests)
+    run.strategies.collector.restore(next_key, requests)
     run.log(f"[pfppo] async: {len(requests)} request(s) in flight at step {run.state.step} asked again "
             f"({sum(len(r.pending) for r in requests)} untrained prompt groups)")
 
@@ -58,7 +58,7 @@ def check_resume(run) -> None:
 def save_pending(run) -> None:
     """After a checkpoint save: the requests in flight, beside it (the logger rank writes it)."""
     if run.cfg.algorithm.async_rl.enable and run.is_logger:
-        c = run.collector
+        c = run.strategies.collector
         try:
             pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
                                keep=run.cfg.checkpoint.keep_last or 1)
