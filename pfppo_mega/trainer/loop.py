@@ -23,10 +23,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
-
-from typing import Optional
 
 from pfppo_mega import parallel
 from pfppo_mega.config import Config, dump_yaml
