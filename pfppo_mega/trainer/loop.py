@@ -123,7 +123,7 @@ class PPOTrainer:
         timer.seconds["rollout_weights"] = colo.gen.sync.weights_s - weights_before  # of which refits, switches
         timer.seconds["rollout_engine"] = colo.gen.engine_s - engine_before      # and the engine's generate()
         with timer("score"):
-            sb = strat.filtration(scored)  # the rows the update trains on (policy filtration resamples)
+            sb = self.filter(scored)  # the rows the update trains on (policy filtration resamples)
         add_guard_counts(st.guards, scored, corrupt=st.guards["corrupt_snapshots"] - corrupt_before,
                          group=run.dp.group)
         with timer("prepare"):
@@ -168,6 +168,9 @@ class PPOTrainer:
     def score(self, rb: RolloutBatch) -> ScoredBatch:
         r = self.run
         return phases.score(rb, cfg=r.cfg, reward_fn=r.reward_fn, state=r.state, dp=r.dp, device=r.device)
+
+    def filter(self, sb: ScoredBatch) -> ScoredBatch:
+        return self.run.strategies.filtration(sb)
 
     def prepare(self, sb: ScoredBatch) -> PreparedBatch:
         r = self.run
