@@ -258,7 +258,8 @@ def run_ppo(args: argparse.Namespace) -> int:
           f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200); trainer states on the "
           f"GPU during rollout: measured {last['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
           f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
-          f"({type(trainer.run.colocation.engine).__name__}: {'frees its KV cache' if getattr(trainer.run.colocation.engine, 'sleep_supported', False) else 'a logged no-op'})")
+          f"({type(engine).__name__}: "
+          f"{'frees its KV cache' if getattr(engine, 'sleep_supported', False) else 'a logged no-op'})")
     if memory is not None:  # the ledger of the colocated order, phase by phase (pfppo_mega/ledger.py)
         memory.enter("sleep")  # closes the last phase's peak (the engine is asleep already)
         ledger = ledger_rows(memory.records[:-1], memory.ledger.h)
@@ -344,7 +345,8 @@ def run_audit(args: argparse.Namespace) -> int:
     off = sorted(f"{n} {t.device}" for n, t in named.items() if t.device.type != "cuda")
     print(f"audit: {len(named)} tensors, {len(off)} not on the GPU{': ' + ', '.join(off[:10]) if off else ''}")
     # offload round trip: bit-identical, device bytes freed, host bytes as pinned
-    trained = [t for m in (run.models.actor, run.models.critic, run.models.ref) if m is not None for t in module_tensors(m)]
+    models = run.models
+    trained = [t for m in (models.actor, models.critic, models.ref) if m is not None for t in module_tensors(m)]
     trained += [t for o in run.models.optimizers().values() for t in optimizer_tensors(o)]
     before = [t.detach().clone() for t in trained]
     alloc0 = torch.cuda.memory_allocated()

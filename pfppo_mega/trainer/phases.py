@@ -135,7 +135,8 @@ def prepare(sb: ScoredBatch, *, cfg: Config, models: Models, strategies: Strateg
     ref_logp, _ = logp_of(models.ref)(inp)
     m = inp.response_mask
     values = None if models.critic is None else model_passes.forward_values(
-        models.critic, inp, micro_batch_size=passes.batching(training, m.shape[0], models.passes.prepare_value))  # [B, T]
+        models.critic, inp,
+        micro_batch_size=passes.batching(training, m.shape[0], models.passes.prepare_value))       # [B, T]
     devicecheck.expect("prepare: model inputs and results", device, inputs=inp, old_logp=old_logp,
                        ref_logp=ref_logp, values=values, scores=sb.scores)
     return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m,

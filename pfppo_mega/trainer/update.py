@@ -10,10 +10,10 @@ from typing import Callable, Optional
 import torch
 
 from pfppo_mega import ppo
+from pfppo_mega.config import Config
 from pfppo_mega.models import passes as model_passes
 from pfppo_mega.trainer import passes
 from pfppo_mega.trainer.batch import ExperienceBatch
-from pfppo_mega.config import Config
 from pfppo_mega.trainer.build import DataParallel, Models, Strategies, TrainState
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps
@@ -55,7 +55,8 @@ def update(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: Stra
         if not train_critic:
             st.guards["value_loss_spikes"] += 1
         stats["critic/value_loss_pre"] = [vl_pre]
-    stats.update({f"optim/{k}": [v] for k, v in set_learning_rates(models, t, st.step, train_actor=train_actor).items()})
+    lrs = set_learning_rates(models, t, st.step, train_actor=train_actor)
+    stats.update({f"optim/{k}": [v] for k, v in lrs.items()})
     g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=st.step))
     seen = _Observer(eb) if observe and train_actor else None
     parts = dict(cfg=cfg, models=models, strategies=strategies, state=state, device=device, log=log)
