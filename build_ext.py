@@ -16,26 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
 
-CPU_SOURCES = [
-    f"{CSRC}/module.cpp",
-    f"{CSRC}/ops.cpp",
-    f"{CSRC}/api.cpp",
-    f"{CSRC}/policy_loss.cpp",  # the policy loss's host wrapper (both devices)
-    f"{CSRC}/cpu/logprob_entropy.cpp",
-    f"{CSRC}/cpu/policy_loss.cpp",
-    f"{CSRC}/cpu/gae.cpp",
-    f"{CSRC}/cpu/layers.cpp",  # fused RMSNorm / SwiGLU / RoPE (pfppo_mega.models.fused_layers)
-    f"{CSRC}/cpu/fingerprint.cpp",  # refit byte fingerprint (pfppo_mega.rollout.weights)
-]
-CUDA_SOURCES = [
-    f"{CSRC}/cuda/logprob_entropy.cu",
-    f"{CSRC}/cuda/policy_loss.cu",
-    f"{CSRC}/cuda/gae.cu",
-]
-# No -ffast-math: NaN/inf keep their meaning. These two only let GCC vectorise selects and
-# libm calls.
-CXX_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
-NVCC_FLAGS = ["-O3"]
+def _sources(folder: str, pattern: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / CSRC / folder).glob(pattern))
+
+
+# The host side (the module, every op's host wrapper: csrc/<op>.h compiled once by ops.cpp,
+# the shared checks) and every kernel of a device folder: a new op's kernels need no line here.
+# csrc/cpu also holds the decoder-layer kernels (pfppo_mega.models.fused_layers) and the refit
+# byte fingerprint (pfppo_mega.rollout.weights).
+CPU_SOURCES = [f"{CSRC}/module.cpp", f"{CSRC}/ops.cpp", f"{CSRC}/api.cpp"] + _sources("cpu", "*.cpp")
+CUDA_SOURCES = _sources("cuda", "*.cu")
+# No -ffast-math: NaN/inf keep their meaning. -fno-trapping-math and -fno-math-errno only let
+# GCC vectorise selects and libm calls. -Werror=switch: a row of an op's mode table without its
+# case in the op's shared switches (csrc/<op>.h) fails the build.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-Werror=switch"]
+NVCC_FLAGS = ["-O3", "-Xcompiler=-Werror=switch"]
 
 
 def build_cuda() -> bool:

@@ -1,13 +1,10 @@
-// Thin torch API layer: every op checks its tensors (dtype, shape, device, strides) and
-// scalars here, with a message that names the argument and spells the expected shape,
-// then fills a torch-free argument struct for the CPU or CUDA kernel.
+// The checks every op's host wrapper (csrc/<op>.h, under PFPPO_HOST) is made of: each names
+// the argument and spells the expected shape, so the op's own checks read as a list.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <string>
-#include <tuple>
-#include <vector>
 
 #include "kernel_types.h"
 
@@ -31,24 +28,6 @@ void check_like_bt(const char* op, const at::Tensor& ref, const char* ref_name,
 Scalar scalar_kind(const at::Tensor& t, const char* op, const char* name, const char* shape);
 Mask mask_kind(const at::Tensor& t, const char* op, const char* name, const char* shape);
 
-// logits [N, V] (unit stride along V) and labels [N] int64; temperature finite and > 0;
-// vocab_size: global columns >= vocab_size are padding (-1: none). full_vocab: logits hold the
-// whole (possibly padded) vocabulary, vocab_size <= V. Host labels are read: each must lie in
-// [0, vocab_size) (shard without vocab_size: >= 0). CUDA labels are not read on the host (the
-// kernels write NaN for a bad label).
-LogProbArgs check_logprob(const char* op, const at::Tensor& logits, const at::Tensor& labels,
-                          int64_t vocab_start, double temperature, int64_t vocab_size,
-                          bool full_vocab);
-
-// grad_logp, grad_entropy, row_max, log_sumexp, entropy: [N] float32 on the logits' device.
-LogProbBwdArgs check_logprob_bwd(const char* op, const LogProbArgs& a, const at::Tensor& logits,
-                                 const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
-                                 const at::Tensor& row_max, const at::Tensor& log_sumexp,
-                                 const at::Tensor& entropy);
-
-GaeArgs check_gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
-                  double gamma, double lam, bool whiten, bool shift_mean, int64_t row_chunks);
-
 #ifdef PFPPO_WITH_CUDA
 // A launch on t's device and its current stream; check() raises with the op's name.
 struct CudaLaunch {
@@ -62,7 +41,7 @@ struct CudaLaunch {
 };
 #endif
 
-// n new float32 tensors [N] on the logits' device (outputs of the log-prob ops).
-std::vector<at::Tensor> empty_rows(const at::Tensor& logits, int n);
+// A byte workspace of `bytes` on like's device (the CUDA kernels' scratch).
+at::Tensor workspace_bytes(const at::Tensor& like, size_t bytes);
 
 }  // namespace pfppo

@@ -1,111 +1,24 @@
-// Operator schemas (namespace pfppo) and their host wrappers: each checks its inputs
-// (csrc/api.cpp) and runs the CPU kernel (csrc/cpu) or, in a CUDA build, the CUDA kernel
-// (csrc/cuda) on the tensors' device -- one wrapper per op, registered for both dispatch keys.
-// pfppo::policy_loss lives in csrc/policy_loss.cpp. Autograd and fake (meta) implementations
-// are registered from Python in pfppo_mega/kernels/ops.py.
+// The one translation unit of the host wrappers. Each fused op of both devices is one header
+// (csrc/<op>.h): included here with PFPPO_HOST, it adds its schema, its input checks and its
+// one wrapper for both dispatch keys. Below them: the CPU-only decoder-layer ops (RMSNorm,
+// SwiGLU, RoPE; kernels in csrc/cpu/layers.cpp). Autograd and fake (meta) implementations are
+// registered from Python in pfppo_mega/kernels/ops.py and pfppo_mega/kernels/layers.py.
+#define PFPPO_HOST 1
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include <cmath>
 
 #include "api.h"
 #include "cpu/cpu_kernels.h"
-#ifdef PFPPO_WITH_CUDA
-#include "cuda/launch.h"
-#endif
+#include "gae.h"
+#include "logprob_entropy.h"
+#include "policy_loss.h"
 
 namespace pfppo {
 namespace {
-
-#ifdef PFPPO_WITH_CUDA
-at::Tensor workspace(const at::Tensor& like, size_t bytes) {
-  return at::empty({int64_t(bytes)}, like.options().dtype(at::kByte));
-}
-#endif
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy(
-    const at::Tensor& logits, const at::Tensor& labels, double temperature, int64_t vocab_size) {
-  const char* op = "pfppo::logprob_entropy";
-  LogProbArgs a = check_logprob(op, logits, labels, 0, temperature, vocab_size, true);
-  auto out = empty_rows(logits, 4);  // logp, entropy, row_max, log_sumexp
-  const LogProbOut o{out[0].data_ptr<float>(), out[1].data_ptr<float>(),
-                     out[2].data_ptr<float>(), out[3].data_ptr<float>()};
-  if (logits.is_cuda()) {
-#ifdef PFPPO_WITH_CUDA
-    CudaLaunch launch(logits, op);
-    at::Tensor ws = workspace(logits, cuda::logprob_workspace_bytes(a));
-    launch.check(cuda::logprob_entropy_fwd(a, o, ws.data_ptr(), launch.stream()));
-#endif
-  } else {
-    cpu::logprob_entropy_fwd(a, o);
-  }
-  return {out[0], out[1], out[2], out[3]};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_entropy_partials(
-    const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, double temperature,
-    int64_t vocab_size) {
-  const char* op = "pfppo::logprob_entropy_partials";
-  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
-  auto out = empty_rows(logits, 4);  // max, sumexp, sumexp_shifted, target
-  const LogProbPartialsOut o{out[0].data_ptr<float>(), out[1].data_ptr<float>(),
-                             out[2].data_ptr<float>(), out[3].data_ptr<float>()};
-  if (logits.is_cuda()) {
-#ifdef PFPPO_WITH_CUDA
-    CudaLaunch launch(logits, op);
-    at::Tensor ws = workspace(logits, cuda::logprob_workspace_bytes(a));
-    launch.check(cuda::logprob_entropy_partials(a, o, ws.data_ptr(), launch.stream()));
-#endif
-  } else {
-    cpu::logprob_entropy_partials(a, o);
-  }
-  return {out[0], out[1], out[2], out[3]};
-}
-
-at::Tensor logprob_entropy_backward(const at::Tensor& grad_logp, const at::Tensor& grad_entropy,
-                                    const at::Tensor& logits, const at::Tensor& labels,
-                                    const at::Tensor& row_max, const at::Tensor& log_sumexp,
-                                    const at::Tensor& entropy, int64_t vocab_start,
-                                    double temperature, int64_t vocab_size) {
-  const char* op = "pfppo::logprob_entropy_backward";
-  LogProbArgs a = check_logprob(op, logits, labels, vocab_start, temperature, vocab_size, false);
-  LogProbBwdArgs b =
-      check_logprob_bwd(op, a, logits, grad_logp, grad_entropy, row_max, log_sumexp, entropy);
-  at::Tensor grad = at::empty({a.rows, a.vocab}, logits.options());
-  b.grad_logits = grad.data_ptr();
-  if (logits.is_cuda()) {
-#ifdef PFPPO_WITH_CUDA
-    CudaLaunch launch(logits, op);
-    launch.check(cuda::logprob_entropy_bwd(a, b, launch.stream()));
-#endif
-  } else {
-    cpu::logprob_entropy_bwd(a, b);
-  }
-  return grad;
-}
-
-std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
-                                       const at::Tensor& mask, double gamma, double lam,
-                                       bool whiten, bool shift_mean, int64_t row_chunks) {
-  [[maybe_unused]] const char* op = "pfppo::gae";
-  GaeArgs g = check_gae(rewards, values, mask, gamma, lam, whiten, shift_mean, row_chunks);
-  at::Tensor adv = at::empty_like(values, at::MemoryFormat::Contiguous);
-  at::Tensor ret = at::empty_like(values, at::MemoryFormat::Contiguous);
-  if (values.is_cuda()) {
-#ifdef PFPPO_WITH_CUDA
-    CudaLaunch launch(values, op);
-    const int64_t pieces = cuda::gae_pieces(g, cuda::sm_count(values.device().index()));
-    at::Tensor ws = workspace(values, cuda::gae_workspace_bytes(g, pieces));
-    launch.check(
-        cuda::gae(g, pieces, adv.data_ptr(), ret.data_ptr(), ws.data_ptr(), launch.stream()));
-#endif
-  } else {
-    cpu::gae(g, adv.data_ptr(), ret.data_ptr());
-  }
-  return {adv, ret};
-}
 
 // ---- fused decoder-layer ops (CPU, fp32; csrc/cpu/layers.cpp)
 
@@ -218,21 +131,6 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(pfppo, m) {
-  m.def(
-      "logprob_entropy(Tensor logits, Tensor labels, float temperature=1.0, "
-      "int vocab_size=-1) -> (Tensor logp, Tensor entropy, Tensor row_max, Tensor log_sumexp)");
-  m.def(
-      "logprob_entropy_partials(Tensor logits, Tensor labels, int vocab_start, "
-      "float temperature=1.0, int vocab_size=-1) -> "
-      "(Tensor max, Tensor sumexp, Tensor sumexp_shifted, Tensor target)");
-  m.def(
-      "logprob_entropy_backward(Tensor grad_logp, Tensor grad_entropy, Tensor logits, "
-      "Tensor labels, Tensor row_max, Tensor log_sumexp, Tensor entropy, int vocab_start, "
-      "float temperature=1.0, int vocab_size=-1) -> Tensor");
-  m.def(
-      "gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, "
-      "bool whiten=False, bool shift_mean=True, int row_chunks=0) -> "
-      "(Tensor advantages, Tensor returns)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
   m.def(
       "rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> "
@@ -243,24 +141,11 @@ TORCH_LIBRARY(pfppo, m) {
 }
 
 TORCH_LIBRARY_IMPL(pfppo, CPU, m) {
-  m.impl("logprob_entropy", &logprob_entropy);
-  m.impl("logprob_entropy_partials", &logprob_entropy_partials);
-  m.impl("logprob_entropy_backward", &logprob_entropy_backward);
-  m.impl("gae", &gae);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
   m.impl("swiglu", &swiglu_cpu);
   m.impl("swiglu_backward", &swiglu_backward_cpu);
   m.impl("rope", &rope_cpu);
 }
-
-#ifdef PFPPO_WITH_CUDA
-TORCH_LIBRARY_IMPL(pfppo, CUDA, m) {
-  m.impl("logprob_entropy", &logprob_entropy);
-  m.impl("logprob_entropy_partials", &logprob_entropy_partials);
-  m.impl("logprob_entropy_backward", &logprob_entropy_backward);
-  m.impl("gae", &gae);
-}
-#endif
 
 }  // namespace pfppo

@@ -7,9 +7,12 @@ and tests/test_config.py checks that the C++ kernels hard-code the same LOG_RATI
 
 # ----------------------------------------------------------------------------- enum tuples
 
-PARAMS_DTYPES = ("float32", "bfloat16")  # model.params_dtype
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")  # model.params_dtype (float16: with a loss scaler)
 LAYER_SPECS = ("auto", "local", "transformer_engine")  # model.layer_spec: TE where installed, else local;
 # megatron's torch layers (fused by training.fused_layers); TE's
+ROLLOUT_IS_LEVELS = ("token", "sequence")  # algorithm.rollout_correction.rollout_is (ppo/rollout_correction.py)
+ROLLOUT_RS_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # rollout_rs
 RECOMPUTE_MODES = ("none", "selective", "full")  # training.recompute: activation recomputation
 PARALLEL_BACKENDS = ("auto", "gloo", "nccl")  # parallel.backend
 KERNEL_MODES = ("auto", "torch", "fused")  # kernels
@@ -27,6 +30,7 @@ ALGORITHMS = ("ppo",)  # algorithm.name
 # Snapshot choice of the PF-PPO pool (algorithm.pool.sampling, pool/sampling.py).
 POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
 ASYNC_SAMPLING = ("newest", "uniform", "recency")  # algorithm.async_rl.sampling
+PARTIAL_ROLLOUT_ENGINES = ("builtin",)  # actor_rollout.engine values that take weights inside a request
 # Behaviour importance weight (algorithm.pool.is_mode, pool/correction.py).
 IS_MODES = ("truncate", "mask", "tis")
 # Which score feeds a snapshot's mean reward (algorithm.pool.reward_signal).
@@ -66,6 +70,7 @@ LOG_RATIO_LIMIT = 20.0
 # an int32 index, a seed or a loop that would run for days.
 MAX_COUNT = 1 << 20  # batch sizes, samples per prompt, prompts, pool size: 1,048,576
 MAX_STEPS = 100_000_000  # steps and step intervals
+MAX_LOSS_SCALE = 2.0 ** 64  # model.loss_scale / initial_loss_scale: fp32 holds the scaled gradients
 MAX_TOKENS = 1 << 24  # sequence lengths and vocabulary: 16,777,216
 MAX_MODEL_DIM = 1 << 20  # layers, widths, heads
 MAX_PARALLEL = 4096  # TP / PP degree

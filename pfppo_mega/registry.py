@@ -79,4 +79,5 @@ ADV_ESTIMATORS = Registry("algorithm.adv_estimator", {
     "reinforce_plus_plus": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS",
     "reinforce_plus_plus_baseline": "pfppo_mega.trainer.estimators:REINFORCE_PLUS_PLUS_BASELINE",
     "remax": "pfppo_mega.trainer.estimators:REMAX",
+    "optimal_token_baseline": "pfppo_mega.trainer.estimators:OPTIMAL_TOKEN_BASELINE",
 })

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compile every CUDA kernel (csrc/cuda/*.cu) with nvcc for sm_90 -- compile only, nothing runs --
-# and syntax-check the host wrappers' CUDA paths (csrc/ops.cpp, csrc/policy_loss.cpp, csrc/api.cpp
-# with PFPPO_WITH_CUDA) against torch's headers, so the
-# CUDA sources cannot rot on machines without a GPU. Exit status: 0 all compiled, 1 a compile
+# and syntax-check the host wrappers' CUDA paths (csrc/ops.cpp, which compiles every op header's
+# host part, and csrc/api.cpp, with PFPPO_WITH_CUDA) against torch's headers, so the CUDA
+# sources cannot rot on machines without a GPU. Exit status: 0 all compiled, 1 a compile
 # error, 2 nvcc not found.
 #   env: NVCC (default nvcc), PFPPO_CUDA_ARCH (default sm_90), PYTHON (torch for the binding
 #        check; default .venv/bin/python, else python3; the check is skipped without torch).
@@ -25,7 +25,8 @@ torch_nvcc_flags=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                   -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
                   --expt-relaxed-constexpr --compiler-options -fPIC)
 for src in csrc/cuda/*.cu; do
-  if "$NVCC" -c -arch="$ARCH" -O3 -std=c++17 --Werror all-warnings "${torch_nvcc_flags[@]}" \
+  if "$NVCC" -c -arch="$ARCH" -O3 -std=c++17 --Werror all-warnings -Xcompiler=-Wall,-Werror=switch \
+      "${torch_nvcc_flags[@]}" \
       -Icsrc "$src" -o "$tmp/$(basename "$src").o"; then
     echo "  ok    $src"
   else
@@ -49,7 +50,7 @@ if [ -n "$torch_inc" ]; then
   inc=(-Icsrc -I"$cuda_inc" -I"$py_inc")
   for d in $torch_inc; do inc+=(-I"$d"); done
   inc+=(-I"$tmp/stub")
-  for host in csrc/ops.cpp csrc/policy_loss.cpp csrc/api.cpp; do
+  for host in csrc/ops.cpp csrc/api.cpp; do
     if "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -Werror=switch -DPFPPO_WITH_CUDA "${inc[@]}" "$host"; then
       echo "  ok    $host (CUDA build, syntax, torch headers)"
     else

@@ -253,9 +253,10 @@ def test_generator_dies_with_its_trainer(sft_dir, tmp_path):
 class _FakeProcess:
     """Answers each request with the version the test says, as the generator would."""
 
-    def __init__(self, versions):
+    def __init__(self, versions, *, partial: bool = False):
         queued = list(versions) if not callable(versions) else None  # or a callable: the version now
         self.versions = versions if queued is None else (lambda: queued.pop(0))
+        self.partial = partial  # answer as a partial rollout: each row's first token one version older
         self.in_flight, self.restarts = {}, 0
         self.pool = SimpleNamespace(held={0: None})
         self.answered = []
@@ -274,8 +275,11 @@ class _FakeProcess:
         req = self.in_flight.pop(rid)
         rows = len(req.prompts) * req.n
         self.answered.append(rid)
-        return Result(rid, self.versions(), torch.full((rows, 2), 3), torch.ones(rows, 2),
-                      torch.full((rows, 2), -0.5), torch.ones(rows, dtype=torch.bool), 0.01, 0.0, 0.0)
+        v = self.versions()
+        tv = torch.tensor([[max(v - 1, 0), v]] * rows) if self.partial else None
+        return Result(rid, v if tv is None else int(tv.min()), torch.full((rows, 2), 3), torch.ones(rows, 2),
+                      torch.full((rows, 2), -0.5), torch.ones(rows, dtype=torch.bool), 0.01, 0.0, 0.0, tv,
+                      int(self.partial))
 
     def stop(self):
         pass
@@ -322,32 +326,40 @@ class _Prompts:
         return out
 
 
-def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterrupted_run_trains(tmp_path):
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterrupted_run_trains(tmp_path, partial):
     """Collector X runs on; collector Y is X restored from its save after step 2 (pending file, prompt
     position, RNG): Y's next two steps train the same prompts, in the same order, with the same
-    sampling seeds as X's."""
+    sampling seeds as X's. With partial rollouts (answers whose tokens span two versions) a request
+    in flight at the save, partly generated or not, is asked again whole, the same way."""
     import copy
 
     from pfppo_mega.trainer.asynchronous import pending
     from pfppo_mega.trainer.asynchronous.mode import AsyncCollector
 
     cfg = load_config(CONFIG, ["algorithm.async_rl.request_prompts=3", "algorithm.async_rl.prefetch_steps=2",
-                               "algorithm.async_rl.max_staleness=2"])
+                               # partial: a row's first token one version older, so one more of bound (none dropped)
+                               f"algorithm.async_rl.max_staleness={3 if partial else 2}",
+                               f"algorithm.async_rl.partial_rollouts={partial}"])
     timer = lambda name: __import__("contextlib").nullcontext()  # noqa: E731
 
     def collector(prompts, versions, run):
         col = AsyncCollector(cfg, spec=SimpleNamespace(window=0), sync=None, next_batch=prompts.next_batch,
                              state=run.state, rng=run.rng, tokenizer=run.tokenizer, device=run.device,
                              log=lambda *_: None)
-        col.proc, col._eos = _FakeProcess(versions), None
+        col.proc, col._eos = _FakeProcess(versions, partial=partial), None
         col.proc.start = lambda: None
         col.push = lambda version: None
         return col
 
+    mixed = []  # per step: the share of rows whose tokens span two versions
+
     def step(col, run, prompts, k):
         run.state.step = k
-        scored, _ = col.collect(prompts.next_batch(4), rollout=None, score=lambda rb: SimpleNamespace(rollout=rb),
-                                timer=timer)
+        scored, stats = col.collect(prompts.next_batch(4), rollout=None, score=lambda rb: SimpleNamespace(rollout=rb),
+                                    timer=timer)
+        assert ("async/mixed_version_rows" in stats) == partial and stats["async/dropped_stale"] == 0
+        mixed.append(stats.get("async/mixed_version_rows", 0.0))
         seeds = {tuple(p): r.params.seed for r in col.proc.requests for p in r.prompts}
         return [(s.prompt_ids, seeds[s.prompt_ids]) for s in scored.rollout.samples]
 
@@ -375,6 +387,7 @@ def test_a_resume_asks_the_requests_in_flight_again_and_trains_what_the_uninterr
     y.restore(*pending.read(tmp_path, 2))
     got = [step(y, run_y, py, k) for k in (2, 3)]
     assert got == want
+    assert (max(mixed) > 0) == partial  # partial: rows with two versions were trained
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -120,10 +120,14 @@ def test_verl_bypass_mode_maps_and_its_other_forms_are_refused():
     off = json.loads(json.dumps(VERL))
     off["algorithm"]["rollout_correction"]["bypass_mode"] = False
     assert load_config_dict(off).algorithm.recompute_old_logp is True
+    # verl's bypass-mode correction maps (tests/test_rollout_correction.py); its decoupled mode is refused
+    with pytest.raises(ConfigError) as e:
+        load_config_dict({**off, "algorithm": {"rollout_correction": {"bypass_mode": False, "rollout_is": "token"}}})
+    assert "decoupled mode" in str(e.value) and "bypass_mode=true" in str(e.value)
     for key, value, says in (
             ("actor_rollout_ref.actor.policy_loss.loss_mode", "gspo", "vanilla PPO-clip"),
-            ("algorithm.rollout_correction.loss_type", "reinforce", "rollout-correction loss"),
-            ("algorithm.rollout_correction.rollout_is", "token", "rollout importance weights")):
+            ("algorithm.rollout_correction.loss_type", "reinforce-ish", "must be ppo_clip or reinforce"),
+            ("algorithm.rollout_correction.rollout_is", "tokens", "must be null or one of token, sequence")):
         d = json.loads(json.dumps(VERL))
         *head, leaf = key.split(".")
         node = d

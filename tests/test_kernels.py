@@ -553,10 +553,9 @@ def test_ops_compile_fullgraph():
 
 
 # ---------------------------------------------------------------------------------------------
-# One table of the policy loss's modes (csrc/policy_loss.h) for Python, the CPU and CUDA.
+# One table of modes per fused op (csrc/<op>.h) for Python, the CPU and the CUDA sources.
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HEADER = os.path.join(_ROOT, "csrc", "policy_loss.h")
 
 
 def _read(rel: str) -> str:
@@ -564,27 +563,108 @@ def _read(rel: str) -> str:
         return f.read()
 
 
-def _header_table() -> list[tuple[str, str]]:
-    return re.findall(r'X\((k\w+), "([^"]+)"\)', _read("csrc/policy_loss.h"))
+# op: its header, the X-macro of its table, the enum, the shared functions that switch on the
+# mode (each needs a case per row), Python's table (from the extension) and Python's own
+# knowledge of each row (what the reference / autograd does with it), and a probe expression
+# that calls the shared switches for mode k (host and device; `buf` is a float[4]).
+_TABLES = {
+    "policy_loss": dict(
+        header="csrc/policy_loss.h", macro="PFPPO_POLICY_LOSS_AGG_MODES", enum="AggMode",
+        switches=["agg_scale"], python=lambda: ops.POLICY_LOSS_AGG_MODES,
+        known=lambda: KERNEL_LOSS_AGG_MODES,
+        probe="pfppo::agg_scale(static_cast<pfppo::AggMode>(k), 2, 10, 3)",
+        calls=["agg_scale(", "ppo_token(", "clamp_log_ratio(", "k3_term("]),
+    "gae": dict(
+        header="csrc/gae.h", macro="PFPPO_GAE_WHITEN_MODES", enum="GaeWhiten",
+        switches=["whitens", "whiten_scale"], python=lambda: ops.GAE_WHITEN_MODES,
+        known=lambda: tuple(ops.GAE_WHITEN_FLAGS),
+        probe="double(pfppo::whiten_scale(static_cast<pfppo::GaeWhiten>(k), 3.0, 1.0, 2.0).rstd)"
+              " + pfppo::whitens(static_cast<pfppo::GaeWhiten>(k))",
+        calls=["whitens(", "whiten_scale(", "whiten_token(", "gae_delta(", "gae_advantage(",
+               "gae_return("]),
+    "logprob_entropy": dict(
+        header="csrc/logprob_entropy.h", macro="PFPPO_LOGPROB_MODES", enum="LogProbMode",
+        switches=["with_logprob_mode", "write_row"], python=lambda: ops.LOGPROB_MODES,
+        known=lambda: tuple(ops._LOGPROB_AUTOGRAD),
+        probe="(pfppo::write_row(static_cast<pfppo::LogProbMode>(k), "
+              "pfppo::LogProbRows{{buf, buf + 1, buf + 2, buf + 3}}, 0, 1.0f, 2.0f, 0.5f, true, "
+              "0.25f), double(buf[0]))",
+        calls=["write_row(", "rescale_sums(", "softmax_logp(", "softmax_grad("]),
+}
+_DEVICES = {"cpu": "csrc/cpu/{op}.cpp", "cuda": "csrc/cuda/{op}.cu"}
 
 
-def test_policy_loss_modes_one_table():
-    """Python's modes are the extension's (built from the header's table), the header's
-    agg_scale has a case per row, and neither device kernel lists modes of its own."""
-    table = _header_table()
-    assert tuple(name for _, name in table) == KERNEL_LOSS_AGG_MODES
-    assert ops.POLICY_LOSS_AGG_MODES == KERNEL_LOSS_AGG_MODES  # the CPU build's table
-    header = _read("csrc/policy_loss.h")
-    body = header[header.index("PFPPO_HD double agg_scale("):]
-    body = body[: body.index("\n}\n")]
-    for ident, _ in table:
-        assert f"case AggMode::{ident}:" in body, ident
-    for src in ("csrc/cpu/policy_loss.cpp", "csrc/cuda/policy_loss.cu"):
+def _header_table(op: str) -> list[tuple[str, str]]:
+    t = _TABLES[op]
+    text = _read(t["header"])
+    block = text[text.index(f"#define {t['macro']}(X)"):]
+    block = block[: block.index("\n\n")]
+    return re.findall(r'X\((k\w+), "([^"]+)"\)', block)
+
+
+def _function_body(text: str, name: str) -> str:
+    start = re.search(rf"^(?:template <[^>]*>\n)?(?:PFPPO_HD |auto )[^\n]*\b{name}\(", text, re.M)
+    assert start, f"{name} not found"
+    body = text[start.start():]
+    return body[: body.index("\n}\n")]
+
+
+@pytest.mark.parametrize("op", list(_TABLES))
+def test_mode_table_is_one_for_python_and_both_devices(op):
+    """Python's modes are the extension's (built from the header's table) and Python knows each
+    row; every shared switch of the header has a case per row; both device kernels include the
+    header, call its shared math, and neither lists or branches on modes of its own."""
+    t = _TABLES[op]
+    table = _header_table(op)
+    names = tuple(name for _, name in table)
+    assert len(names) >= 2, f"{op}: {t['macro']} not parsed from {t['header']}"
+    assert t["python"]() == names, f"{op}: pfppo_mega._C's table differs from {t['header']}"
+    assert tuple(t["known"]()) == names, f"{op}: Python lacks (or adds) a mode of {t['macro']}"
+    header = _read(t["header"])
+    for fn in t["switches"]:
+        body = _function_body(header, fn)
+        for ident, _ in table:
+            assert f"case {t['enum']}::{ident}:" in body, f"{op}: {fn} has no case for {ident}"
+    for device, pattern in _DEVICES.items():
+        src = pattern.format(op=op)
         text = _read(src)
-        assert '#include "../policy_loss.h"' in text and "agg_scale(" in text, src
-        assert "ppo_token(" in text and "clamp_log_ratio(" in text, f"{src}: clip math not shared"
-        assert "AggMode::" not in text, f"{src} branches on modes itself"
-        assert not any(f'"{name}"' in text for _, name in table), f"{src} spells a mode name"
+        assert f'#include "../{os.path.basename(t["header"])}"' in text, src
+        for call in t["calls"]:
+            assert call in text, f"{src} does not call the shared {call[:-1]} ({t['header']})"
+        assert f"{t['enum']}::" not in text, f"{src} branches on {t['enum']} itself"
+        assert not any(f'"{name}"' in text for name in names), f"{src} spells a mode name"
+
+
+@pytest.mark.parametrize("mode", ops.GAE_WHITEN_MODES or ["(not built)"])
+def test_gae_every_whiten_mode_matches_reference(mode):
+    """Every row of the extension's GAE table runs on the CPU kernel and matches the reference
+    with the row's (whiten, shift_mean)."""
+    whiten, shift_mean = ops.GAE_WHITEN_FLAGS[mode]
+    g = gae_inputs(5, 40, seed=31, dtype=torch.float32)
+    mask = ragged_mask(5, 40, seed=31, holes=True)
+    adv, ret = ops.gae(g["rewards"], g["values"], mask, gamma=0.99, lam=0.95, whiten=whiten,
+                       shift_mean=shift_mean)
+    r64, v64 = g["rewards"].double(), g["values"].double()
+    adv64, ret64 = ppo.compute_gae(r64, v64, mask, gamma=0.99, lam=0.95)
+    if whiten:
+        adv64 = ppo.masked_whiten(adv64, mask, shift_mean=shift_mean)
+    adv32, ret32 = ppo.compute_gae(g["rewards"], g["values"], mask, gamma=0.99, lam=0.95)
+    if whiten:
+        adv32 = ppo.masked_whiten(adv32, mask, shift_mean=shift_mean)
+    assert_within_torch_error(f"gae {mode} advantages", adv, adv32, adv64)
+    assert_within_torch_error(f"gae {mode} returns", ret, ret32, ret64)
+
+
+@pytest.mark.parametrize("op", ops.LOGPROB_MODES or ["(not built)"])
+def test_logprob_every_mode_is_registered(op):
+    """Every forward of the log-prob table is a registered op with a fake and an autograd."""
+    x = logits(3, 40, seed=23, dtype=torch.float32)
+    y = labels_for(x, seed=23)
+    args = (x, y) if op == "logprob_entropy" else (x, y, 0)
+    out = getattr(torch.ops.pfppo, op)(*args)
+    assert len(out) == 4 and all(o.shape == (3,) and o.dtype == torch.float32 for o in out)
+    torch.library.opcheck(getattr(torch.ops.pfppo, op).default, args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_policy_loss_options_from_schema():
@@ -600,43 +680,56 @@ def test_policy_loss_options_from_schema():
                         clip_ratio_high=0.2, loss_agg_mode="seq-sum")
 
 
-def _compile_probe(compiler: list[str], header_dir: str, tmp_path, suffix: str) -> subprocess.CompletedProcess:
-    n = len(KERNEL_LOSS_AGG_MODES)
-    probe = tmp_path / f"probe{suffix}"
+def _compile_probe(op: str, compiler: list[str], header_dir: str, tmp_path,
+                   suffix: str) -> subprocess.CompletedProcess:
+    t = _TABLES[op]
+    n = len(t["python"]())
+    header = os.path.basename(t["header"])
     kernel = (
-        "__global__ void probe(double* out) { out[threadIdx.x] = "
-        "pfppo::agg_scale(static_cast<pfppo::AggMode>(threadIdx.x), 2, 10, 3); }\n"
-        if suffix == ".cu" else "")
+        "__global__ void probe(double* out) { float buf[4] = {}; const int k = threadIdx.x; "
+        f"out[k] = {t['probe']}; }}\n" if suffix == ".cu" else "")
+    probe = tmp_path / f"probe_{op}{suffix}"
     probe.write_text(
-        '#include "policy_loss.h"\n'
-        f"static_assert(pfppo::kNumAggModes == {n}, \"the C++ table and Python differ\");\n"
+        f'#include "{header}"\n'
+        f"static_assert(sizeof(pfppo::{_names_array(op)}) / sizeof(const char*) == {n}, "
+        '"the C++ table and Python differ");\n'
         + kernel
-        + "double host(int k) { return pfppo::agg_scale(static_cast<pfppo::AggMode>(k), 2, 10, 3); }\n")
+        + f"double host(int k) {{ float buf[4] = {{}}; return {t['probe']}; }}\n")
     return subprocess.run(compiler + [f"-I{header_dir}", f"-I{os.path.join(_ROOT, 'csrc')}",
                                       "-c", str(probe), "-o", str(tmp_path / "probe.o")],
                           capture_output=True, text=True, timeout=120)
 
 
+def _names_array(op: str) -> str:
+    text = _read(_TABLES[op]["header"])
+    return re.search(rf"constexpr const char\* (k\w+)\[\] = \{{{_TABLES[op]['macro']}\(", text).group(1)
+
+
 @pytest.mark.parametrize("suffix", [".cpp", ".cu"])
-def test_policy_loss_modes_compile_per_backend(suffix, tmp_path):
-    """The table compiles for each backend with Python's mode count; a row added without its
-    agg_scale case fails the build (-Werror=switch) -- for nvcc too, compiled here for sm_90."""
+@pytest.mark.parametrize("op", list(_TABLES))
+def test_mode_table_compiles_per_backend(op, suffix, tmp_path):
+    """Each op's table compiles for each backend with Python's mode count; a row added without
+    its cases fails the build (-Werror=switch, as build_ext.py builds) -- for nvcc too,
+    compiled here for sm_90."""
     if suffix == ".cu":
         if shutil.which("nvcc") is None:
             pytest.skip("nvcc not on PATH: the CUDA side of the table cannot be compiled here")
         cc = ["nvcc", "-arch=sm_90", "-std=c++17", "-Xcompiler", "-Wall,-Werror=switch"]
     else:
         cc = ["g++", "-std=c++17", "-Wall", "-Werror=switch"]
-    ok = _compile_probe(cc, os.path.join(_ROOT, "csrc"), tmp_path, suffix)
+    if not _TABLES[op]["python"]():
+        pytest.skip("pfppo_mega._C is not built: no Python table to compare with")
+    ok = _compile_probe(op, cc, os.path.join(_ROOT, "csrc"), tmp_path, suffix)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    # A fourth row without a case: every backend's build must fail.
+    # One more row without its cases: every backend's build must fail.
     broken = tmp_path / "broken"
     broken.mkdir()
-    text = _read("csrc/policy_loss.h").replace(
-        '  X(kSeqMeanTokenMean, "seq-mean-token-mean")',
-        '  X(kSeqMeanTokenMean, "seq-mean-token-mean") \\\n  X(kNewMode, "new-mode")')
+    header = _TABLES[op]["header"]
+    last_id, last_name = _header_table(op)[-1]
+    row = f'X({last_id}, "{last_name}")'
+    text = _read(header).replace(row, row + ' \\\n  X(kNewMode, "new-mode")', 1)
     assert "kNewMode" in text
-    (broken / "policy_loss.h").write_text(text)
+    (broken / os.path.basename(header)).write_text(text)
     (broken / "kernel_types.h").write_text(_read("csrc/kernel_types.h"))
-    bad = _compile_probe(cc, str(broken), tmp_path, suffix)
-    assert bad.returncode != 0, "a mode without its agg_scale case compiled"
+    bad = _compile_probe(op, cc, str(broken), tmp_path, suffix)
+    assert bad.returncode != 0, f"{op}: a mode without its cases compiled"

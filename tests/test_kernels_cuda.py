@@ -36,7 +36,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def test_cuda_sources_compile():
     """Every .cu compiles with nvcc for sm_90, and the host wrappers' CUDA paths compile
-    (syntax: csrc/ops.cpp, csrc/policy_loss.cpp, csrc/api.cpp with PFPPO_WITH_CUDA)."""
+    (syntax: csrc/ops.cpp, which holds every op header's host part, and csrc/api.cpp, with
+    PFPPO_WITH_CUDA)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH: the CUDA sources cannot be compiled here")
     proc = subprocess.run(
@@ -45,7 +46,7 @@ def test_cuda_sources_compile():
     )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("  ok ") == len(list((ROOT / "csrc" / "cuda").glob("*.cu"))) + 3
+    assert proc.stdout.count("  ok ") == len(list((ROOT / "csrc" / "cuda").glob("*.cu"))) + 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,22 +133,24 @@ def test_cuda_policy_loss(mode, dual_clip_c, dtype):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "rows,cols,row_chunks,whiten",
-    [(3, 5000, 0, False), (3, 5000, 1, True), (300, 700, 0, True), (2, 1, 0, False), (4, 9000, 5, False),
-     (5, 4099, 3, True)],  # T not a multiple of the 16-byte span: scalar loads, odd pieces
+    "rows,cols,row_chunks,mode",
+    [(3, 5000, 0, "none"), (3, 5000, 1, "whiten"), (300, 700, 0, "whiten"), (2, 1, 0, "none"),
+     (4, 9000, 5, "none"), (5, 4099, 3, "whiten"),  # T not a multiple of the 16-byte span
+     *[(3, 5000, 0, m) for m in ops.GAE_WHITEN_MODES]],  # every row of the op's table
     ids=str,
 )
-def test_cuda_gae(rows, cols, row_chunks, whiten, dtype):
+def test_cuda_gae(rows, cols, row_chunks, mode, dtype):
     """3 x 5000: few rows, so rows are cut into pieces (chunked scan) unless row_chunks=1."""
+    whiten, shift_mean = ops.GAE_WHITEN_FLAGS[mode]
     g = {k: v.cuda() for k, v in gae_inputs(rows, cols, seed=55, dtype=dtype).items()}
     mask = ragged_mask(rows, cols, seed=55, holes=True).cuda()
 
     def reference(r, v):
         adv, ret = ppo.compute_gae(r, v, mask, gamma=0.99, lam=0.95)
-        return (ppo.masked_whiten(adv, mask) if whiten else adv), ret
+        return (ppo.masked_whiten(adv, mask, shift_mean=shift_mean) if whiten else adv), ret
 
     k = ops.gae(g["rewards"], g["values"], mask, gamma=0.99, lam=0.95, whiten=whiten,
-                row_chunks=row_chunks)
+                shift_mean=shift_mean, row_chunks=row_chunks)
     t = reference(g["rewards"], g["values"])
     r = reference(g["rewards"].double(), g["values"].double())
     for name, kk, tt, rr in zip(("advantages", "returns"), k, t, r):

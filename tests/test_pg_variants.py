@@ -250,13 +250,18 @@ def test_every_loss_aggregates_over_the_mask_it_declares(name):
     pg_mask[:, 0] = 0                                  # the IS mask mode dropped the first tokens
     x = tpl.PolicyLossInputs(**{**x.__dict__, "pg_mask": pg_mask})
     loss = tpl.get_policy_loss(name)
-    out = loss(x, _params(generator=torch.Generator().manual_seed(0)))
+    # rollout_correction without a rejection criterion keeps pg_mask (its criteria drop tokens from the
+    # aggregate, not from the count: tests/test_rollout_correction.py)
+    none = tpl.RolloutCorrection(is_level="token", is_upper=2.0, is_lower=None, is_normalize=False, criteria=(),
+                                 loss_type="reinforce")
+    out = loss(x, _params(generator=torch.Generator().manual_seed(0), correction=none))
     want = x.pg_mask if loss.trains_on_pg_mask else x.mask
     assert torch.equal(out.mask, want), (name, loss.trains_on_pg_mask)
 
 
 def test_every_configurable_loss_is_registered_and_tis_is_refused_with_another():
-    assert set(POLICY_LOSSES) | {"tis"} == set(tpl.POLICY_LOSSES)
+    assert set(POLICY_LOSSES) | {"tis", "rollout_correction"} == set(tpl.POLICY_LOSSES)
+    assert tpl.choose_policy_loss(use_pool=False, is_mode="truncate", rollout_correction=True) == "rollout_correction"
     assert tpl.choose_policy_loss(use_pool=False, is_mode="tis", name="gspo") == "gspo"
     assert tpl.choose_policy_loss(use_pool=True, is_mode="tis") == "tis"
     assert tpl.choose_policy_loss(use_pool=True, is_mode="truncate", name="cispo") == "cispo"

@@ -1,22 +1,11 @@
-// Raw-pointer CPU kernels (OpenMP over rows, SIMD inside a row). No torch types here:
-// csrc/ops.cpp checks the tensors and calls these.
+// Raw-pointer CPU kernels of the decoder-layer ops (CPU only; OpenMP over rows, SIMD inside a
+// row). No torch types here: csrc/ops.cpp checks the tensors and calls these. The fused ops of
+// both devices declare their kernels in their own headers (csrc/<op>.h).
 #pragma once
 
-#include "../kernel_types.h"
+#include <cstdint>
 
 namespace pfppo::cpu {
-
-// Token log-prob, entropy and logsumexp of every row of logits [N, V].
-void logprob_entropy_fwd(const LogProbArgs& a, const LogProbOut& out);
-
-// Per-row partials of a vocab shard (combine across shards in pfppo_mega/kernels).
-void logprob_entropy_partials(const LogProbArgs& a, const LogProbPartialsOut& out);
-
-// grad_logits [N, V] from grad_logp, grad_entropy [N] and the saved lse, entropy [N].
-void logprob_entropy_bwd(const LogProbArgs& a, const LogProbBwdArgs& b);
-
-// GAE advantages and returns [B, T] (advantages optionally whitened over real tokens).
-void gae(const GaeArgs& a, void* advantages, void* returns);
 
 // Fused decoder-layer kernels (csrc/cpu/layers.cpp), fp32, contiguous rows.
 // RMSNorm of N rows of E: y [N, E], rstd [N]; backward: gx [N, E], gw [E].

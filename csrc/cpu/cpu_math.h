@@ -115,23 +115,6 @@ PFPPO_INLINE double exp_f64(double x) {
   return x == x ? out : x;
 }
 
-// k3 KL term exp(x) - 1 - x in fp64 (ratio = exp(x) given): the series to x^9 for
-// |x| < 0.25 (truncation < 1e-10 relative), where the direct form cancels; direct beyond.
-PFPPO_INLINE double k3_term_f64(double x, double ratio) {
-  double q = 1.0 / 362880.0;
-  q = q * x + 1.0 / 40320.0;
-  q = q * x + 1.0 / 5040.0;
-  q = q * x + 1.0 / 720.0;
-  q = q * x + 1.0 / 120.0;
-  q = q * x + 1.0 / 24.0;
-  q = q * x + 1.0 / 6.0;
-  q = q * x + 0.5;
-  const double series = q * (x * x);
-  const double direct = (ratio - 1.0) - x;
-  const double ax = x < 0.0 ? -x : x;
-  return ax < 0.25 ? series : direct;
-}
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 }  // namespace pfppo::cpu

@@ -1,6 +1,6 @@
-// GAE over right-padded [B, T] (reference: pfppo_mega/ppo/advantages.py compute_gae):
-//   delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t
-//   A_t     = m_t (delta_t + gamma lam A_{t+1}),   R_t = m_t (A_t + V_t),   A_T = 0
+// GAE over right-padded [B, T] on the CPU. The op's modes, arguments and per-token math
+// (delta, A, R, whitening) are csrc/gae.h, shared with the CUDA kernel; this file is the
+// OpenMP/SIMD schedule around them:
 // A_t = a_t A_{t+1} + b_t with a_t = m_t gamma lam, b_t = m_t delta_t is an affine recurrence,
 // so a row can be cut into pieces scanned in parallel (chunked scan):
 //   1. each piece scans itself with A_end = 0, giving A'_start and P = prod_t a_t;
@@ -16,13 +16,12 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "../gae.h"
 #include "cpu_math.h"
 
 namespace pfppo::cpu {
 namespace {
 
-constexpr float kWhitenEps = 1e-8f;
 constexpr int kGroup = 4;
 constexpr int64_t kWhitenBlock = 16384;
 
@@ -63,13 +62,12 @@ PFPPO_CLONES void scan_group(const T* rewards, const T* values, const M* mask, T
       const float v_raw = to_f32(values[i]), r_raw = to_f32(rewards[i]);
       const float v = m ? v_raw : 0.0f;
       const float r = m ? r_raw : 0.0f;
-      const float delta = r + gamma * nv[g] - v;
-      const float a = m ? delta + gamma_lam * na[g] : 0.0f;
+      const float a = gae_advantage(m, gae_delta(r, gamma, nv[g], v), gamma_lam, na[g]);
       if constexpr (kPass == Pass::kCarryFactor) {
         pr[g] *= m ? gamma_lam : 0.0f;
       } else {
         adv_out[i] = from_f32<T>(a);
-        ret_out[i] = from_f32<T>(m ? a + v : 0.0f);
+        ret_out[i] = from_f32<T>(gae_return(m, a, v));
         if constexpr (kPass == Pass::kWriteAndSum) {
           s0[g] += m ? 1.0 : 0.0;
           s1[g] += a;
@@ -106,7 +104,7 @@ ScanSums gae_impl(const GaeArgs& g, int64_t pieces, T* adv, T* ret) {
   const T* values = static_cast<const T*>(g.values);
   const M* mask = static_cast<const M*>(g.mask);
   const float gamma = g.gamma;
-  const float gamma_lam = float(double(g.gamma) * double(g.lam));
+  const float gamma_lam = gae_gamma_lam(g);
   const int64_t piece_len = (T_ + pieces - 1) / pieces;
   const int64_t jobs = (B / G) * pieces;
   auto span = [&](int64_t k) {
@@ -157,7 +155,7 @@ ScanSums gae_impl(const GaeArgs& g, int64_t pieces, T* adv, T* ret) {
     }
     const int64_t off = b * T_;
     ScanSums part;
-    if (g.whiten) {
+    if (whitens(g.whiten)) {
       scan_group<T, M, Pass::kWriteAndSum, G>(rewards + off, values + off, mask + off,
                                               adv + off, ret + off, T_, begin, end, gamma,
                                               gamma_lam, nv, na, nullptr, &part);
@@ -207,34 +205,25 @@ ScanSums run_rows(const GaeArgs& g, T* adv, T* ret) {
 
 // One block of the whitening pass, compiled per ISA.
 template <typename T, typename M>
-PFPPO_CLONES void whiten_block(T* adv, const M* mask, int64_t n, float mean, float rstd,
-                               float add_back) {
+PFPPO_CLONES void whiten_block(T* adv, const M* mask, int64_t n, WhitenScale w) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float x = to_f32(adv[i]);
-    adv[i] = from_f32<T>(nonzero(mask[i]) ? (x - mean) * rstd + add_back : 0.0f);
+    adv[i] = from_f32<T>(whiten_token(nonzero(mask[i]), to_f32(adv[i]), w));
   }
 }
 
-// A <- (A - mean) / sqrt(var + eps) (+ mean when !shift_mean) on real tokens, 0 on padding.
+// A <- (A - mean) / sqrt(var + eps) (+ mean, per mode) on real tokens, 0 on padding.
 template <typename T, typename M>
 void whiten_impl(const GaeArgs& g, T* adv, const ScanSums& s) {
   if (s.count == 0.0) return;  // every A is already 0
   const M* mask = static_cast<const M*>(g.mask);
-  const double n = s.count;
-  const double mean = s.sum / n;
-  double var = n >= 2.0 ? (s.sum_sq - n * mean * mean) / (n - 1.0) : 0.0;  // unbiased
-  var = std::max(var, 0.0);
-  const float meanf = float(mean);
-  const float rstd = float(1.0 / std::sqrt(var + double(kWhitenEps)));
-  const float add_back = g.shift_mean ? 0.0f : meanf;
+  const WhitenScale w = whiten_scale(g.whiten, s.count, s.sum, s.sum_sq);
   const int64_t n_total = g.rows * g.cols;
   const int64_t blocks = (n_total + kWhitenBlock - 1) / kWhitenBlock;
 #pragma omp parallel for schedule(dynamic)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t i0 = blk * kWhitenBlock;
-    whiten_block(adv + i0, mask + i0, std::min(kWhitenBlock, n_total - i0), meanf, rstd,
-                 add_back);
+    whiten_block(adv + i0, mask + i0, std::min(kWhitenBlock, n_total - i0), w);
   }
 }
 
@@ -243,7 +232,7 @@ void run(const GaeArgs& g, void* adv_out, void* ret_out) {
   T* adv = static_cast<T*>(adv_out);
   T* ret = static_cast<T*>(ret_out);
   const ScanSums sums = run_rows<T, M>(g, adv, ret);
-  if (g.whiten) whiten_impl<T, M>(g, adv, sums);
+  if (whitens(g.whiten)) whiten_impl<T, M>(g, adv, sums);
 }
 
 template <typename T>

@@ -1,4 +1,6 @@
-// Token log-prob and entropy of softmax(logits) without any [N, V] temporary.
+// Token log-prob and entropy of softmax(logits) without any [N, V] temporary, on the CPU. The
+// op's modes, arguments, row outputs and per-element math are csrc/logprob_entropy.h, shared
+// with the CUDA kernel; this file is the OpenMP/SIMD schedule around them.
 //
 // Each row is read once, in chunks of kChunk columns that stay in L1: pass 1 takes the
 // chunk max, pass 2 sums exp(x - m) and exp(x - m) * (x - m) against the running max m,
@@ -12,7 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cpu_kernels.h"
+#include "../logprob_entropy.h"
 #include "cpu_math.h"
 
 namespace pfppo::cpu {
@@ -55,9 +57,7 @@ PFPPO_INLINE void chunk_update(const float* __restrict x, int64_t n, RowStats& s
       // Move the running sums from reference m to cm:
       //   s' = s e^{m-cm},  u' = e^{m-cm} (u + (m - cm) s)
       const double d = double(m) - double(cm);
-      const double scale = std::exp(d);
-      st.sumexp_shifted = (st.sumexp_shifted + d * st.sumexp) * scale;
-      st.sumexp *= scale;
+      rescale_sums(st.sumexp, st.sumexp_shifted, d, std::exp(d));
     }
     m = cm;
     st.max = m;
@@ -113,9 +113,9 @@ PFPPO_INLINE void row_grad_impl(const T* x, T* out, int64_t n, float m, float lo
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float y = kScaled ? to_f32(x[i]) / t : to_f32(x[i]);
-    float lp = (y - m) - log_s;
-    float p = exp_bounded(lp);
-    float val = -p * (g + h * (lp + entropy));
+    const float lp = softmax_logp(y, m, log_s);
+    const float p = exp_bounded(lp);
+    float val = softmax_grad(p, lp, g, h, entropy);
     if (kScaled) val = val / t;
     out[i] = from_f32<T>(p > 0.0f ? val : 0.0f);  // -inf logits: 0, not NaN
   }
@@ -158,33 +158,14 @@ float scaled(const T* x, int64_t col, float t) {
 }
 
 template <typename T>
-void fwd_impl(const LogProbArgs& a, const LogProbOut& out) {
+void rows_impl(const LogProbArgs& a, LogProbMode mode, const LogProbRows& out) {
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < a.rows; ++row) {
     const T* x = row_ptr<T>(a, row);
-    RowStats st = row_stats(x, a.valid, a.temperature);
-    double log_s = std::log(st.sumexp);
-    double lse = double(st.max) + log_s;
-    int64_t col = local_label(a, row);
-    double target = col >= 0 ? double(scaled(x, col, a.temperature)) : std::nan("");
-    out.logp[row] = float(target - lse);
-    out.entropy[row] = float(log_s - st.sumexp_shifted / st.sumexp);
-    out.row_max[row] = st.max;
-    out.log_sumexp[row] = float(log_s);
-  }
-}
-
-template <typename T>
-void partials_impl(const LogProbArgs& a, const LogProbPartialsOut& out) {
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t row = 0; row < a.rows; ++row) {
-    const T* x = row_ptr<T>(a, row);
-    RowStats st = row_stats(x, a.valid, a.temperature);
-    int64_t col = local_label(a, row);
-    out.max[row] = st.max;
-    out.sumexp[row] = float(st.sumexp);
-    out.sumexp_shifted[row] = float(st.sumexp_shifted);
-    out.target[row] = col >= 0 ? scaled(x, col, a.temperature) : 0.0f;
+    const RowStats st = row_stats(x, a.valid, a.temperature);
+    const int64_t col = local_label(a, row);
+    write_row(mode, out, row, st.max, st.sumexp, st.sumexp_shifted, col >= 0,
+              col >= 0 ? scaled(x, col, a.temperature) : 0.0f);
   }
 }
 
@@ -214,7 +195,7 @@ void bwd_impl(const LogProbArgs& a, const LogProbBwdArgs& b) {
     for (int64_t i = v1; i < c1; ++i) out[i] = from_f32<T>(0.0f);
     const int64_t col = local_label(a, row);
     if (col >= c0 && col < v1) {
-      float lp = (scaled(x, col, t) - m) - log_s;
+      float lp = softmax_logp(scaled(x, col, t), m, log_s);
       float p = std::exp(lp);
       float ent_term = p > 0.0f ? h * p * (lp + ent) : 0.0f;
       float val = g * (1.0f - p) - ent_term;
@@ -225,19 +206,11 @@ void bwd_impl(const LogProbArgs& a, const LogProbBwdArgs& b) {
 
 }  // namespace
 
-void logprob_entropy_fwd(const LogProbArgs& a, const LogProbOut& out) {
+void logprob_entropy_rows(const LogProbArgs& a, LogProbMode mode, const LogProbRows& out) {
   if (a.dtype == Scalar::kF32) {
-    fwd_impl<float>(a, out);
+    rows_impl<float>(a, mode, out);
   } else {
-    fwd_impl<Bf16>(a, out);
-  }
-}
-
-void logprob_entropy_partials(const LogProbArgs& a, const LogProbPartialsOut& out) {
-  if (a.dtype == Scalar::kF32) {
-    partials_impl<float>(a, out);
-  } else {
-    partials_impl<Bf16>(a, out);
+    rows_impl<Bf16>(a, mode, out);
   }
 }
 

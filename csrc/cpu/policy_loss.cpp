@@ -59,7 +59,7 @@ PFPPO_CLONES BlockSums loss_core(const float* __restrict logp, const float* __re
     s_loss += m ? tok.pg : 0.0;  // scaled by the caller
     s_clip += m ? float(tok.clip) : 0.0f;
     s_dual += m ? float(tok.dual) : 0.0f;
-    s_kl += m ? k3_term_f64(lr, ratio) : 0.0;
+    s_kl += m ? k3_term(lr, ratio) : 0.0;
     s_w += m ? weights[i] : 0.0f;
   }
   return {s_loss, s_clip, s_dual, s_kl, s_w};

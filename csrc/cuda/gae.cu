@@ -1,4 +1,5 @@
-// GAE over right-padded [B, T] on the GPU (reference: pfppo_mega/ppo/advantages.py):
+// GAE over right-padded [B, T] on the GPU. The op's modes, arguments and per-token math
+// (delta, A, R, whitening) are csrc/gae.h, shared with the CPU kernel:
 //   delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t,   A_t = m_t (delta_t + gamma lam A_{t+1})
 //   R_t = m_t (A_t + V_t)
 // A_t = a_t A_{t+1} + b_t (a_t = m_t gamma lam, b_t = m_t delta_t) is a linear recurrence:
@@ -32,8 +33,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../gae.h"
 #include "device_math.cuh"
-#include "launch.h"
 
 namespace pfppo::cuda {
 namespace {
@@ -51,7 +52,6 @@ template <typename T>
 constexpr int64_t tile() {
   return int64_t(kThreads) * items<T>();
 }
-constexpr float kWhitenEps = 1e-8f;
 
 struct Map {
   float p;
@@ -67,7 +67,7 @@ struct GaeWorkspace {
   Map* piece_map;  // [B * pieces]
   float* carry;    // [B * pieces]: A just after each piece
   double* stats;   // [B * pieces, 3]: sum A, sum A^2, real tokens
-  float* whiten;   // [3]: mean, 1 / std, value added back
+  WhitenScale* whiten;  // mean, 1 / std, value added back
 };
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -82,7 +82,7 @@ GaeWorkspace carve(void* base, const GaeArgs& g, int64_t pieces) {
   p += align256(jobs * sizeof(float));
   w.stats = reinterpret_cast<double*>(p);
   p += align256(jobs * 3 * sizeof(double));
-  w.whiten = reinterpret_cast<float*>(p);
+  w.whiten = reinterpret_cast<WhitenScale*>(p);
   return w;
 }
 
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   T* adv_row = kWrite ? adv + b * T_ : nullptr;
   T* ret_row = kWrite ? ret + b * T_ : nullptr;
   const float gamma = g.gamma;
-  const float gamma_lam = float(double(g.gamma) * double(g.lam));
+  const float gamma_lam = gae_gamma_lam(g);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   float carry = kWrite ? w.carry[job] : 0.0f;  // A just after the current tile
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = kItems - 1; j >= 0; --j) {
       if (j >= n) continue;
       const float nv = j + 1 < n ? v[j + 1] : v_after;
-      const float delta = r[j] + gamma * nv - v[j];
+      const float delta = gae_delta(r[j], gamma, nv, v[j]);
       own = compose(Map{m[j] ? gamma_lam : 0.0f, m[j] ? delta : 0.0f}, own);
     }
 
@@ -206,10 +206,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = kItems - 1; j >= 0; --j) {
         if (j >= n) continue;
         const float nv = j + 1 < n ? v[j + 1] : v_after;
-        const float delta = r[j] + gamma * nv - v[j];
-        const float a = m[j] ? delta + gamma_lam * a_next : 0.0f;
+        const float a = gae_advantage(m[j], gae_delta(r[j], gamma, nv, v[j]), gamma_lam, a_next);
         a_out[j] = from_f32<T>(a);
-        r_out[j] = from_f32<T>(m[j] ? a + v[j] : 0.0f);
+        r_out[j] = from_f32<T>(gae_return(m[j], a, v[j]));
         s1 += a;
         s2 += double(a) * a;
         count += m[j] ? 1.0 : 0.0;
@@ -223,7 +222,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   if constexpr (kWrite) {
-    if (g.whiten) {
+    if (whitens(g.whiten)) {
       s1 = block_sum(s1, smem);
       s2 = block_sum(s2, smem);
       count = block_sum(count, smem);
@@ -251,7 +250,7 @@ __global__ void carry_kernel(int64_t rows, int64_t pieces, GaeWorkspace w) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    whiten_stats_kernel(int64_t jobs, bool shift_mean, GaeWorkspace w) {
+    whiten_stats_kernel(int64_t jobs, GaeWhiten mode, GaeWorkspace w) {
   __shared__ double smem[32];
   double s1 = 0.0, s2 = 0.0, n = 0.0;
   for (int64_t j = threadIdx.x; j < jobs; j += kThreads) {
@@ -263,21 +262,16 @@ __global__ void __launch_bounds__(kThreads)
   s2 = block_sum(s2, smem);
   n = block_sum(n, smem);
   if (threadIdx.x != 0) return;
-  const double mean = n > 0.0 ? s1 / n : 0.0;
-  double var = n >= 2.0 ? (s2 - n * mean * mean) / (n - 1.0) : 0.0;  // unbiased, like masked_var
-  var = var > 0.0 ? var : 0.0;
-  w.whiten[0] = float(mean);
-  w.whiten[1] = float(1.0 / sqrt(var + double(kWhitenEps)));
-  w.whiten[2] = shift_mean ? 0.0f : float(mean);
+  *w.whiten = whiten_scale(mode, n, s1, s2);
 }
 
 template <typename T, typename M>
 __global__ void __launch_bounds__(kThreads)
     whiten_apply_kernel(int64_t n, const M* __restrict__ mask, T* __restrict__ adv, GaeWorkspace w) {
-  const float mean = w.whiten[0], rstd = w.whiten[1], add_back = w.whiten[2];
+  const WhitenScale ws = *w.whiten;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * kThreads) {
-    adv[i] = from_f32<T>(nonzero(mask[i]) ? (to_f32(adv[i]) - mean) * rstd + add_back : 0.0f);
+    adv[i] = from_f32<T>(whiten_token(nonzero(mask[i]), to_f32(adv[i]), ws));
   }
 }
 
@@ -311,14 +305,14 @@ size_t gae_workspace_bytes(const GaeArgs& g, int64_t pieces) {
          align256(jobs * 3 * sizeof(double)) + 256;
 }
 
-cudaError_t gae(const GaeArgs& g, int64_t pieces, void* advantages, void* returns,
-                void* workspace, void* stream_ptr) {
-  if (g.rows == 0 || g.cols == 0) return cudaSuccess;
+int gae(const GaeArgs& g, int64_t pieces, void* advantages, void* returns, void* workspace,
+        void* stream_ptr) {
+  if (g.rows == 0 || g.cols == 0) return int(cudaSuccess);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   GaeWorkspace w = carve(workspace, g, pieces);
   const int64_t jobs = g.rows * pieces;
   const int64_t len = piece_len(g, pieces);
-  return with_scalar(g.dtype, [&](auto t) {
+  return int(with_scalar(g.dtype, [&](auto t) {
     using T = decltype(t);
     return with_mask(g.mask_kind, [&](auto m) {
       using M = decltype(m);
@@ -332,8 +326,8 @@ cudaError_t gae(const GaeArgs& g, int64_t pieces, void* advantages, void* return
         if (err != cudaSuccess) return err;
       }
       scan_kernel<T, M, true><<<jobs, kThreads, 0, stream>>>(g, pieces, len, adv, ret, w);
-      if (g.whiten) {
-        whiten_stats_kernel<<<1, kThreads, 0, stream>>>(jobs, g.shift_mean, w);
+      if (whitens(g.whiten)) {
+        whiten_stats_kernel<<<1, kThreads, 0, stream>>>(jobs, g.whiten, w);
         const int64_t n = g.rows * g.cols;
         const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), 65535);
         whiten_apply_kernel<T, M><<<blocks, kThreads, 0, stream>>>(
@@ -341,7 +335,7 @@ cudaError_t gae(const GaeArgs& g, int64_t pieces, void* advantages, void* return
       }
       return cudaGetLastError();
     });
-  });
+  }));
 }
 
 }  // namespace pfppo::cuda

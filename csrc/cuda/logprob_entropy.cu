@@ -1,4 +1,5 @@
-// Token log-prob and entropy of softmax(logits [N, V] / T) on the GPU.
+// Token log-prob and entropy of softmax(logits [N, V] / T) on the GPU. The op's modes, arguments,
+// row outputs and per-element math are csrc/logprob_entropy.h, shared with the CPU kernel.
 //
 // Roofline. The forward must read every logit once and writes 16 bytes per row: N V sizeof(T)
 // bytes (bf16, 16384 x 152064: 4.98 GB, 1.2 ms at the H200's 4.1 TB/s copy rate). The
@@ -29,8 +30,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../logprob_entropy.h"
 #include "device_math.cuh"
-#include "launch.h"
 
 namespace pfppo::cuda {
 namespace {
@@ -61,9 +62,7 @@ __device__ __forceinline__ void push(Online& st, const float (&y)[kVec]) {
   if (pm > st.m) {
     if (st.s != 0.0f) {
       const float d = st.m - pm;
-      const float scale = expf(d);
-      st.u = (st.u + d * st.s) * scale;
-      st.s *= scale;
+      rescale_sums(st.s, st.u, d, expf(d));
     }
     st.m = pm;
   }
@@ -161,55 +160,38 @@ __device__ Online range_state(const T* __restrict__ row, int64_t begin, int64_t 
   return merge(a, b);
 }
 
-// The target logit y_label of row r (0 / NaN when the label is not among [0, valid)).
-template <typename T, bool kScaled>
-__device__ __forceinline__ float target_logit(const LogProbArgs& a, const T* row, int64_t r,
-                                              float missing) {
+// Row r's outputs (mode kMode) from its merged state; reads the label's logit.
+template <typename T, bool kScaled, LogProbMode kMode>
+__device__ __forceinline__ void finish_row(const LogProbArgs& a, const T* row, int64_t r,
+                                           const Online& st, const LogProbRows& out) {
   const int64_t col = a.labels[r] - a.vocab_start;
-  return col >= 0 && col < a.valid ? scaled<kScaled>(to_f32(row[col]), a.temperature) : missing;
-}
-
-template <typename T, bool kScaled, bool kPartials>
-__device__ __forceinline__ void write_row(const LogProbArgs& a, const T* row, int64_t r,
-                                          const Online& st, const LogProbOut& full,
-                                          const LogProbPartialsOut& part) {
-  if constexpr (kPartials) {
-    part.max[r] = st.m;
-    part.sumexp[r] = st.s;
-    part.sumexp_shifted[r] = st.u;
-    part.target[r] = target_logit<T, kScaled>(a, row, r, 0.0f);
-  } else {
-    const double log_s = log(double(st.s));
-    const double target = target_logit<T, kScaled>(a, row, r, NAN);
-    full.logp[r] = float(target - (double(st.m) + log_s));
-    full.entropy[r] = float(log_s - double(st.u) / double(st.s));
-    full.row_max[r] = st.m;
-    full.log_sumexp[r] = float(log_s);
-  }
+  const bool has_label = col >= 0 && col < a.valid;
+  const float y_label = has_label ? scaled<kScaled>(to_f32(row[col]), a.temperature) : 0.0f;
+  write_row(kMode, out, r, st.m, st.s, st.u, has_label, y_label);
 }
 
 // Block (r, k) of rows x splits: the state of columns [k chunk, (k + 1) chunk) of row r.
 // splits == 1 writes the row's outputs; else the state goes to states[r * splits + k].
-template <typename T, int kVec, bool kScaled, bool kPartials>
+template <typename T, int kVec, bool kScaled, LogProbMode kMode>
 __global__ void __launch_bounds__(kThreads)
     split_kernel(LogProbArgs a, int64_t splits, int64_t chunk, Online* __restrict__ states,
-                 LogProbOut full, LogProbPartialsOut part) {
+                 LogProbRows out) {
   const int64_t r = blockIdx.x / splits, k = blockIdx.x % splits;
   const T* row = static_cast<const T*>(a.logits) + r * a.row_stride;
   const int64_t begin = min(a.valid, k * chunk), end = min(a.valid, begin + chunk);
   const Online st = block_merge(range_state<T, kVec, kScaled>(row, begin, end, a.temperature));
   if (threadIdx.x != 0) return;
   if (splits == 1) {
-    write_row<T, kScaled, kPartials>(a, row, r, st, full, part);
+    finish_row<T, kScaled, kMode>(a, row, r, st, out);
   } else {
     states[blockIdx.x] = st;
   }
 }
 
 // One warp per row: merge the row's split states, write its outputs.
-template <typename T, bool kScaled, bool kPartials>
+template <typename T, bool kScaled, LogProbMode kMode>
 __global__ void combine_kernel(LogProbArgs a, int64_t splits, const Online* __restrict__ states,
-                               LogProbOut full, LogProbPartialsOut part) {
+                               LogProbRows out) {
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (r >= a.rows) return;
   const int lane = threadIdx.x & 31;
@@ -218,7 +200,7 @@ __global__ void combine_kernel(LogProbArgs a, int64_t splits, const Online* __re
   st = warp_merge(st);
   if (lane != 0) return;
   const T* row = static_cast<const T*>(a.logits) + r * a.row_stride;
-  write_row<T, kScaled, kPartials>(a, row, r, st, full, part);
+  finish_row<T, kScaled, kMode>(a, row, r, st, out);
 }
 
 template <typename T, int kVec, bool kScaled>
@@ -248,9 +230,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const int64_t c = i * kVec + j;
-      const float lp = (scaled<kScaled>(to_f32(x[it].v[j]), t) - m) - log_s;
+      const float lp = softmax_logp(scaled<kScaled>(to_f32(x[it].v[j]), t), m, log_s);
       const float p = expf(lp);
-      float v = p > 0.0f ? -p * (g + h * (lp + ent)) : 0.0f;  // -inf logits: 0, not NaN
+      float v = p > 0.0f ? softmax_grad(p, lp, g, h, ent) : 0.0f;  // -inf logits: 0, not NaN
       if (c == label) v += g;
       y.v[j] = from_f32<T>(c < a.valid ? scaled<kScaled>(v, t) : 0.0f);  // padding: 0
     }
@@ -292,9 +274,9 @@ Split choose_split(const LogProbArgs& a, int64_t vec) {
   return Split{splits, chunk};
 }
 
-template <bool kPartials>
-cudaError_t launch_rows(const LogProbArgs& a, const LogProbOut& full,
-                        const LogProbPartialsOut& part, void* workspace, cudaStream_t stream) {
+template <LogProbMode kMode>
+cudaError_t launch_rows(const LogProbArgs& a, const LogProbRows& out, void* workspace,
+                        cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
   return with_scalar(a.dtype, [&](auto t) {
     using T = decltype(t);
@@ -306,15 +288,15 @@ cudaError_t launch_rows(const LogProbArgs& a, const LogProbOut& full,
     auto run = [&](auto scaled_tag) {
       constexpr bool kScaled = decltype(scaled_tag)::value;
       if (vec) {
-        split_kernel<T, kVec, kScaled, kPartials>
-            <<<blocks, kThreads, 0, stream>>>(a, sp.splits, sp.chunk, states, full, part);
+        split_kernel<T, kVec, kScaled, kMode>
+            <<<blocks, kThreads, 0, stream>>>(a, sp.splits, sp.chunk, states, out);
       } else {
-        split_kernel<T, 1, kScaled, kPartials>
-            <<<blocks, kThreads, 0, stream>>>(a, sp.splits, sp.chunk, states, full, part);
+        split_kernel<T, 1, kScaled, kMode>
+            <<<blocks, kThreads, 0, stream>>>(a, sp.splits, sp.chunk, states, out);
       }
       if (sp.splits > 1) {
-        combine_kernel<T, kScaled, kPartials>
-            <<<ceil_div(a.rows, 8), 256, 0, stream>>>(a, sp.splits, states, full, part);
+        combine_kernel<T, kScaled, kMode>
+            <<<ceil_div(a.rows, 8), 256, 0, stream>>>(a, sp.splits, states, out);
       }
     };
     if (a.temperature == 1.0f) {
@@ -348,21 +330,17 @@ size_t logprob_workspace_bytes(const LogProbArgs& a) {
   return size_t(a.rows * std::max(sp.splits, scalar.splits)) * sizeof(Online) + 256;
 }
 
-cudaError_t logprob_entropy_fwd(const LogProbArgs& a, const LogProbOut& out, void* workspace,
-                                void* stream) {
-  return launch_rows<false>(a, out, LogProbPartialsOut{}, workspace,
-                            static_cast<cudaStream_t>(stream));
+int logprob_entropy_rows(const LogProbArgs& a, LogProbMode mode, const LogProbRows& out,
+                         void* workspace, void* stream) {
+  return int(with_logprob_mode(mode, [&](auto tag) {
+    return launch_rows<decltype(tag)::value>(a, out, workspace, static_cast<cudaStream_t>(stream));
+  }));
 }
 
-cudaError_t logprob_entropy_partials(const LogProbArgs& a, const LogProbPartialsOut& out,
-                                     void* workspace, void* stream) {
-  return launch_rows<true>(a, LogProbOut{}, out, workspace, static_cast<cudaStream_t>(stream));
-}
-
-cudaError_t logprob_entropy_bwd(const LogProbArgs& a, const LogProbBwdArgs& b, void* stream_ptr) {
-  if (a.rows == 0) return cudaSuccess;
+int logprob_entropy_bwd(const LogProbArgs& a, const LogProbBwdArgs& b, void* stream_ptr) {
+  if (a.rows == 0) return int(cudaSuccess);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  return with_scalar(a.dtype, [&](auto t) {
+  return int(with_scalar(a.dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int kVec = 16 / sizeof(T);
     auto run = [&](auto scaled_tag) {
@@ -381,7 +359,7 @@ cudaError_t logprob_entropy_bwd(const LogProbArgs& a, const LogProbBwdArgs& b, v
       run(std::true_type{});
     }
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace pfppo::cuda

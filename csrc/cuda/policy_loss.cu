@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
       s[0] += tok.pg;
       s[1] += tok.clip;
       s[2] += tok.dual;
-      s[3] += expm1(lr) - lr;
+      s[3] += k3_term(lr, ratio);
       s[4] += weight;
     }
     store_span<kSpan>(grad_row + t0, n, g);

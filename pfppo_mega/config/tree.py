@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -169,7 +170,23 @@ class ModelConfig(Section):
     tie_word_embeddings: Optional[bool] = opt(None, "Share the input embedding and the LM head.")
     params_dtype: str = opt(
         "float32", "Parameter and compute dtype of the trainer models. bfloat16: bf16 weights and compute, "
-                   "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer.")
+                   "with fp32 main weights, fp32 gradients and fp32 Adam states in megatron's optimizer. float16: "
+                   "the same with fp16 weights and compute, and megatron's loss scaler (loss_scale, "
+                   "initial_loss_scale, min_loss_scale, loss_scale_window, loss_scale_hysteresis): the loss is "
+                   "multiplied by the scale before the backward, and a step whose gradients hold an inf/nan is "
+                   "skipped (counted in guard/loss_scale_overflows and guard/skipped_updates) and lowers the "
+                   "scale; the scaler's state is in the checkpoint. verl's megatron.dtype float16 (fp16 removes "
+                   "much of the training/inference mismatch when the engine also runs float16).")
+    loss_scale: Optional[float] = opt(
+        None, "float16: a constant loss scale (> 0); null = dynamic (megatron's DynamicGradScaler). Read only "
+              "with params_dtype float16.")
+    initial_loss_scale: float = opt(2.0 ** 32, "float16, dynamic: the first scale (megatron's default 2^32; "
+                                               "the first steps overflow and halve it).")
+    min_loss_scale: float = opt(1.0, "float16, dynamic: the scale never falls below it, in (0, initial_loss_scale].")
+    loss_scale_window: int = opt(1000, "float16, dynamic: the scale doubles after this many steps without "
+                                       "an inf/nan gradient.")
+    loss_scale_hysteresis: int = opt(2, "float16, dynamic: inf/nan steps tolerated before the first halving "
+                                        "(megatron's hysteresis); later ones halve at once until a clean window.")
     layer_spec: str = opt(
         "auto", "Transformer layer implementation: local (megatron's layers in pure torch, any machine; with "
                 "training.fused_layers their fused version: SDPA / flash attention, fused RMSNorm, SwiGLU and "
@@ -201,6 +218,7 @@ class ModelConfig(Section):
             _range(p, key, getattr(self, key), ge=1, le=C.MAX_TOKENS, optional=True)
         _range(p, "rope_theta", self.rope_theta, gt=0, optional=True)
         _range(p, "norm_epsilon", self.norm_epsilon, gt=0, optional=True)
+        self._check_loss_scaling(p)
         h, q = self.num_attention_heads, self.num_query_groups
         if h and self.hidden_size and self.hidden_size % h:
             p.append(Problem("hidden_size", self.hidden_size,
@@ -211,6 +229,26 @@ class ModelConfig(Section):
 
     def is_complete(self) -> bool:
         return all(getattr(self, k) is not None for k in self.SHAPE_FIELDS)
+
+    SCALER_DEFAULTS: ClassVar[dict[str, Any]] = {"loss_scale": None, "initial_loss_scale": 2.0 ** 32,
+                                                  "min_loss_scale": 1.0, "loss_scale_window": 1000,
+                                                  "loss_scale_hysteresis": 2}
+
+    def _check_loss_scaling(self, p: list[Problem]) -> None:
+        _range(p, "loss_scale", self.loss_scale, gt=0, le=C.MAX_LOSS_SCALE, optional=True)
+        _range(p, "initial_loss_scale", self.initial_loss_scale, gt=0, le=C.MAX_LOSS_SCALE)
+        _range(p, "min_loss_scale", self.min_loss_scale, gt=0, le=C.MAX_LOSS_SCALE)
+        _range(p, "loss_scale_window", self.loss_scale_window, ge=1, le=C.MAX_STEPS)
+        _range(p, "loss_scale_hysteresis", self.loss_scale_hysteresis, ge=1, le=C.MAX_STEPS)
+        lo, hi = self.min_loss_scale, self.initial_loss_scale
+        if not any(q.key in ("min_loss_scale", "initial_loss_scale") for q in p) and lo > hi:
+            p.append(Problem("min_loss_scale", lo, f"must be <= initial_loss_scale ({hi})"))
+        if self.params_dtype != "float16":
+            for key, default in self.SCALER_DEFAULTS.items():
+                if getattr(self, key) != default and not any(q.key == key for q in p):
+                    p.append(Problem(key, getattr(self, key),
+                                     f"is read only with params_dtype float16 (here {self.params_dtype!r}: "
+                                     f"no loss scaler); remove it or set params_dtype float16"))
 
 
 @dataclass
@@ -412,6 +450,92 @@ class FilterGroupsConfig(Section):
 
 
 @dataclass
+class RolloutCorrectionConfig(Section):
+    """verl 0.9.1's rollout correction in its bypass mode (verl's algorithm.rollout_correction with
+    bypass_mode true; pfppo_mega/ppo/rollout_correction.py): the engine's log-probs are the proximal
+    policy (algorithm.recompute_old_logp false), and inside the loss the trainer's log-probs against them
+    give importance weights and a rejection mask. On when rollout_is or rollout_rs is set, or loss_type
+    is reinforce."""
+
+    rollout_is: Optional[str] = opt(
+        None, "Importance weights w = pi_theta / pi_rollout: token (each token's ratio) or sequence (the row's "
+              "product, on each of its tokens); log-ratios clamped to +-20; detached. null: none. Applied by "
+              "loss_type reinforce; ppo_clip's ratio is already pi_theta / pi_rollout (verl: not applied).")
+    rollout_is_threshold: float = opt(2.0, "Upper bound of w (> 0): TIS clamps w to it; with "
+                                           "rollout_is_threshold_lower, IcePop zeroes w outside [lower, upper].")
+    rollout_is_threshold_lower: Optional[float] = opt(
+        None, "IcePop's lower bound (in (0, rollout_is_threshold]); null: TIS (verl's 'lower_upper' threshold).")
+    rollout_is_batch_normalize: bool = opt(
+        False, "Divide w by its mean (over the micro-batch's tokens, or rows for sequence), as verl 0.9.1's "
+               "bypass loss does per micro-batch.")
+    rollout_rs: list[str] = opt(
+        factory=list, doc="Rejection criteria, every one must pass or the token (a seq_* criterion: the row) "
+                          "leaves the loss: token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 "
+                          "(k1 = -log ratio, k2 = log ratio^2 / 2, k3 = ratio - 1 - log ratio; verl's rollout_rs).")
+    rollout_rs_upper: list[float] = opt(
+        factory=list, doc="Per criterion of rollout_rs, its upper bound (> 0): k1 a ratio bound "
+                          "(log(lower) <= k1 <= log(upper)), k2 / k3 the value bound.")
+    rollout_rs_lower: list[Optional[float]] = opt(
+        factory=list, doc="Per criterion, the k1 criteria's lower ratio bound in (0, upper] (null: 1 / upper, as "
+                          "verl); null for k2 / k3. Empty: null for each.")
+    loss_type: str = opt("ppo_clip", "ppo_clip (the clipped surrogate on pi_theta / pi_rollout over the kept "
+                                     "tokens) or reinforce (-w A log pi_theta; verl's compute_policy_loss_reinforce).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"loss_type": ("ppo_clip", "reinforce")}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or bool(self.rollout_rs) or self.loss_type != "ppo_clip"
+
+    def criteria(self) -> list[tuple[str, Optional[float], float]]:
+        """(name, lower, upper) per rollout_rs criterion, a k1's missing lower filled as 1 / upper."""
+        lowers = self.rollout_rs_lower or [None] * len(self.rollout_rs)
+        return [(n, (1.0 / u if lo is None else lo) if n.endswith("k1") else None, u)
+                for n, lo, u in zip(self.rollout_rs, lowers, self.rollout_rs_upper)]
+
+    def _check(self, p: list[Problem]) -> None:
+        if self.rollout_is is not None:
+            _choice(p, "rollout_is", self.rollout_is, C.ROLLOUT_IS_LEVELS)
+        _range(p, "rollout_is_threshold", self.rollout_is_threshold, gt=0)
+        _range(p, "rollout_is_threshold_lower", self.rollout_is_threshold_lower, gt=0,
+               le=self.rollout_is_threshold if _finite(self.rollout_is_threshold) else None, optional=True)
+        for name in self.rollout_rs:
+            if name not in C.ROLLOUT_RS_CRITERIA:
+                p.append(Problem("rollout_rs", name, f"must be one of {', '.join(C.ROLLOUT_RS_CRITERIA)}"))
+        if len(set(self.rollout_rs)) != len(self.rollout_rs):
+            p.append(Problem("rollout_rs", self.rollout_rs, "names a criterion twice"))
+        n = len(self.rollout_rs)
+        if len(self.rollout_rs_upper) != n:
+            p.append(Problem("rollout_rs_upper", self.rollout_rs_upper, f"must have one bound per rollout_rs "
+                             f"criterion ({n})"))
+        if self.rollout_rs_lower and len(self.rollout_rs_lower) != n:
+            p.append(Problem("rollout_rs_lower", self.rollout_rs_lower, f"must be empty or have one entry per "
+                             f"rollout_rs criterion ({n})"))
+        if any(q.key.startswith("rollout_rs") for q in p):
+            return
+        for name, lower, upper in zip(self.rollout_rs, self.rollout_rs_lower or [None] * n, self.rollout_rs_upper):
+            if not (_finite(upper) and upper > 0):
+                p.append(Problem("rollout_rs_upper", upper, f"{name}: must be a finite number > 0"))
+            elif lower is not None and not name.endswith("k1"):
+                p.append(Problem("rollout_rs_lower", lower, f"{name}: only the k1 criteria have a lower bound; "
+                                 f"set it null"))
+            elif lower is not None and not (_finite(lower) and 0 < lower <= upper):
+                p.append(Problem("rollout_rs_lower", lower, f"{name}: must be in (0, upper = {upper}]"))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
 class AsyncConfig(Section):
     """Asynchronous RL (pfppo_mega/trainer/asynchronous/, docs/async.md): a generator process
     produces samples continuously with the versions it holds while the trainer trains; the pool of
@@ -427,7 +551,11 @@ class AsyncConfig(Section):
                                   "recency over the versions no older than max_staleness - prefetch_steps "
                                   "behind the newest (PF-PPO's snapshot sampling as a rule over the pool).")
     sampling_temperature: float = opt(1.0, "Temperature of the recency rule (> 0).")
-    request_prompts: int = opt(4, "Prompts per generator request; new weights enter between requests.")
+    request_prompts: int = opt(4, "Prompts per generator request; new weights enter between requests "
+                                  "(and, with partial_rollouts, between two decode steps of one).")
+    partial_rollouts: bool = opt(False, "New weights enter requests in flight at a token boundary (engine "
+                                        "builtin; sampling newest): each token tagged with the version that drew "
+                                        "it, the staleness bound counts a row's oldest token.")
     max_restarts: int = opt(3, "Generator process deaths tolerated (each restarted, its requests redone) "
                                "before the run stops.")
     result_timeout_s: float = opt(600.0, "Seconds the trainer waits for the generator's next result before "
@@ -446,6 +574,10 @@ class AsyncConfig(Section):
         _range(p, "request_prompts", self.request_prompts, ge=1, le=C.MAX_COUNT)
         _range(p, "max_restarts", self.max_restarts, ge=0, le=C.MAX_COUNT)
         _range(p, "result_timeout_s", self.result_timeout_s, gt=0)
+        if self.partial_rollouts and self.sampling != "newest":
+            p.append(Problem("partial_rollouts", True, f"needs sampling newest (sampling = {self.sampling!r}): a "
+                             f"request in flight switches to the newest version when one arrives, which a rule "
+                             f"drawing an older version per request would contradict"))
 
 
 @dataclass
@@ -508,6 +640,9 @@ class AlgorithmConfig(Section):
     pool: PoolConfig = opt(factory=PoolConfig, doc="PF-PPO snapshot pool.")
     filtration: FiltrationConfig = opt(factory=FiltrationConfig, doc="Policy filtration.")
     filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig, doc="DAPO's dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = opt(
+        factory=RolloutCorrectionConfig, doc="verl's rollout correction (bypass mode): IS weights and rejection "
+                                             "of the trainer's vs the engine's log-probs.")
     async_rl: AsyncConfig = opt(factory=AsyncConfig, doc="Asynchronous RL: generation overlapped with training.")
 
     ALIASES: ClassVar[dict[str, str]] = {
@@ -576,11 +711,27 @@ class AlgorithmConfig(Section):
                              "(untested here)"))
         if self.async_rl.enable:
             self._check_async(p)
+        if self.rollout_correction.enabled:
+            self._check_rollout_correction(p)
         if (self.use_pf_ppo or self.async_rl.enable) and self.pool.is_mode == "tis" and self.policy_loss != "ppo_clip":
             p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with use_pf_ppo and pool.is_mode "
                              "'tis': tis is a policy loss of its own (truncated IS, no proximal clip); use "
                              "pool.is_mode truncate or mask with this loss"))
 
+
+    def _check_rollout_correction(self, p: list[Problem]) -> None:
+        """verl's bypass mode only: the correction compares pi_theta with the engine's log-probs, which are
+        the proximal policy; one policy loss (ppo_clip or reinforce, verl's loss_type)."""
+        if self.recompute_old_logp:
+            p.append(Problem("recompute_old_logp", True, "must be false with rollout_correction (verl's bypass "
+                             "mode: the engine's log-probs are the proximal policy); verl's decoupled mode (IS "
+                             "weights from recomputed old log-probs) is not built"))
+        if self.policy_loss != "ppo_clip":
+            p.append(Problem("policy_loss", self.policy_loss, "must be ppo_clip with rollout_correction (verl's "
+                             "bypass mode trains rollout_correction.loss_type, ppo_clip or reinforce)"))
+        if self.use_pf_ppo:
+            p.append(Problem("use_pf_ppo", True, "must be false with rollout_correction (the pool corrects "
+                             "its own behaviour policies)"))
 
     def _check_async(self, p: list[Problem]) -> None:
         """What async_rl.enable cannot run with (each named by its own key)."""
@@ -885,6 +1036,10 @@ class DataConfig(Section):
                                             "function (missing: {}).")
     apply_chat_template: bool = opt(True, "Render prompts with the checkpoint's chat template "
                                           "(tokenizer_config.json); a string prompt becomes one user message.")
+    chat_template_kwargs: list[str] = opt(
+        factory=list, doc="Variables for the chat template, each name=<JSON value> (e.g. enable_thinking=false, "
+                          "reasoning_effort=\"medium\"), passed as transformers' apply_chat_template(**kwargs) "
+                          "passes them (verl's data.apply_chat_template_kwargs). Read with apply_chat_template true.")
     overlong_prompts: str = opt("filter", "Prompts longer than max_prompt_length: filter (dropped, "
                                           "counted and reported at start), error (refused at start), or cut "
                                           "to max_prompt_length tokens (after the chat template) as verl's "
@@ -919,6 +1074,22 @@ class DataConfig(Section):
         for key in ("prompt_key", "data_source_key", "ground_truth_key", "extra_info_key"):
             if not getattr(self, key) or any(not part for part in getattr(self, key).split(".")):
                 p.append(Problem(key, getattr(self, key), "must be a column name (dotted path: no empty part)"))
+        self._check_template_kwargs(p)
+
+    def _check_template_kwargs(self, p: list[Problem]) -> None:
+        """Each name=<JSON value>, a name once; only where a template is applied (data/chat.py reads them)."""
+        names = []
+        for item in self.chat_template_kwargs:
+            name, sep, text = item.partition("=")
+            if not (sep and name.isidentifier() and _is_json(text)):
+                p.append(Problem("chat_template_kwargs", item, "each must be name=<JSON value> (a string quoted: "
+                                 "reasoning_effort=\"medium\"; a flag: enable_thinking=false)"))
+            names.append(name)
+        if len(set(names)) != len(names):
+            p.append(Problem("chat_template_kwargs", self.chat_template_kwargs, "names a variable twice"))
+        if self.chat_template_kwargs and (not self.apply_chat_template or self.source == "task"):
+            p.append(Problem("chat_template_kwargs", self.chat_template_kwargs, "are read only when a chat template "
+                             "renders the prompts (data.source files with apply_chat_template true); remove them"))
 
 
 @dataclass
@@ -1087,5 +1258,11 @@ class Config(Section):
             p.append(Problem("sft.carry_digit", self.sft.carry_digit,
                              f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
                              f"(no carry reaches a higher digit)"))
+        ar = self.algorithm.async_rl
+        if ar.enable and ar.partial_rollouts and self.actor_rollout.engine not in C.PARTIAL_ROLLOUT_ENGINES:
+            p.append(Problem("algorithm.async_rl.partial_rollouts", True,
+                             f"needs actor_rollout.engine in {C.PARTIAL_ROLLOUT_ENGINES} (got "
+                             f"{self.actor_rollout.engine!r}): only they take new weights between two decode steps "
+                             f"of a request (docs/async.md, Partial rollouts)"))
         if self.sft.warmup_steps >= self.sft.steps >= 1:
             p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))

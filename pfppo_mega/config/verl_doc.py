@@ -74,26 +74,76 @@ def _row(r: Rule) -> str:
 
 # What verl's DAPO recipe, warm-up, truncation and serving keys become (by hand: the code is
 # pfppo_mega/trainer/collect.py, trainer/lr_schedule.py and data/files.py; tests named below).
-MAPPING = """## Config mapping: DAPO, learning-rate schedule, truncation, serving keys (issue 36)
+MAPPING = """## Config mapping: DAPO, learning-rate schedule, truncation, serving keys, fp16, rollout correction (issue 36)
 
 Counted over verl's 157 `main_ppo` example and recipe scripts (tests/data, verl b178a3c): 79 loaded
-unchanged before these mappings, 112 after them, 114 with `remax`, **115 of 157 (73%)** now, with
-`trainer.resume_from_path` ignored unless `resume_mode` is `resume_path` (verl reads it only then).
-tests/test_verl_layout.py writes out every refused script with its keys, each refusal's reason and
-the fix it names. Issue 36's target, 90% (142 scripts), is not reached: the 42 scripts left need
-features this trainer does not have, and refusing is the honest answer for each:
+unchanged before these mappings, 112 after them, 114 with `remax`, 115 with `trainer.resume_from_path`
+ignored unless `resume_mode` is `resume_path` (verl reads it only then), then 117 with fp16 training,
+119 with verl's rollout correction, 121 with `over_sample_rate` read as verl 0.9.1 reads it (not at
+all), 122 with chat-template arguments and **123 of 157 (78%)** with `optimal_token_baseline`
+(`.venv/bin/python tests/test_verl_layout.py` prints the count). tests/test_verl_layout.py writes out
+every refused script with its keys, each refusal's reason and the fix it names. Issue 36's target,
+90% (142 scripts), is not reached: the 34 scripts left need features this trainer does not have, and
+refusing is the honest answer for each:
 
 | scripts | what they need | the fix the refusal names |
 |---|---|---|
 | 13 | LoRA (`lora_rank`, `lora.rank`, `lora_adapter_path`) | remove it: full fine-tuning; merge an adapter into its base model |
 | 11 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class or reward manager (retool, collabllm, deepeyes, langgraph, sglang multi-turn, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
-| 3 | fp16 / fp8 training | `bfloat16`; remove the fp8 override |
 | 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
-| 2 | verl's rollout correction (IS weights, rejection sampling) | remove the `rollout_correction` keys |
 | 2 | FAPO's generative reward model (a reward function that queries the model) | drop the function, or mix model and rule scores in our keys |
-| 2 | a curriculum sampler | remove it |
-| 2 | rollout over-sampling (`over_sample_rate` 0.1) | 0 |
-| 1 each | chat-template arguments, multi-token prediction, `optimal_token_baseline`, sandbox-fusion rewards, an NPU | the template's defaults; remove it; one of our estimators; your own reward function; `cuda` |
+| 2 | a user's curriculum sampler class (`data.sampler.class_path`, in two multi-turn tool scripts) | remove it |
+| 1 each | fp8 training, multi-token prediction, sandbox-fusion rewards, an NPU | remove the fp8 override; remove it; your own reward function; `cuda` |
+
+The count reads each script's overrides on verl's default trainer config. 12 of the scripts counted
+as loading (examples/sglang_multiturn/*, with `--config-name gsm8k_multiturn_grpo` and the like) name
+a multi-turn config file whose `multi_turn.enable: true` is not in their overrides: launched with
+that file they are refused on `multi_turn.enable`, as the rest of the multi-turn scripts are.
+
+- **fp16 training** (`recipe/dapo/*_fp16.sh`): `actor.megatron.dtype=float16` ->
+  `model.params_dtype: float16`: megatron's Float16Module and its mixed-precision optimizer (fp32 main
+  weights, gradients and Adam states) with the dynamic loss scaler (`model.loss_scale` null,
+  `initial_loss_scale` 2^32, `min_loss_scale` 1, `loss_scale_window` 1000, `loss_scale_hysteresis` 2:
+  megatron-core's defaults, which verl's megatron optimizer keeps). The loss is multiplied by the scale
+  before the backward; a step whose gradients hold an inf or NaN is skipped (no weight or moment
+  changes), counted in `guard/loss_scale_overflows` and `guard/skipped_updates`, and lowers the scale
+  (`policy/loss_scale`, `critic/loss_scale`); such skips do not count towards
+  `training.max_consecutive_skipped_updates` until the scale is at its minimum. The scaler's state is in
+  the checkpoint. `rollout.dtype=float16` -> `actor_rollout.dtype: float16` (vLLM's `dtype`, the
+  built-in engine's weights). The fused LM head hands its fp16 logits to the float32 kernels, as
+  Float16Module does for megatron's head. The memory ledger counts fp16 as bf16 (2-byte weights,
+  fp32 grads, main weights and moments). tests/test_fp16.py (a run trains; an injected inf gradient
+  skips the step and halves the scale; resume restores the scaler). fp8 stays refused.
+- **Rollout correction** (`examples/rollout_correction/*`, verl 0.9.1's bypass mode):
+  `algorithm.rollout_correction.*` keeps verl's names (`rollout_is` token / sequence,
+  `rollout_is_threshold` a number (TIS) or `'lower_upper'` (IcePop) -> `rollout_is_threshold` /
+  `rollout_is_threshold_lower`, `rollout_is_batch_normalize`, `rollout_rs` comma-separated ->
+  a list, `rollout_rs_threshold` -> `rollout_rs_upper` / `rollout_rs_lower` per criterion, a k1
+  criterion's single `u` meaning `[1/u, u]`, `loss_type` ppo_clip / reinforce); `bypass_mode=true` ->
+  `algorithm.recompute_old_logp: false`. In the loss, with delta = log pi_theta - log pi_rollout: the
+  rejection criteria (token / seq_sum / seq_mean / seq_max of k1 = -delta, k2 = delta^2/2, k3 = e^delta
+  - 1 - delta) drop tokens or rows from the aggregate (its denominator stays the step's token / row
+  count, as verl's global batch counts); `ppo_clip` trains the clipped surrogate on pi_theta /
+  pi_rollout without IS weights (verl: the ratio is the correction), `reinforce` -w A log pi_theta
+  with the truncated weights (pfppo_mega/ppo/rollout_correction.py; tests/test_rollout_correction.py
+  checks every criterion and weight against its formula). Difference: `rollout_is_batch_normalize`
+  divides by the mean over this rank's micro-batch; verl all-reduces that mean over the data-parallel
+  ranks in its loss (equal at DP = 1). verl's decoupled mode (`bypass_mode=false` with rollout_is /
+  rollout_rs / reinforce: weights from recomputed old log-probs) is refused with that fix.
+- **`rollout.over_sample_rate`**: verl 0.9.1 declares it (abort the last fraction of a batch's
+  requests) in its RolloutConfig and no code of the release reads it, so it is ignored here too, with
+  that reason; a value outside [0, 1) is still named.
+- **Chat-template arguments**: `data.apply_chat_template_kwargs.NAME=value` ->
+  `data.chat_template_kwargs: ['NAME=<JSON value>']`, passed to the checkpoint's template as
+  transformers' `apply_chat_template(**kwargs)` passes them (`reasoning_effort`, `enable_thinking`;
+  tests/test_chat_template_kwargs.py renders against transformers).
+- **`optimal_token_baseline`** (verl 0.9.1's OTB): A_t = G_t - B_t with, per prompt group and
+  position, B_t = sum_i G_t W_t / (sum_i W_t + 1e-8), W_t the running sum of 1 - 2 pi_t + sum_v
+  pi(v)^2 (old log-probs); a group of one has no baseline; a group's strictly longest row has B = 0
+  past the second-longest length. The prepare pass computes sum_v pi(v)^2 with one more actor forward
+  through megatron's head (verl's `calculate_sum_pi_squared`, needed there, is implied here); no
+  rollout IS weights in W (verl applies them only in its decoupled correction mode, refused here).
+  tests/test_optimal_token_baseline.py.
 
 - **Dynamic sampling** (`data.gen_batch_size` > `data.train_batch_size`, with
   `algorithm.filter_groups.enable`): `algorithm.filter_groups.gen_batch_size`. Each round generates
@@ -125,7 +175,7 @@ features this trainer does not have, and refusing is the honest answer for each:
   first, middle the first `max_prompt_length // 2` and the rest from the end (verl's
   `postprocess_data`); `data.filter_overlong_prompts=True` drops them first, as verl.
   tests/test_truncation.py.
-- **Serving keys**: `rollout.dtype` -> `actor_rollout.dtype` (float16 refused),
+- **Serving keys**: `rollout.dtype` -> `actor_rollout.dtype`,
   `rollout.enforce_eager` -> `actor_rollout.enforce_eager`, `rollout.max_num_seqs` ->
   `actor_rollout.max_num_seqs`.
 - **Reward model**: `reward_model.enable` maps to `reward.model_path` with `reward.rule_weight = 0`
@@ -177,7 +227,7 @@ Policy losses (`algorithm.policy_loss`, verl's names), each read against verl 0.
 CISPO accepts verl's canonical `clip_ratio_low = 10` (any value > 0: the lower bound `1 - eps_low`
 binds only below it; every other loss keeps `0 < clip_ratio_low < 1`). verl 0.9.1's other losses
 (`dppo_tv`, `dppo_kl`, `dro`), its `token-sum` aggregation and its estimators without a counterpart
-here (`optimal_token_baseline`, `tir_optimal_token_baseline`, `gdpo`) are refused by name with the
+here (`tir_optimal_token_baseline`, `gdpo`) are refused by name with the
 list of ours; `rloo_vectorized` and `grpo_vectorized` are verl's vectorised `rloo` / `grpo` (the same
 values). `tests/test_pg_variants.py` and `tests/test_verl091_losses.py` check each formula against a
 reference written in the test; `tests/test_grpo_e2e.py` checks every loss the update computes in a

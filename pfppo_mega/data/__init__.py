@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from pfppo_mega.data.chat import ChatTemplate
+from pfppo_mega.data.chat import ChatTemplate, ChatTemplateError, template_kwargs
 from pfppo_mega.data.files import DataError, FilePrompts, Keys, load_samples
 from pfppo_mega.types import PromptSource, Sample
 
@@ -20,13 +20,18 @@ class PromptData:
     train_rows: list[Sample]       # every training row loaded (files; [] for a generated task), for start-up checks
 
 
-def chat_template_of(tokenizer, model_dir: str | Path) -> ChatTemplate | None:
+def chat_template_of(tokenizer, model_dir: str | Path, kwargs: Sequence[str] = ()) -> ChatTemplate | None:
+    """The checkpoint's chat template, with data.chat_template_kwargs (``kwargs``) as its variables."""
     source = tokenizer.chat_template
+    extra = template_kwargs(list(kwargs))
     if source is None:
+        if extra:
+            raise ChatTemplateError(f"data.chat_template_kwargs = {list(kwargs)}: the checkpoint ({model_dir}) has no "
+                                    f"chat template to pass them to")
         return None
     names = {"bos_token": tokenizer.token(tokenizer.bos_id), "eos_token": tokenizer.token(tokenizer.eos_id),
              "pad_token": tokenizer.token(tokenizer.pad_id)}
-    return ChatTemplate(source, special_tokens=names, where=tokenizer.chat_template_file)
+    return ChatTemplate(source, special_tokens=names, where=tokenizer.chat_template_file, extra=extra)
 
 
 def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Random, dp_rank: int = 0,
@@ -40,7 +45,7 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
         from pfppo_mega.tasks.addition import AdditionPrompts, AdditionTask
         src = AdditionPrompts(AdditionTask.from_config(d), tokenizer, rng, dp_rank=dp_rank, dp_size=dp_size)
         return PromptData(train=src, val=src.eval_samples(d.eval_size), train_rows=[])
-    template = chat_template_of(tokenizer, model_dir) if d.apply_chat_template else None
+    template = chat_template_of(tokenizer, model_dir, d.chat_template_kwargs) if d.apply_chat_template else None
     for note in template.notes if template is not None else ():
         log(f"[pfppo] warning: {note}")
     keys = Keys(prompt=d.prompt_key, data_source=d.data_source_key, ground_truth=d.ground_truth_key,

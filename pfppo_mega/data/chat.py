@@ -7,6 +7,7 @@ tests/test_data.py checks the output against transformers on the example tokeniz
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import threading
@@ -48,9 +49,38 @@ def _time_limit(seconds: float, what: str):
         signal.signal(signal.SIGALRM, old)
 
 
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "raise_exception")
+
+
+def template_kwargs(items: list[str], *, key: str = "data.chat_template_kwargs") -> dict[str, Any]:
+    """data.chat_template_kwargs ("name=<JSON value>" each, e.g. 'enable_thinking=false',
+    'reasoning_effort="medium"') as the variables they give the template, as transformers'
+    apply_chat_template(**kwargs) passes them (verl's data.apply_chat_template_kwargs). Named errors."""
+    out: dict[str, Any] = {}
+    for i, item in enumerate(items):
+        name, sep, text = item.partition("=")
+        where = f"{key}[{i}] = {item!r}"
+        if not sep or not name.isidentifier():
+            raise ChatTemplateError(f"{where}: must be name=<JSON value> with a Python identifier as the name, "
+                                    f"e.g. enable_thinking=false or reasoning_effort=\"medium\"")
+        if name in RESERVED:
+            raise ChatTemplateError(f"{where}: {name!r} is set by the renderer itself ({', '.join(RESERVED)})")
+        if name in out:
+            raise ChatTemplateError(f"{where}: {name!r} is given twice")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ChatTemplateError(f"{where}: the value {text!r} is not JSON (quote a string: "
+                                    f"{name}=\"{text}\")") from None
+        out[name] = value
+    return out
+
+
 class ChatTemplate:
-    def __init__(self, source: str, *, special_tokens: dict[str, str | None], where: str):
+    def __init__(self, source: str, *, special_tokens: dict[str, str | None], where: str,
+                 extra: dict[str, Any] | None = None):
         self.where = where
+        self.extra = dict(extra or {})  # the template's own arguments (data.chat_template_kwargs)
         self.lines = re.split(r"\r\n|\r|\n", source)  # as Jinja's lexer counts lines
         if len(source) > MAX_TEMPLATE_CHARS:
             raise ChatTemplateError(f"{where}: chat_template is {len(source):,} characters (at most "
@@ -91,7 +121,7 @@ class ChatTemplate:
         try:
             with _time_limit(MAX_RENDER_S, f"{self.where}: chat_template"):
                 out = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **self.special_tokens)
+                                           **self.special_tokens, **self.extra)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.where}: chat_template refused the prompt: {e}"
                                     f"{self._line_of(e)}") from None
@@ -119,7 +149,6 @@ class ChatTemplate:
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
-    import json
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 

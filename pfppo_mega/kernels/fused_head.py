@@ -57,7 +57,13 @@ from pfppo_mega.kernels.vocab_parallel import combine_over_group
 
 DEFAULT_CHUNK_TOKENS = 128  # rows per chunk, as training.fused_head_chunk_tokens: [128, 151936] fp32 is 78 MB
 MAX_CHUNK_TOKENS = MAX_HEAD_CHUNK_TOKENS
-_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _for_backend(logits: torch.Tensor) -> torch.Tensor:
+    """The kernels take float32 / bfloat16: fp16 logits go to them in fp32, as megatron's Float16Module
+    hands the unfused head's fp16 logits on in fp32 (and the gradient comes back to fp16 the same way)."""
+    return logits.float() if logits.dtype == torch.float16 else logits
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class _FusedHead(torch.autograd.Function):
         shard = dict(vocab_start=opt.vocab_start, vocab_size=opt.vocab_size, temperature=opt.temperature)
         parts = torch.empty(4, n, dtype=torch.float32, device=hidden.device)  # m, s, u, target per row
         for s, e in _spans(n, opt.chunk_tokens):
-            logits = torch.matmul(x[s:e], weight.t())                         # [c, Vs]
+            logits = _for_backend(torch.matmul(x[s:e], weight.t()))           # [c, Vs]
             p = opt.backend.logprob_entropy_partials(logits, labels[s:e], **shard)
             del logits
             for i, part in enumerate((p.max, p.sumexp, p.sumexp_shifted, p.target)):
@@ -143,7 +149,10 @@ class _FusedHead(torch.autograd.Function):
             logits = torch.matmul(x[s:e], w.t(), out=block[:e - s])            # [c, valid], recomputed
             combined = LogProbCombined(None, entropy[s:e], row_max[s:e], log_sumexp[s:e])
             grad_logits = opt.backend.logprob_entropy_shard_backward(
-                logits, labels[s:e], combined=combined, grad_logp=g[s:e], grad_entropy=gh[s:e], **shard)
+                _for_backend(logits), labels[s:e], combined=combined, grad_logp=g[s:e], grad_entropy=gh[s:e],
+                **shard)
+            if x.dtype == torch.float16:  # back in the operands' dtype, as through Float16Module's cast
+                grad_logits = grad_logits.to(torch.float16)
             del logits
             if grad_x is not None:
                 torch.matmul(grad_logits, w, out=grad_x[s:e])                 # [c, H]
@@ -181,7 +190,7 @@ def _check(fn: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         raise TypeError(f"{fn}: labels must be int64 token ids, got {labels.dtype}")
     for name, t in (("hidden", hidden), ("weight", weight)):
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{fn}: {name} must be float32 or bfloat16, got {t.dtype}")
+            raise TypeError(f"{fn}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
     if len({hidden.device, weight.device, labels.device}) != 1:
         raise ValueError(f"{fn}: hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) "
                          f"must be on one device")
@@ -217,7 +226,7 @@ def fused_linear_logprob_entropy(
     shard), identical on every rank; vocab_parallel_logprob_entropy(hidden @ weight^T, ...) without
     the logits.
 
-    hidden [N, H] float32/bfloat16 (identical on every rank of the group: the response positions'
+    hidden [N, H] float32/bfloat16/float16 (identical on every rank of the group: the response positions'
     final hidden states), weight [Vs, H] this rank's rows of the head (global rows vocab_start ..
     vocab_start + Vs; rows >= vocab_size are padding), labels [N] int64 global indices < vocab_size
     (None: Vs). Differentiable with respect to hidden and weight (see the module docstring for

@@ -1,8 +1,10 @@
 """The pfppo:: torch ops (pfppo_mega._C): fake shapes, autograd, and typed Python wrappers.
 
-Each op has four parts: the kernels (csrc/cpu, csrc/cuda), the C++ API layer that checks every
-input (csrc/api.cpp), the registrations below (fake implementation for meta/FakeTensor tracing,
-autograd), and the pure-torch reference in pfppo_mega.ppo that the tests compare against.
+Each op is one header (csrc/<op>.h: its table of modes, arguments, device-neutral math and, for
+the host, its schema, input checks and one wrapper for both devices), one kernel per device
+(csrc/cpu/<op>.cpp, csrc/cuda/<op>.cu), the registrations below (fake implementation for
+meta/FakeTensor tracing, autograd), and the pure-torch reference that the tests compare against.
+The tables of modes come from the extension (pfppo_mega._C.*_modes), never written here again.
 
 The ops are strict (2-D, contiguous, float32/bfloat16, int64 labels) and name the argument and
 its expected shape when given anything else; pfppo_mega.kernels.FusedBackend adapts general
@@ -71,18 +73,16 @@ def _check(cond: bool, msg: str) -> None:
     torch._check(cond, lambda: msg)
 
 
-def _fake_logprob_entropy(logits, labels, temperature=1.0, vocab_size=-1):
-    _check(logits.dim() == 2, "pfppo::logprob_entropy: logits must be [N, V]")
-    _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy: labels must be [N]")
-    n = logits.shape[0]
-    return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
+def _fake_logprob_rows(op: str):
+    """The fake of a forward of the log-prob table (every mode: four [N] float32 outputs)."""
 
+    def fake(logits, labels, *_options):
+        _check(logits.dim() == 2, f"pfppo::{op}: logits must be [N, V]")
+        _check(labels.shape == logits.shape[:1], f"pfppo::{op}: labels must be [N]")
+        n = logits.shape[0]
+        return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
 
-def _fake_logprob_entropy_partials(logits, labels, vocab_start, temperature=1.0, vocab_size=-1):
-    _check(logits.dim() == 2, "pfppo::logprob_entropy_partials: logits must be [N, V]")
-    _check(labels.shape == logits.shape[:1], "pfppo::logprob_entropy_partials: labels must be [N]")
-    n = logits.shape[0]
-    return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(4))
+    return fake
 
 
 def _fake_logprob_entropy_backward(
@@ -127,6 +127,13 @@ def _logprob_entropy_backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log
     return grad, None, None, None
 
 
+def _not_differentiable(op: str, hint: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"pfppo::{op} is not differentiable; {hint}")
+
+    return backward
+
+
 def _policy_loss_setup(ctx, inputs, output):
     *_stats, grad_logp = output
     ctx.mark_non_differentiable(*output[1:])
@@ -145,22 +152,30 @@ def _policy_loss_backward(ctx, grad_loss, *_unused):
     return (grad,) + (None,) * (3 + len(POLICY_LOSS_OPTIONS))
 
 
-def _not_differentiable(op: str, hint: str):
-    def backward(ctx, *grads):
-        raise RuntimeError(f"pfppo::{op} is not differentiable; {hint}")
-
-    return backward
+# The autograd of each forward of the log-prob table (csrc/logprob_entropy.h): the full
+# vocabulary's backward, or none for a shard's partials (vocab_parallel has its own Function).
+# tests/test_kernels.py checks that these keys are exactly the extension's LOGPROB_MODES.
+_LOGPROB_AUTOGRAD = {  # op: (backward, setup_context)
+    "logprob_entropy": (_logprob_entropy_backward, _logprob_entropy_setup),
+    "logprob_entropy_partials": (
+        _not_differentiable(
+            "logprob_entropy_partials",
+            "use vocab_parallel_logprob_entropy or logprob_entropy_shard_backward",
+        ),
+        None,
+    ),
+}
 
 
 def _register() -> None:
-    torch.library.register_fake("pfppo::logprob_entropy", _fake_logprob_entropy)
-    torch.library.register_fake("pfppo::logprob_entropy_partials", _fake_logprob_entropy_partials)
+    for op in LOGPROB_MODES:  # a row Python does not know has no fake and fails the table test
+        if op in _LOGPROB_AUTOGRAD:
+            torch.library.register_fake(f"pfppo::{op}", _fake_logprob_rows(op))
+            backward, setup = _LOGPROB_AUTOGRAD[op]
+            torch.library.register_autograd(f"pfppo::{op}", backward, setup_context=setup)
     torch.library.register_fake("pfppo::logprob_entropy_backward", _fake_logprob_entropy_backward)
     torch.library.register_fake("pfppo::policy_loss", _fake_policy_loss)
     torch.library.register_fake("pfppo::gae", _fake_gae)
-    torch.library.register_autograd(
-        "pfppo::logprob_entropy", _logprob_entropy_backward, setup_context=_logprob_entropy_setup
-    )
     torch.library.register_autograd(
         "pfppo::policy_loss", _policy_loss_backward, setup_context=_policy_loss_setup
     )
@@ -168,13 +183,6 @@ def _register() -> None:
     torch.library.register_autograd(
         "pfppo::gae",
         _not_differentiable("gae", "GAE targets are constants: pass detached rewards and values"),
-    )
-    torch.library.register_autograd(
-        "pfppo::logprob_entropy_partials",
-        _not_differentiable(
-            "logprob_entropy_partials",
-            "use vocab_parallel_logprob_entropy or logprob_entropy_shard_backward",
-        ),
     )
     torch.library.register_autograd(
         "pfppo::logprob_entropy_backward",
@@ -190,11 +198,22 @@ def _schema_options(op: str, tensors: int) -> tuple[str, ...]:
     return tuple(a.name for a in getattr(torch.ops.pfppo, op).default._schema.arguments[tensors:])
 
 
-# The op's modes and keywords as the extension declares them (csrc/policy_loss.h and the
-# schema in csrc/policy_loss.cpp); pfppo_mega.constants.KERNEL_LOSS_AGG_MODES mirrors the modes
-# for the config layer, and tests/test_kernels.py checks that the two agree.
+# Each fused op's table of modes as the extension declares it (csrc/<op>.h, exported by
+# csrc/module.cpp), and the policy loss's keywords as its schema declares them.
+# pfppo_mega.constants.KERNEL_LOSS_AGG_MODES mirrors the loss modes for the config layer;
+# tests/test_kernels.py checks every table against Python, the CPU and the CUDA sources.
 POLICY_LOSS_AGG_MODES: tuple[str, ...] = tuple(getattr(_C, "policy_loss_agg_modes", ()))
 POLICY_LOSS_OPTIONS: tuple[str, ...] = _schema_options("policy_loss", 4)
+GAE_WHITEN_MODES: tuple[str, ...] = tuple(getattr(_C, "gae_whiten_modes", ()))
+LOGPROB_MODES: tuple[str, ...] = tuple(getattr(_C, "logprob_modes", ()))
+
+# The reference's (whiten, shift_mean) of each row of the GAE table (pfppo_mega.ppo.masked_whiten);
+# tests/test_kernels.py runs every row of the extension's table through it against the kernel.
+GAE_WHITEN_FLAGS: dict[str, tuple[bool, bool]] = {
+    "none": (False, True),
+    "whiten": (True, True),
+    "whiten-keep-mean": (True, False),
+}
 
 if _C is not None:
     _register()

@@ -75,7 +75,7 @@ from pfppo_mega.families import (
 from pfppo_mega.models import fused_layers, vocab_grads
 from pfppo_mega.models.reshard import padded_vocab_size
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- config
@@ -268,6 +268,7 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,  # megatron's fp16: Float16Module, and a loss scaler in the optimizer
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=features.sequence_parallel,  # GPUs only (check_features)
@@ -447,7 +448,7 @@ def wrap_frozen(model: GPTModel) -> torch.nn.Module:
     local-spec norms are built fp32) and the inputs to bf16 and the last stage's output to fp32,
     so a reference equal to the actor computes the actor's logits bit for bit (KL = 0 at step 0).
     Eval mode, no gradients; checked to be on the model's device in the config's dtype."""
-    module: torch.nn.Module = Float16Module(model.config, model) if model.config.bf16 else model
+    module: torch.nn.Module = Float16Module(model.config, model) if _half(model.config) else model
     module.eval().requires_grad_(False)
     check_placement(module, model_device(), what="frozen model", dtype=model.config.params_dtype)
     return module
@@ -586,9 +587,15 @@ def critic_values(model: torch.nn.Module, input_ids: Tensor,
 # ----------------------------------------------------------------------------- training
 
 
+def _half(config: TransformerConfig) -> bool:
+    """bf16 or fp16 parameters: megatron's Float16Module casts the norms, the inputs and the last
+    stage's output (to fp32)."""
+    return bool(config.bf16 or config.fp16)
+
+
 def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False,
              features: Optional[Features] = None) -> DistributedDataParallel:
-    """Wrap in megatron DDP (and Float16Module first when bf16); set finalize_model_grads_func.
+    """Wrap in megatron DDP (and Float16Module first when bf16 or fp16); set finalize_model_grads_func.
     ``features.use_distributed_optimizer`` (or the flag) shards the optimizer over DP, which
     build_optimizer then follows. ``features.sparse_vocab_grads`` (default on): the LM head's and
     the word embedding's weight gradients go straight into DDP's buffer, the head's over many
@@ -601,7 +608,7 @@ def wrap_ddp(model: GPTModel, *, use_distributed_optimizer: bool = False,
     """
     features = features or Features()
     config = model.config
-    module: torch.nn.Module = Float16Module(config, model) if config.bf16 else model
+    module: torch.nn.Module = Float16Module(config, model) if _half(config) else model
     config.finalize_model_grads_func = _finalize
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -621,13 +628,33 @@ def _finalize(model_chunks, *args, **kwargs) -> None:
     finalize_model_grads(model_chunks, *args, **kwargs)
 
 
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16's loss scaler (model.params_dtype float16; megatron-core's OptimizerConfig fields and
+    defaults). static None: dynamic (megatron's DynamicGradScaler: start at initial, halve on an
+    inf/nan gradient once `hysteresis` of them were seen, double after `window` clean steps, never
+    below min); a number: that constant scale."""
+
+    static: Optional[float] = None
+    initial: float = 2.0 ** 32
+    min: float = 1.0
+    window: int = 1000
+    hysteresis: int = 2
+
+
 def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float, grad_clip: float,
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> MegatronOptimizer:
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    loss_scaling: Optional[LossScaling] = None) -> MegatronOptimizer:
     """AdamW through megatron's get_megatron_optimizer. ``model`` comes from wrap_ddp (megatron's
     optimizer reads gradients from DDP's buffers). grad_clip = 0 disables clipping (else the
     global grad norm, over all ranks, is clipped to grad_clip). 1-D parameters (norms) get no
     weight decay (megatron's default grouping). A learning-rate schedule may rewrite
-    ``group["lr"]`` of ``optimizer.param_groups`` (each group carries ``lr_mult``)."""
+    ``group["lr"]`` of ``optimizer.param_groups`` (each group carries ``lr_mult``).
+
+    fp16 models (config.fp16) get megatron's mixed-precision optimizer with a loss scaler
+    (``loss_scaling``, default LossScaling()): fp32 main weights, the loss multiplied by the scale
+    before the backward (``config.grad_scale_func``, read by megatron's schedules), the gradients
+    unscaled and checked for inf/nan before every step (optimizer_step skips a step that has one)."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
             f"build_optimizer needs the megatron DDP module returned by wrap_ddp(model), got "
@@ -648,11 +675,14 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
         adam_eps=eps,
         clip_grad=grad_clip,
         bf16=config.bf16,
-        fp16=False,
+        fp16=config.fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=model.ddp_config.use_distributed_optimizer,
+        **_scaler_fields(loss_scaling or LossScaling()),
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if config.fp16:  # megatron's schedules multiply the last stage's loss by the scale before backward
+        config.grad_scale_func = optimizer.scale_loss
     # megatron groups 1-D params (norms) and biases with wd_mult = 0, but only its
     # OptimizerParamScheduler applies the multipliers; without one, apply them here.
     for group in optimizer.param_groups:
@@ -660,6 +690,25 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
     _fuse_adamw(optimizer)
     return optimizer
+
+
+def _scaler_fields(ls: LossScaling) -> dict:
+    for name, ok in (("static", ls.static is None or (math.isfinite(ls.static) and ls.static > 0)),
+                     ("initial", math.isfinite(ls.initial) and ls.initial > 0),
+                     ("min", math.isfinite(ls.min) and 0 < ls.min <= ls.initial),
+                     ("window", ls.window >= 1), ("hysteresis", ls.hysteresis >= 1)):
+        if not ok:
+            raise ValueError(f"LossScaling.{name} = {getattr(ls, name)!r}: scales must be finite and > 0 with "
+                             f"min <= initial; window and hysteresis >= 1")
+    return dict(loss_scale=ls.static, initial_loss_scale=ls.initial, min_loss_scale=ls.min,
+                loss_scale_window=ls.window, hysteresis=ls.hysteresis)
+
+
+def loss_scale(optimizer: MegatronOptimizer) -> Optional[float]:
+    """The fp16 loss scale now (None without a scaler: bf16, fp32)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    scaler = next((o.grad_scaler for o in subs if getattr(o, "grad_scaler", None) is not None), None)
+    return None if scaler is None else float(scaler.scale)
 
 
 def _fuse_adamw(optimizer: MegatronOptimizer) -> None:
@@ -687,6 +736,7 @@ class StepStats:
 
     update_successful: bool
     grad_norm: float
+    overflow: bool = False  # fp16: the grad scaler found an inf/nan gradient (and lowered its scale)
 
 
 def zero_grads(model: DistributedDataParallel, optimizer: MegatronOptimizer) -> None:
@@ -712,9 +762,9 @@ def optimizer_step(model: DistributedDataParallel, optimizer: MegatronOptimizer,
     """
     if finalize:
         model.config.finalize_model_grads_func([model])
-    if optimizer.prepare_grads():  # a grad scaler's inf/nan check (fp16 only)
+    if optimizer.prepare_grads():  # a grad scaler's inf/nan check (fp16 only); it updated its scale
         zero_grads(model, optimizer)
-        return StepStats(update_successful=False, grad_norm=float("nan"))
+        return StepStats(update_successful=False, grad_norm=float("nan"), overflow=True)
     norm = float(optimizer.get_grad_norm())  # global, before clipping; a host sync
     if not math.isfinite(norm):
         zero_grads(model, optimizer)

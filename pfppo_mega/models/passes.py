@@ -62,7 +62,7 @@ from pfppo_mega import parallel, ppo
 from pfppo_mega.compat import onednn
 from pfppo_mega.models import microbatch
 from pfppo_mega.models.gpt import (_check_right_padded, _positions, _quiet_megatron, head_at, hidden_at_head,
-                                   optimizer_step, unwrap, zero_grads)
+                                   loss_scale, optimizer_step, unwrap, zero_grads)
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.kernels import KernelBackend, vocab_parallel_logprob_entropy
 from pfppo_mega.kernels.fused_head import DEFAULT_CHUNK_TOKENS, fused_linear_logprob_entropy
@@ -125,6 +125,8 @@ class StepResult:
     stats: dict[str, float]  # loss_fn's stats, averaged over micro-batches and DP ranks weighted by tokens
     grad_norm: float         # global gradient norm before clipping (nan when skipped)
     update_successful: bool  # False when the loss or grad norm was not finite (no step taken) or the optimizer refused
+    overflow: bool = False   # fp16: the loss scaler found an inf/nan gradient, skipped the step and lowered its scale
+    loss_scale: Optional[float] = None  # fp16: the scale after this step (None without a scaler)
 
 
 ActorLossFn = Callable[[Tensor, Tensor, MicroBatch], tuple[Tensor, Stats]]  # (logp, entropy, mb) -> (share, stats)
@@ -385,20 +387,9 @@ def _logp_entropy(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temp
     only (chunk.head_index; the other slots of the result are 0). With ``fused`` (a Batching with
     fused_head) ``logits`` are the final hidden states [b', S, H] / [1, N, H] (gpt.hidden_at_head)
     and kernels.fused_head multiplies them by the head's weight shard chunk by chunk."""
-    inputs = chunk.inputs
-    b, t = inputs.labels.shape
+    b, t = chunk.inputs.labels.shape
     vs = logits.shape[-1]  # Vp/tp, or H for the fused head
-    if chunk.head_index is not None:
-        resp = inputs.response_mask.to(logits.device).bool()                      # [b, T]
-        sel = logits.reshape(-1, vs)                                               # [N, Vp/tp]
-        labels = inputs.labels.to(logits.device)[resp]                             # [N]
-        labels = labels if labels.numel() else labels.new_zeros(1)                 # the head's one dummy row
-    else:
-        resp_pos = inputs.resp_pos.to(logits.device)
-        labels = inputs.labels.to(logits.device).reshape(-1)                       # [b*T]
-        # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
-        # and the padding columns are applied inside the backend's kernel, not on this tensor.
-        sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs)).view(-1, vs)  # [b*T, Vp/tp or H]
+    sel, labels, resp = _response_rows(logits, chunk)
     tp, tp_rank, group = _tp()
     vocab_size = unwrap(model).unpadded_vocab_size
     if fused is not None:
@@ -414,6 +405,45 @@ def _logp_entropy(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temp
     if chunk.head_index is None:
         return logp.view(b, t), ent.view(b, t)
     return _scatter(logp, resp), _scatter(ent, resp)
+
+
+def _response_rows(logits: Tensor, chunk: _Chunk) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The response positions' rows of logits (or hidden states) [N, Vp/tp or H], their labels [N], and
+    the response mask [b, T] when the head ran at the response tokens only (else None: N = b*T)."""
+    inputs = chunk.inputs
+    b = inputs.labels.shape[0]
+    vs = logits.shape[-1]
+    if chunk.head_index is not None:
+        resp = inputs.response_mask.to(logits.device).bool()                      # [b, T]
+        labels = inputs.labels.to(logits.device)[resp]                             # [N]
+        labels = labels if labels.numel() else labels.new_zeros(1)                 # the head's one dummy row
+        return logits.reshape(-1, vs), labels, resp                                # [N, Vp/tp]
+    resp_pos = inputs.resp_pos.to(logits.device)
+    labels = inputs.labels.to(logits.device).reshape(-1)                           # [b*T]
+    # The one [b, T, Vp/tp] copy: the response rows, contiguous for the kernel. The temperature
+    # and the padding columns are applied inside the backend's kernel, not on this tensor.
+    sel = logits[:b].gather(1, resp_pos[..., None].expand(-1, -1, vs)).view(-1, vs)  # [b*T, Vp/tp or H]
+    return sel, labels, None
+
+
+def _sum_pi_squared(model: torch.nn.Module, logits: Tensor, chunk: _Chunk, *, temperature: float) -> Tensor:
+    """sum_v softmax(logits / temperature)_v^2 [b, T] over the unpadded vocabulary, from this rank's
+    vocab shard (the max, the normaliser and the sum of squares all-reduced over TP)."""
+    b, t = chunk.inputs.labels.shape
+    sel, _, resp = _response_rows(logits, chunk)
+    tp, tp_rank, group = _tp()
+    vs = sel.shape[-1]
+    valid = max(0, min(vs, unwrap(model).unpadded_vocab_size - tp_rank * vs))
+    z = sel[:, :valid].float() / temperature                                       # [N, valid]
+    m = z.amax(-1) if valid else z.new_full(z.shape[:1], float("-inf"))          # [N]
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(z - m[:, None])                                                  # [N, valid]
+    parts = torch.stack([e.sum(-1), (e * e).sum(-1)])                              # [2, N]
+    if tp > 1:
+        dist.all_reduce(parts, group=group)
+    spp = parts[1] / parts[0] ** 2                                                 # [N]
+    return spp.view(b, t) if resp is None else _scatter(spp, resp)
 
 
 def _scatter(values: Tensor, resp: Tensor) -> Tensor:
@@ -489,6 +519,19 @@ def forward_logp_entropy(model: torch.nn.Module, inputs: PackedInputs, *, temper
                                                         kernels=kernels, fused=fused), dim=1),   # [b, 2, T]
         (b, 2, t), hidden_head=fused is not None)
     return both[:, 0], both[:, 1]
+
+
+def forward_sum_pi_squared(model: torch.nn.Module, inputs: PackedInputs, *, temperature: float,
+                           micro_batch_size: Union[int, Batching]) -> Tensor:
+    """sum_v pi(v)^2 [B, T] float32 under logits / temperature at inputs.resp_pos (verl's sum_pi_squared,
+    read by the optimal-token-baseline estimator). No gradients. Megatron's head (the fused head has
+    no such statistic): one more forward pass, with its [tokens, V/tp] logits."""
+    if not temperature > 0:
+        raise ValueError(f"temperature({temperature}) must be > 0")
+    batching = dataclasses.replace(_as_batching(micro_batch_size), fused_head=False)
+    return _forward_collect(model, inputs, batching,
+                            lambda logits, chunk: _sum_pi_squared(model, logits, chunk, temperature=temperature),
+                            tuple(inputs.labels.shape))
 
 
 def forward_values(critic: torch.nn.Module, inputs: PackedInputs, *,
@@ -614,7 +657,8 @@ def _train(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs:
         zero_grads(model, optimizer)
         return StepResult(loss=loss, stats=mean_stats, grad_norm=float("nan"), update_successful=False)
     step = optimizer_step(model, optimizer, finalize=False)  # a non-finite grad norm is skipped there too
-    return StepResult(loss=loss, stats=mean_stats, grad_norm=step.grad_norm, update_successful=step.update_successful)
+    return StepResult(loss=loss, stats=mean_stats, grad_norm=step.grad_norm, update_successful=step.update_successful,
+                      overflow=step.overflow, loss_scale=loss_scale(optimizer))
 
 
 def train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer, inputs: PackedInputs,

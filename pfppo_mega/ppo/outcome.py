@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pfppo_mega.ppo.masked import ReduceSum, masked_whiten, zero_padding
+from pfppo_mega.ppo.masked import ReduceSum, check_same_shape, masked_whiten, zero_padding
 
 GRPO_EPSILON = 1e-6  # verl's epsilon in the GRPO / GPG / pass@k denominators
 
@@ -167,3 +167,54 @@ def remax_advantages(token_rewards, mask, baselines):
     returns = r.flip(-1).cumsum(-1).flip(-1)                               # [B, T], 0 past the response
     adv = zero_padding(returns - baselines.to(r.dtype)[:, None], mask)
     return adv, zero_padding(returns, mask)
+
+
+OTB_EPSILON = 1e-8  # verl's epsilon in the optimal-token-baseline denominator
+
+
+def optimal_token_baseline_advantages(token_rewards, mask, group_ids, old_logp, sum_pi_squared, *,
+                                      handle_zero_tail: bool = True):
+    """Optimal Token Baseline, as verl 0.9.1's compute_optimal_token_baseline_advantage (no rollout IS
+    weights): a baseline per prompt group and response position, weighted by each row's path-variance
+    proxy.
+
+        G_t = sum_{t' >= t} r_t'                          returns (reward to go)
+        w_t = 1 - 2 pi_t + sum_v pi(v)^2                  pi_t = exp(old_logp_t), at the sampled token
+        W_t = sum_{j <= t} w_j                            (over the row's response tokens)
+        B_t = sum_{i in group} G_t W_t m_t / (sum_{i in group} W_t m_t + 1e-8)
+        A_t = G_t - B_t
+
+    A group of one has no baseline (A = G). handle_zero_tail: when one row of a group is strictly
+    the longest, its baseline past the second-longest row's length is 0 (there only it contributes,
+    which would make its advantage ~0). token_rewards, mask, old_logp, sum_pi_squared: [B, T];
+    group_ids: [B] -> (advantages, returns), both [B, T], zero on padding."""
+    check_same_shape("optimal_token_baseline_advantages", token_rewards=token_rewards, mask=mask, old_logp=old_logp,
+                     sum_pi_squared=sum_pi_squared)
+    if group_ids.shape != token_rewards.shape[:1]:
+        raise ValueError(f"optimal_token_baseline_advantages: group_ids must be [B] = [{token_rewards.shape[0]}], "
+                         f"got {list(group_ids.shape)}")
+    m = mask.to(token_rewards.dtype)
+    returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)             # [B, T]
+    w = 1 - 2 * torch.exp(old_logp.to(returns.dtype)) + sum_pi_squared.to(returns.dtype)
+    W = (w * m).cumsum(-1)                                                 # [B, T]
+    _, inv = torch.unique(group_ids, return_inverse=True)                 # [B]
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    zeros = returns.new_zeros(G, returns.shape[1])                        # [G, T]
+    num = zeros.clone().index_add_(0, inv, returns * W * m)
+    den = zeros.clone().index_add_(0, inv, W * m) + OTB_EPSILON
+    size = torch.zeros(G, device=returns.device).index_add_(0, inv, torch.ones_like(inv, dtype=torch.float))
+    baseline = (num / den)[inv] * (size[inv] > 1).to(returns.dtype)[:, None]  # [B, T]
+    if handle_zero_tail:
+        baseline = baseline * _not_lone_tail(m.sum(-1), inv, m.shape[1])
+    return (returns - baseline) * m, returns * m
+
+
+def _not_lone_tail(lengths: torch.Tensor, inv: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] 0 at the positions of a group's strictly-longest row from its group's second-longest
+    length on, 1 elsewhere. lengths, inv: [B]."""
+    B = lengths.shape[0]
+    peers = (inv[:, None] == inv[None, :]) & ~torch.eye(B, dtype=torch.bool, device=inv.device)  # [B, B]
+    other_max = torch.where(peers, lengths[None, :], torch.full_like(lengths[None, :], -1.0)).amax(-1)  # [B]
+    lone = (other_max >= 0) & (other_max < lengths)                       # strictly longest of 2+ rows
+    t = torch.arange(width, device=lengths.device)[None, :]                # [1, width]
+    return (~(lone[:, None] & (t >= other_max[:, None]))).to(lengths.dtype)

@@ -46,7 +46,7 @@ class EngineSetupError(ValueError):
     and the rule."""
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def engine_dtype(cfg) -> torch.dtype:
@@ -127,13 +127,23 @@ class RolloutOutput:
     logprobs: torch.Tensor  # [B, T] float32, see the module docstring; 0 on padding
     lengths: torch.Tensor  # [B] int64, number of response tokens
     finished: torch.Tensor  # [B] bool, True if the row ended with EOS, False if cut at the limit
-    weight_version: int  # version of the weights that generated every row
-    versions: Optional[torch.Tensor] = None  # [B] int64, the weight version of each row
+    weight_version: int  # version of the weights that generated every row (a partial rollout: the last)
+    versions: Optional[torch.Tensor] = None  # [B] int64, the weight version of each row (partial: its oldest token's)
     weight_checksum: str = ""  # stream checksum of the update that produced the rows
+    token_versions: Optional[torch.Tensor] = None  # [B, T] int64, the version of each token (-1 on padding);
+    # None: every token of row b is versions[b]'s (set by generate_partial only)
 
     def __post_init__(self) -> None:
         if self.versions is None:
             self.versions = torch.full((len(self.prompts),), self.weight_version, dtype=torch.long)
+
+
+def oldest_versions(token_versions: torch.Tensor, fallback: int) -> torch.Tensor:
+    """token_versions [B, T] (-1 on padding) -> [B] each row's oldest token's version (``fallback``
+    for a row without tokens): the version a partial rollout's row is as stale as."""
+    big = torch.iinfo(torch.long).max
+    low = token_versions.masked_fill(token_versions < 0, big).min(dim=1).values                  # [B]
+    return torch.where(low == big, torch.full_like(low, fallback), low)
 
 
 def check_prompts(prompts: list[list[int]], params: SamplingParams, *, max_positions: int,
@@ -166,6 +176,7 @@ class RolloutEngine(abc.ABC):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     log: Callable[[str], None] = print
     top_p_logprobs: str = "full"  # or "nucleus": see the module docstring
+    partial_rollouts: bool = False  # generate_partial: new weights enter between two decode steps
     _version: int = -1
     _checksum: str = ""
     sleep_discards_weights: bool = False  # sleep() frees the weights (not a host copy): see the module docstring
@@ -276,6 +287,16 @@ class RolloutEngine(abc.ABC):
         refit can land before the KV cache takes its memory; None: all)."""
 
     # -------------------------------------------------------------- generation
+    def generate_partial(self, prompts: list[list[int]], params: SamplingParams,
+                         switch: Callable[[int], bool]) -> RolloutOutput:
+        """generate(), calling ``switch(t)`` at every token boundary (before token t >= 1 of the rows
+        is drawn); a switch that pushed new weights (update_weights) returns True and the rest of the
+        rows is generated with them. Each token is tagged with the version that drew it
+        (``token_versions``) and its log-prob is that version's, conditioned on the whole prefix.
+        Only where ``partial_rollouts`` is declared."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take new weights inside a request "
+                                  f"(partial_rollouts = False)")
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Complete every prompt (a non-empty list of token ids). Log-probs follow the

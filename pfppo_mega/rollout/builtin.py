@@ -10,13 +10,13 @@ prefilled once: its keys, values and last-token logits are copied to each of its
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
-                                     SamplingParams, check_prompts, engine_dtype, row_seed)
+                                     SamplingParams, check_prompts, engine_dtype, oldest_versions, row_seed)
 from pfppo_mega.rollout.llama import (
     KVCache,
     LlamaDecoder,
@@ -151,8 +151,20 @@ class BuiltinEngine(RolloutEngine):
         return logits.float()
 
     # -------------------------------------------------------------- generation
+    partial_rollouts = True
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         output, _ = self._generate(prompts, params, keep_logits=False)
+        return output
+
+    def generate_partial(self, prompts: list[list[int]], params: SamplingParams,
+                         switch: Callable[[int], bool]) -> RolloutOutput:
+        """generate(), taking new weights between two decode steps (RolloutEngine.generate_partial).
+        After a switch the rows' keys and values are computed again with the new weights (one packed
+        prefill of prompt + tokens so far), so every later token is drawn from, and its log-prob is,
+        the new version's distribution given the whole prefix: exactly what a recomputation with
+        that version's weights gives. A row's seeded generator runs on across the switch."""
+        output, _ = self._generate(prompts, params, keep_logits=False, switch=switch)
         return output
 
     def generate_with_logits(self, prompts: list[list[int]],
@@ -169,18 +181,19 @@ class BuiltinEngine(RolloutEngine):
                       vocab_size=self.shape.vocab_size)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                  keep_logits: bool) -> tuple[RolloutOutput, torch.Tensor | None]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, keep_logits: bool,
+                  switch: Optional[Callable[[int], bool]] = None) -> tuple[RolloutOutput, torch.Tensor | None]:
         self._check_prompts(prompts, params)
         generators = None  # one per row, seeded by row_seed (the rule every engine follows)
         if params.seed is not None:
             generators = [torch.Generator(device=self.device).manual_seed(row_seed(params.seed, params.row_offset + i))
                           for i in range(len(prompts))]
         chunk = self.max_batch_size or len(prompts)
-        self._pack(chunk)
-        parts = [self._generate_chunk(prompts[i:i + chunk], params, None if generators is None
-                                      else generators[i:i + chunk], keep_logits)
-                 for i in range(0, len(prompts), chunk)]
+        parts = []
+        for i in range(0, len(prompts), chunk):
+            self._pack(chunk)  # again after a switch (new weights unpack)
+            parts.append(self._generate_chunk(prompts[i:i + chunk], params, None if generators is None
+                                              else generators[i:i + chunk], keep_logits, switch))
         T = max(p[0].shape[1] for p in parts)
 
         def cat(index: int, fill: float) -> torch.Tensor:
@@ -196,6 +209,9 @@ class BuiltinEngine(RolloutEngine):
         lengths = torch.cat([p[2] for p in parts])
         finished = torch.cat([p[3] for p in parts])
         mask = (torch.arange(T, device=self.device)[None, :] < lengths[:, None]).float()
+        token_versions = None
+        if switch is not None:
+            token_versions = cat(5, -1).masked_fill(mask == 0, -1)                             # [B, T]
         output = RolloutOutput(
             prompts=[list(p) for p in prompts],
             responses=responses,
@@ -205,12 +221,16 @@ class BuiltinEngine(RolloutEngine):
             finished=finished,
             weight_version=self._version,
             weight_checksum=self._checksum,
+            versions=None if token_versions is None else oldest_versions(token_versions, self._version),
+            token_versions=token_versions,
         )
         return output, (cat(4, 0.0) if keep_logits else None)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
-                        generator: list[torch.Generator] | None, keep_logits: bool):
-        """-> responses [B, T], logprobs [B, T], lengths [B], finished [B], logits [B, T, V]|None"""
+                        generator: list[torch.Generator] | None, keep_logits: bool,
+                        switch: Optional[Callable[[int], bool]] = None):
+        """-> responses [B, T], logprobs [B, T], lengths [B], finished [B], logits [B, T, V]|None,
+        token versions [B, T]"""
         B, N = len(prompts), params.max_new_tokens
         P = max(len(p) for p in prompts)
         dev = self.device
@@ -221,13 +241,16 @@ class BuiltinEngine(RolloutEngine):
         next_pos = key_valid[:, :P].sum(-1)  # [B] position of the token about to be sampled
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        tokens_out, logprobs_out, logits_out = [], [], []
+        tokens_out, logprobs_out, logits_out, versions_out = [], [], [], []
+        drawn: list[torch.Tensor] = []  # the tokens fed back (finished rows' too), for a re-prefill
         for t in range(N):
             step_logits = logits.float()  # [B, V]
             tokens, logprobs = sample_tokens(step_logits, params, generator)
             alive = ~finished
             tokens_out.append(torch.where(alive, tokens, self.pad_token_id))
             logprobs_out.append(torch.where(alive, logprobs, 0.0))
+            versions_out.append(torch.full((B,), self._version, dtype=torch.long, device=dev))
+            drawn.append(tokens)
             if keep_logits:
                 logits_out.append(step_logits * alive[:, None])
             lengths += alive.long()
@@ -235,6 +258,12 @@ class BuiltinEngine(RolloutEngine):
                 finished |= tokens == params.eos_token_id
             if t == N - 1 or bool(finished.all()):  # host sync, once per step
                 break
+            if switch is not None and switch(t + 1):  # new weights: the prefix's keys and values again
+                self._pack(B)
+                so_far = torch.stack(drawn, dim=1).tolist()                                      # [B, t + 1]
+                logits, cache = self._prefill([list(p) + s for p, s in zip(prompts, so_far)], P + N, end=P + t + 1)
+                next_pos = next_pos + 1
+                continue
             mask = key_valid[:, None, None, :P + t + 1]  # [B, 1, 1, K]
             logits = self.model(tokens[:, None], next_pos[:, None], mask, cache,
                                 start=P + t, last_only=True)[:, -1]  # [B, V]
@@ -245,8 +274,8 @@ class BuiltinEngine(RolloutEngine):
             lengths,
             finished,
             torch.stack(logits_out, dim=1) if keep_logits else None,
+            torch.stack(versions_out, dim=1),
         )
-
 
     def _prefill(self, prompts: list[list[int]], max_len: int, *, end: int) -> tuple[torch.Tensor, KVCache]:
         """Logits [B, V] at each prompt's last token and a [B]-row cache holding its keys and values;

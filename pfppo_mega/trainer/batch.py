@@ -136,6 +136,7 @@ class PreparedBatch:
     ref_logp: torch.Tensor             # [B, T] reference policy
     values: torch.Tensor | None        # [B, T] critic (None: the estimator needs no critic)
     entropy: torch.Tensor | None       # [B, T] current policy's entropy (None: not recomputed)
+    sum_pi_squared: torch.Tensor | None = None  # [B, T] sum_v pi(v)^2 (estimators that need it, else None)
 
 
 @dataclass

@@ -42,7 +42,8 @@ from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.estimators import AdvantageEstimator
 from pfppo_mega.trainer.filtration import Filtration, choose_filtration
 from pfppo_mega.trainer.passes import PassWork
-from pfppo_mega.trainer.policy_loss import PolicyLoss, PolicyLossParams, choose_policy_loss, get_policy_loss
+from pfppo_mega.trainer.policy_loss import (PolicyLoss, PolicyLossParams, RolloutCorrection, choose_policy_loss,
+                                            get_policy_loss)
 from pfppo_mega.trainer.proximal import Proximal, choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
@@ -54,7 +55,7 @@ class SetupError(RuntimeError):
 
 
 GUARDS = ("bad_rewards", "reward_errors", "reward_timeouts", "skipped_updates", "corrupt_snapshots",
-          "value_loss_spikes", "engine_failures")
+          "value_loss_spikes", "engine_failures", "loss_scale_overflows")
 
 
 @dataclass
@@ -259,10 +260,13 @@ def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir
         value = gpt.build_critic(model_cfg, arch=arch, features=features, device=device)
         hf_io.load_critic_trunk_from_hf(value, model_dir)
         value = gpt.wrap_ddp(value, features=features)
-    t = cfg.training
-    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    t, m = cfg.training, cfg.model
+    scaling = gpt.LossScaling(static=m.loss_scale, initial=m.initial_loss_scale, min=m.min_loss_scale,
+                              window=m.loss_scale_window, hysteresis=m.loss_scale_hysteresis)
+    actor_opt = gpt.build_optimizer(actor, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                    loss_scaling=scaling)
     critic_opt = None if value is None else gpt.build_optimizer(
-        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip)
+        value, lr=t.critic_lr, weight_decay=t.weight_decay, grad_clip=t.critic_grad_clip, loss_scaling=scaling)
     return actor, ref, value, actor_opt, critic_opt
 
 
@@ -291,10 +295,20 @@ def policy_loss_params(cfg: Config, kernels: KernelBackend) -> PolicyLossParams:
                             clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
                             kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef, tau_pos=a.tau_pos,
                             tau_neg=a.tau_neg,
-                            generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)))
+                            generator=torch.Generator().manual_seed(stream_seed("clip_cov", cfg.training.seed)),
+                            correction=rollout_correction(a.rollout_correction))
 
 
-def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: ParallelInfo,
+def rollout_correction(c) -> Optional[RolloutCorrection]:
+    """algorithm.rollout_correction as the loss's plain values (None when off)."""
+    if not c.enabled:
+        return None
+    return RolloutCorrection(is_level=c.rollout_is, is_upper=c.rollout_is_threshold,
+                             is_lower=c.rollout_is_threshold_lower, is_normalize=c.rollout_is_batch_normalize,
+                             criteria=tuple(c.criteria()), loss_type=c.loss_type)
+
+
+def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: ParallelInfo, dp: DataParallel,
                      estimator: AdvantageEstimator, kernels: KernelBackend, prompts: PromptSource, tokenizer: Tokenizer,
                      model_dir: Path, hf_cfg: dict, log: Callable[[str], None]) -> Strategies:
     """The behaviour policy (current policy, the PF-PPO pool, or the asynchronous mode's generator
@@ -307,15 +321,18 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
                        dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     collector: Collector = build_collector(cfg, prompts=prompts, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
     if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
-        if par.world_size != 1:
-            raise SetupError(f"algorithm.async_rl.enable runs one trainer process and one generator process; "
-                             f"WORLD_SIZE = {par.world_size} (multi-rank asynchronous training is not built yet)")
+        if par.world_size != par.dp:
+            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
+                             f"rank); tensor_model_parallel_size = {par.tp}, pipeline_model_parallel_size = {par.pp} "
+                             f"at WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
+                             f"built yet (docs/async.md, Limits)")
         from pfppo_mega.trainer.asynchronous import build_async
         behaviour, collector = build_async(cfg, sync=gen.sync, model_dir=model_dir, hf_cfg=hf_cfg,
                                            next_batch=prompts.next_batch, state=state, rng=state.rng,
-                                           tokenizer=tokenizer, device=par.device, log=log)
+                                           tokenizer=tokenizer, device=par.device, log=log, dp_rank=par.dp_rank,
+                                           dp_group=dp.group)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
-                                   name=a.policy_loss)
+                                   name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Strategies(behaviour=behaviour, collector=collector, filtration=choose_filtration(a.filtration,
                                                                                              state.assign_gen),
                       proximal=choose_proximal(a), estimator=estimator, policy_loss=get_policy_loss(loss_name),
@@ -402,7 +419,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                      guards=state.guards, split=split, log=log, memory=memory)
     models = Models(model_cfg=model_cfg, arch=arch, features=features, actor=actor, ref=ref, critic=critic,
                     actor_opt=actor_opt, critic_opt=critic_opt, kernels=kernels)
-    strategies = build_strategies(cfg, gen=gen, state=state, par=par, estimator=estimator, kernels=kernels,
+    strategies = build_strategies(cfg, gen=gen, state=state, par=par, dp=dp, estimator=estimator, kernels=kernels,
                                   prompts=data.train, tokenizer=tokenizer, model_dir=model_dir, hf_cfg=hf_cfg, log=log)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
                tokenizer=tokenizer, prompts=data.train, eval_samples=data.val, reward_fn=reward_fn, models=models,

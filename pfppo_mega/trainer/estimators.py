@@ -6,7 +6,9 @@ counts none) and ``needs_groups`` (a baseline over each prompt's n samples: the 
 sample n >= 2 per prompt, checked at start in trainer/build.py) and ``needs_greedy_baseline`` (one
 extra greedy response per prompt from the same engine and weights, scored by the same reward
 function: the rollout phase generates it, the score phase scores it, and its reward reaches the
-estimator as ``baselines``; its tokens are never trained on). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
+estimator as ``baselines``; its tokens are never trained on) and ``needs_sum_pi_squared`` (the
+prepare pass adds sum_v pi(v)^2 per token from one more actor forward; with the proximal log-probs it
+reaches the estimator: verl's optimal_token_baseline). It maps the step's rows to (advantages, returns), both [B, T] and zero on padding.
 The arithmetic lives in ``pfppo_mega.ppo`` / the kernels backend; this module only binds the
 run's settings to it.
 
@@ -33,6 +35,8 @@ class AdvantageInputs:
     group_ids: torch.Tensor               # [B] long, rows answering the same prompt share one
     baselines: Optional[torch.Tensor] = None  # [B] greedy response's score of each row's prompt
     #                                           (None unless needs_greedy_baseline)
+    old_logp: Optional[torch.Tensor] = None   # [B, T] proximal log-probs (read by needs_sum_pi_squared ones)
+    sum_pi_squared: Optional[torch.Tensor] = None  # [B, T] sum_v pi(v)^2 (None unless needs_sum_pi_squared)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class AdvantageEstimator:
     compute: Callable[[AdvantageInputs, EstimatorContext], tuple[torch.Tensor, torch.Tensor]]
     needs_groups: bool = False            # its baseline is a statistic of each prompt's n samples
     needs_greedy_baseline: bool = False   # its baseline is the reward of a greedy response per prompt
+    needs_sum_pi_squared: bool = False    # it reads sum_v pi(v)^2 per token (one more actor forward in prepare)
 
 
 def _gae(x: AdvantageInputs, ctx: EstimatorContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +124,15 @@ def _remax(x: AdvantageInputs, ctx: EstimatorContext):
 
 
 REMAX = AdvantageEstimator("remax", needs_critic=False, compute=_remax, needs_greedy_baseline=True)
+
+
+def _otb(x: AdvantageInputs, ctx: EstimatorContext):
+    if x.sum_pi_squared is None or x.old_logp is None:
+        raise ValueError("optimal_token_baseline: the rows carry no sum_pi_squared / old_logp (the prepare pass "
+                         "computes them when the estimator declares needs_sum_pi_squared)")
+    return outcome.optimal_token_baseline_advantages(x.token_rewards, x.mask, x.group_ids, x.old_logp,
+                                                     x.sum_pi_squared)
+
+
+OPTIMAL_TOKEN_BASELINE = AdvantageEstimator("optimal_token_baseline", needs_critic=False, compute=_otb,
+                                            needs_groups=True, needs_sum_pi_squared=True)

@@ -137,11 +137,15 @@ def prepare(sb: ScoredBatch, *, cfg: Config, models: Models, strategies: Strateg
     values = None if models.critic is None else model_passes.forward_values(
         models.critic, inp,
         micro_batch_size=passes.batching(training, m.shape[0], models.passes.prepare_value))       # [B, T]
+    spp = None if not strategies.estimator.needs_sum_pi_squared else model_passes.forward_sum_pi_squared(
+        models.actor, inp, temperature=temperature,
+        micro_batch_size=passes.batching(training, m.shape[0], models.passes.prepare_lm))           # [B, T]
     devicecheck.expect("prepare: model inputs and results", device, inputs=inp, old_logp=old_logp,
-                       ref_logp=ref_logp, values=values, scores=sb.scores)
+                       ref_logp=ref_logp, values=values, scores=sb.scores, sum_pi_squared=spp)
     return PreparedBatch(inputs=inp, old_logp=old_logp * m, ref_logp=ref_logp * m,
                          values=None if values is None else values * m,
-                         entropy=None if entropy is None else entropy * m)
+                         entropy=None if entropy is None else entropy * m,
+                         sum_pi_squared=None if spp is None else spp * m)
 
 
 def advantages(sb: ScoredBatch, prep: PreparedBatch, *, algorithm, strategies: Strategies, kernels: KernelBackend,
@@ -159,7 +163,7 @@ def advantages(sb: ScoredBatch, prep: PreparedBatch, *, algorithm, strategies: S
     else:
         kl_ref = ppo.kl_estimate(old_logp, ref_logp, estimator=a.kl_estimator) * m
     rows = AdvantageInputs(token_rewards=token_rewards, mask=m, values=prep.values, group_ids=sb.rollout.group_ids,
-                           baselines=sb.baselines)
+                           baselines=sb.baselines, old_logp=old_logp, sum_pi_squared=prep.sum_pi_squared)
     ctx = EstimatorContext(algorithm=a, gae=kernels.gae, reduce_sum=dp.sum)
     adv, returns = strategies.estimator.compute(rows, ctx)                      # [B, T] each
     behav_logp = sb.rollout.behav_logp * m

@@ -30,6 +30,7 @@ import torch
 from pfppo_mega import ppo
 from pfppo_mega.constants import LOG_RATIO_LIMIT
 from pfppo_mega.ppo import pg_variants as pgv
+from pfppo_mega.ppo import rollout_correction as rc
 from pfppo_mega.pool.correction import tis_policy_loss
 
 
@@ -66,6 +67,19 @@ class PolicyLossParams:
     tau_pos: float = 1.0                        # sapo
     tau_neg: float = 1.05
     generator: Optional[torch.Generator] = None  # clip_cov's random choice of tokens (CPU)
+    correction: Optional["RolloutCorrection"] = None  # verl's rollout correction (bypass mode)
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """algorithm.rollout_correction as plain values (pfppo_mega.ppo.rollout_correction)."""
+
+    is_level: Optional[str]                               # token | sequence | None
+    is_upper: float
+    is_lower: Optional[float]                             # IcePop's lower bound; None: TIS
+    is_normalize: bool
+    criteria: tuple[tuple[str, Optional[float], float], ...]  # (name, lower, upper) per rejection criterion
+    loss_type: str                                        # ppo_clip | reinforce
 
 
 @dataclass
@@ -133,6 +147,39 @@ def _tis(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
         "policy/approx_kl": approx_kl})
 
 
+@register_policy_loss("rollout_correction")
+def _rollout_correction(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
+    """verl 0.9.1's bypass-mode loss (core_algos.compute_policy_loss_bypass_mode): old_logp are the engine's
+    log-probs; the tokens the rejection criteria drop leave the aggregate (its denominator stays the
+    step's pg_mask count, as verl's global batch counts); ppo_clip trains the clipped surrogate,
+    reinforce -w A log pi_theta with the rollout IS weights."""
+    c = p.correction
+    with torch.no_grad():
+        log_ratio = x.logp.detach() - x.old_logp                                       # [b, T]
+        keep = rc.rejection_mask(log_ratio, x.pg_mask, c.criteria) if c.criteria else x.pg_mask
+        w = None
+        if c.is_level is not None:
+            w = rc.is_weights(log_ratio, x.pg_mask, level=c.is_level, upper=c.is_upper, lower=c.is_lower)
+            if c.is_normalize:
+                w = rc.normalize_weights(w, x.pg_mask, level=c.is_level)
+    stats = {"rollout_corr/rs_masked_frac": ppo.masked_mean(1.0 - keep.to(x.logp.dtype), x.pg_mask)}
+    if w is not None:
+        stats["rollout_corr/is_weight_mean"] = ppo.masked_mean(w, x.pg_mask)
+    if c.loss_type == "reinforce":
+        loss = ppo.agg_loss(rc.reinforce_loss_mat(x.logp, x.advantages, w), keep, mode=p.loss_agg_mode,
+                            loss_scale_factor=p.loss_scale_factor)
+        stats["policy/approx_kl"] = ppo.masked_mean(-log_ratio, keep)  # verl's ppo_kl here: k1 of old vs current
+    else:
+        out = p.kernel_policy_loss(x.logp, x.old_logp, x.advantages, keep, clip_ratio_low=p.clip_ratio_low,
+                                   clip_ratio_high=p.clip_ratio_high, dual_clip_c=p.dual_clip_c,
+                                   loss_agg_mode=p.loss_agg_mode, is_weights=None,
+                                   loss_scale_factor=p.loss_scale_factor)
+        loss = out.loss
+        stats.update({"policy/clipfrac": out.pg_clipfrac, "policy/clipfrac_dual": out.pg_clipfrac_lower,
+                      "policy/approx_kl": out.approx_kl})
+    return PolicyLossResult(loss=loss, mask=keep, stats={"policy/pg_loss": loss.detach(), **stats})
+
+
 def _register_variant(name: str, compute) -> None:
     """One of pg_variants' losses over pg_mask (the tokens the clipped loss trains on)."""
     def fn(x: PolicyLossInputs, p: PolicyLossParams) -> PolicyLossResult:
@@ -165,9 +212,14 @@ _register_variant("geo_mean", lambda x, p: pgv.geo_mean_loss(x.logp, x.old_logp,
                                                              is_weights=x.is_weights))
 
 
-def choose_policy_loss(*, use_pool: bool, is_mode: str, name: str = "ppo_clip") -> str:
-    """The variant a run uses: tis when PF-PPO runs with is_mode tis, else algorithm.policy_loss
-    (ppo_clip by default). tis is a loss of its own: with any other configured loss it is refused."""
+def choose_policy_loss(*, use_pool: bool, is_mode: str, name: str = "ppo_clip",
+                       rollout_correction: bool = False) -> str:
+    """The variant a run uses: tis when PF-PPO runs with is_mode tis, rollout_correction when
+    algorithm.rollout_correction is on (the config refuses it beside another loss or the pool), else
+    algorithm.policy_loss (ppo_clip by default). tis is a loss of its own: with any other configured
+    loss it is refused."""
+    if rollout_correction:
+        return "rollout_correction"
     if use_pool and is_mode == "tis":
         if name != "ppo_clip":
             raise ValueError(f"algorithm.policy_loss = {name!r} with algorithm.pool.is_mode = 'tis': tis is a "

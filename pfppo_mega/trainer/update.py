@@ -160,8 +160,13 @@ def actor_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: 
                                   micro_batch_size=passes.batching(cfg.training, eb.advantages.shape[0],
                                                                    models.passes.update_lm, update_on=device),
                                   kernels=models.kernels)
-    count_skip(state, "actor", res, limit=cfg.training.max_consecutive_skipped_updates, log=log)
-    return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm}
+    count_skip(state, "actor", res, cfg=cfg, log=log)
+    return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm, **_scale_metric("policy", res)}
+
+
+def _scale_metric(prefix: str, res: "model_passes.StepResult") -> dict[str, float]:
+    """fp16: the loss scale after the step (policy/loss_scale, critic/loss_scale)."""
+    return {} if res.loss_scale is None else {f"{prefix}/loss_scale": res.loss_scale}
 
 
 def critic_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: Strategies, state: TrainState,
@@ -183,24 +188,35 @@ def critic_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies:
     res = model_passes.critic_train_step(models.critic, models.critic_opt, eb.inputs, loss_fn,
                                          micro_batch_size=passes.batching(cfg.training, eb.advantages.shape[0],
                                                                           models.passes.update_value))
-    count_skip(state, "critic", res, limit=cfg.training.max_consecutive_skipped_updates, log=log)
-    return {**res.stats, "critic/grad_norm": res.grad_norm}
+    count_skip(state, "critic", res, cfg=cfg, log=log)
+    return {**res.stats, "critic/grad_norm": res.grad_norm, **_scale_metric("critic", res)}
 
 
-def count_skip(state: TrainState, model: str, res: "model_passes.StepResult", *, limit: int,
+def count_skip(state: TrainState, model: str, res: "model_passes.StepResult", *, cfg: Config,
                log: Callable[[str], None]) -> None:
     """A NaN/inf loss, a NaN/inf grad norm (bf16 and fp32 have no grad scaler: gpt.optimizer_step
     skips it) or a refused step is skipped, logged and counted (loss and norm are global, so every
     rank skips together); training.max_consecutive_skipped_updates in a row of one model halt the
-    run: it is not learning (``limit``: training.max_consecutive_skipped_updates, 0 never)."""
+    run: it is not learning. An fp16 loss scaler's inf/nan step is counted in guard/skipped_updates and
+    guard/loss_scale_overflows; it does not count towards the halt while the scaler could still lower its
+    scale (the first steps from megatron's initial 2^32 overflow by design), only once it is at
+    model.min_loss_scale (or constant)."""
     st = state
     if res.update_successful:
         st.consecutive_skips[model] = 0
         return
     st.guards["skipped_updates"] += 1
-    st.consecutive_skips[model] += 1
     why = skip_reason(res)
+    if res.overflow:
+        st.guards["loss_scale_overflows"] += 1
+        m = cfg.model
+        if m.loss_scale is None and res.loss_scale is not None and res.loss_scale > m.min_loss_scale:
+            log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in "
+                f"guard/loss_scale_overflows")
+            return
+    st.consecutive_skips[model] += 1
     log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in guard/skipped_updates")
+    limit = cfg.training.max_consecutive_skipped_updates
     if limit and st.consecutive_skips[model] >= limit:
         raise TrainingHalted(
             f"step {st.step + 1}: {st.consecutive_skips[model]} consecutive {model} updates were skipped "
@@ -210,6 +226,8 @@ def count_skip(state: TrainState, model: str, res: "model_passes.StepResult", *,
 
 
 def skip_reason(res: "model_passes.StepResult") -> str:
+    if res.overflow:
+        return f"fp16 gradients hold an inf/nan, loss scale now {res.loss_scale:g}"
     if not math.isfinite(res.loss):
         return f"loss {res.loss}"
     if not math.isfinite(res.grad_norm):

@@ -47,6 +47,11 @@ REFUSED = [
      "algorithm.filter_groups.enable", "asynchronous"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baseline"),
     (["algorithm.pool.is_mode=tis", "algorithm.policy_loss=gspo"], "algorithm.policy_loss", "tis"),
+    (["algorithm.async_rl.partial_rollouts=yes please"], "algorithm.async_rl.partial_rollouts", "bool"),
+    (["algorithm.async_rl.partial_rollouts=true", "algorithm.async_rl.sampling=uniform"],
+     "algorithm.async_rl.partial_rollouts", "needs sampling newest"),
+    (["algorithm.async_rl.partial_rollouts=true", "actor_rollout.engine=vllm"],
+     "algorithm.async_rl.partial_rollouts", "needs actor_rollout.engine in ('builtin',)"),
 ]
 
 
@@ -272,3 +277,25 @@ def test_a_pending_file_that_is_not_json_is_refused_by_name(tmp_path, text):
     path.unlink()
     with pytest.raises(pending.PendingFileError, match="missing"):
         pending.read(tmp_path, 3)
+
+
+def test_a_data_parallel_rank_without_its_pending_file_is_refused_by_name(tmp_path):
+    """DP: each rank reads its own record; rank 1's missing (a checkpoint saved at DP1, resumed at DP2)
+    is refused naming its file and the rule, while rank 0's reads."""
+    from pfppo_mega.trainer.asynchronous import pending
+
+    _good(tmp_path)
+    assert pending.read(tmp_path, 3, rank=0)[0] == 2
+    with pytest.raises(pending.PendingFileError, match=r"step_00000003\.rank1\.json: missing .*data-parallel rank 1"):
+        pending.read(tmp_path, 3, rank=1)
+    # a DP2 checkpoint resumed at DP1: rank 0's own file refuses the size (rank 1's requests would be lost)
+    pending.write(tmp_path, 6, 2, [], keep=9, rank=0, dp_size=2)
+    with pytest.raises(pending.PendingFileError, match=r"step_00000006\.json: dp_size = 2: .*resumed at 1"):
+        pending.read(tmp_path, 6, rank=0, dp_size=1)
+    assert pending.read(tmp_path, 6, rank=0, dp_size=2) == (2, [])
+    (tmp_path / "async_pending" / "step_00000006.json").unlink()
+    # and rank 1's own files are kept apart from rank 0's (keep_last counts each rank's)
+    for step in (4, 5):
+        pending.write(tmp_path, step, 2, [], keep=1, rank=1)
+    names = sorted(p.name for p in (tmp_path / "async_pending").iterdir())
+    assert names == ["step_00000003.json", "step_00000005.rank1.json"]

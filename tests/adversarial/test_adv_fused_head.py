@@ -43,8 +43,8 @@ def test_bad_temperature(temperature):
     ("weight_empty", ValueError, "V/tp >= 1"),
     ("labels_2d", ValueError, "labels must have shape [N] = [9]"),
     ("labels_float", TypeError, "labels must be int64"),
-    ("hidden_fp16", TypeError, "hidden must be float32 or bfloat16"),
-    ("weight_int", TypeError, "weight must be float32 or bfloat16"),
+    ("hidden_fp64", TypeError, "hidden must be float32, bfloat16 or float16"),
+    ("weight_int", TypeError, "weight must be float32, bfloat16 or float16"),
     ("label_negative", ValueError, "label -1 is outside [0, vocab_size)"),
     ("label_too_big", ValueError, "label 20 is outside [0, vocab_size)"),
     ("vocab_start_negative", ValueError, "vocab_start=-1 must be an int >= 0"),
@@ -68,8 +68,8 @@ def test_bad_inputs_are_named(case, error, fragment):
         labels = labels[:, None]
     elif case == "labels_float":
         labels = labels.float()
-    elif case == "hidden_fp16":
-        x = x.half()
+    elif case == "hidden_fp64":
+        x = x.double()
     elif case == "weight_int":
         w = w.long()
     elif case == "label_negative":

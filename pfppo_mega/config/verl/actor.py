@@ -83,10 +83,10 @@ def _recompute(value: Any, v: View) -> Any:
 
 def _dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
-    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+             "float16": "float16", "fp16": "float16"}
     if name not in names:
-        raise Refuse(f"{name!r} training: this trainer trains in float32 or bfloat16 (model.params_dtype); set "
-                     f"it to bfloat16")
+        raise Bad("must be bfloat16, float16 or float32 (model.params_dtype)")
     return names[name]
 
 
@@ -171,7 +171,8 @@ RULES: tuple[Rule, ...] = (
     M(f"{A}.kl_loss_coef", "algorithm.kl_coeff", _kl_coef("loss"), why='only with use_kl_loss alone'),
     M(f"{A}.kl_loss_type", "algorithm.kl_estimator", _kl_type("loss"), why='only with use_kl_loss alone: kl/k1, abs, mse/k2, low_var_kl/k3; full and the + forms refused'),
     I(f"{A}.calculate_entropy", "entropy is always logged here (policy/entropy)"),
-    I(f"{A}.calculate_sum_pi_squared", "a logged statistic"),
+    I(f"{A}.calculate_sum_pi_squared", "sum_v pi(v)^2 is computed here when the estimator reads it "
+      "(optimal_token_baseline), else only logged by verl"),
     I(f"{A}.entropy_checkpointing", SPEED), I(f"{A}.entropy_from_logits_with_chunking", SPEED),
     I(f"{A}.sum_pi_squared_checkpointing", SPEED),
     I(f"{A}.use_torch_compile", SPEED), I(f"{A}.use_fused_kernels", SPEED), I(f"{A}.use_prefix_grouper", SPEED),
@@ -220,7 +221,7 @@ RULES: tuple[Rule, ...] = (
     M(f"{A}.megatron.virtual_pipeline_model_parallel_size", "parallel.virtual_pipeline_size"),
     M(f"{A}.megatron.sequence_parallel", "(parallel.sequence_parallel)", _seq_parallel, why='ignored: activation memory only (ours needs model.layer_spec transformer_engine)'),
     M(f"{A}.megatron.use_distributed_optimizer", "parallel.use_distributed_optimizer"),
-    M(f"{A}.megatron.dtype", "model.params_dtype", _dtype, why='bfloat16 / float32; float16 refused'),
+    M(f"{A}.megatron.dtype", "model.params_dtype", _dtype, why="bfloat16 / float16 (megatron's loss scaler) / float32"),
     M(f"{A}.megatron.override_transformer_config.recompute_granularity", "training.recompute", _recompute, why='full, selective; null = none'),
     I(f"{A}.megatron.context_parallel_size", "context parallelism: not here (a layout; " + SPEED + ")"),
     I(f"{A}.megatron.expert_model_parallel_size", MOE), I(f"{A}.megatron.expert_tensor_parallel_size", MOE),

@@ -4,6 +4,7 @@ lengths, batch sizes and what happens to a prompt over max_prompt_length.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 from typing import Optional
 
@@ -56,6 +57,29 @@ def _gen_batch(value: Any, v: View) -> Any:
     return gen
 
 
+KWARGS = "data.apply_chat_template_kwargs"
+
+
+def _template_kwargs(value: Any, v: View) -> Out:
+    """Every data.apply_chat_template_kwargs.NAME of the config as NAME=<JSON value> (the same list from
+    each of them), what verl's dataset passes to apply_chat_template(**kwargs)."""
+    items = sorted((k[len(KWARGS) + 1:], val) for k, val in v.given.items() if k.startswith(KWARGS + "."))
+    if not items and value not in ({}, None):
+        raise Bad("must be a mapping of the template's variable names to values")
+    for name, val in items:
+        if not name.isidentifier() or not _json_ok(val):
+            raise Bad(f"{KWARGS}.{name}: the name must be an identifier and the value JSON")
+    return Out({"data.chat_template_kwargs": [f"{name}={json.dumps(val)}" for name, val in items]})
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- data
     M("data.train_files", "data.train_files, data.source", _files("data.train_files"), why='data.source = files'),
@@ -93,8 +117,8 @@ RULES: tuple[Rule, ...] = (
       fix="remove it to draw the prompts in the data loader's order, without a curriculum"),
     I("data.sampler.class_name", "sampler.class_path only"),
     R("data.datagen.path", "a user's data generator", ok=(None,)), I("data.datagen.name", "datagen.path only"),
-    R("data.apply_chat_template_kwargs", "extra chat-template arguments change the prompts", ok=({},)),
-    R("data.apply_chat_template_kwargs.**", "extra chat-template arguments change the prompts",
-      fix="remove it (the template's defaults apply), or make the value the default in the checkpoint's chat "
-          "template"),
+    M("data.apply_chat_template_kwargs", "data.chat_template_kwargs", _template_kwargs,
+      why="each name and value as name=<JSON value>"),
+    M("data.apply_chat_template_kwargs.**", "data.chat_template_kwargs", _template_kwargs,
+      why="each name and value as name=<JSON value>, passed to the chat template"),
 )

@@ -5,11 +5,11 @@ agent loops, quantisation) refused.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pfppo_mega.config.verl.keys import R_
 from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SINGLE_TURN, SPEED
-from pfppo_mega.config.verl.rule import I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
+from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
 
 
 def _engine(value: Any, v: View) -> Any:
@@ -41,12 +41,20 @@ def _same_length(data_key: str) -> Callable[[Any, View], Any]:
     return convert
 
 
+def _rate(value: Any, v: View) -> Any:
+    """A fraction in [0, 1) or null (what verl's RolloutConfig declares)."""
+    rate = _typed(value, Optional[float])
+    if rate is not None and not 0 <= rate < 1:
+        raise Bad("must be in [0, 1) (a fraction of the requests); it is ignored here, as verl 0.9.1 ignores it")
+    return rate
+
+
 def _rollout_dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
-    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto"}
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto",
+             "float16": "float16", "fp16": "float16"}
     if name not in names:
-        raise Refuse(f"a {name!r} rollout engine: engines here run bfloat16 or float32 (actor_rollout.dtype); "
-                     f"set it to bfloat16")
+        raise Bad("must be auto, bfloat16, float16 or float32 (actor_rollout.dtype)")
     return names[name]
 
 
@@ -68,7 +76,8 @@ RULES: tuple[Rule, ...] = (
     I(f"{R_}.checkpoint_engine.engine_kwargs.**", "weight transfer to the engine; " + SPEED),
     R(f"{R_}.do_sample", "greedy training rollouts", ok=(True,)),
     R(f"{R_}.ignore_eos", "sampling past the end-of-sequence token", ok=(False,)),
-    R(f"{R_}.over_sample_rate", "over-sampling and dropping the slowest rollouts", ok=(0, 0.0, None)),
+    I(f"{R_}.over_sample_rate", "verl 0.9.1 declares it (RolloutConfig: abort the last over_sample_rate of a "
+      "batch's requests) but no code of its reads it: it changes nothing there", check=_rate),
     R(f"{R_}.skip_rollout", "replaying dumped rollouts", ok=(False,)),
     R(f"{R_}.quantization", "quantised rollouts", ok=(None,)),
     R(f"{R_}.quantization_config_file", "quantised rollouts", ok=(None,)),
@@ -85,7 +94,7 @@ RULES: tuple[Rule, ...] = (
     I(f"{R_}.val_kwargs.**", "validation sampling; here every evaluation logs eval/accuracy (sampled at the "
                              "rollout temperature) and eval/accuracy_greedy",
       ("do_sample", "n", "temperature", "top_k", "top_p")),
-    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="bfloat16 / float32; float16 refused"),
+    M(f"{R_}.dtype", "actor_rollout.dtype", _rollout_dtype, why="auto / bfloat16 / float16 / float32"),
     M(f"{R_}.enforce_eager", "actor_rollout.enforce_eager", why="vLLM only; speed only"),
     M(f"{R_}.max_num_seqs", "actor_rollout.max_num_seqs", why="vLLM only; memory and speed only"),
     I(f"{R_}.log_prob_micro_batch_size", FORWARD_MICRO, check=positive_int),

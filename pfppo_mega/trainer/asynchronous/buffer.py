@@ -22,6 +22,7 @@ import torch
 
 from pfppo_mega.constants import ASYNC_SAMPLING
 from pfppo_mega.pool.sampling import snapshot_weights
+from pfppo_mega.rollout.base import oldest_versions
 from pfppo_mega.types import Sample
 
 T = TypeVar("T")
@@ -33,11 +34,24 @@ class Group:
 
     key: int                   # submission order over the run (the trainer takes groups in key order)
     sample: Sample
-    version: int               # behaviour weight version (the trainer's step when those weights were pushed)
+    version: int               # behaviour weight version (the trainer's step when those weights were pushed);
+    #                            with partial rollouts its oldest token's (the staleness bound counts that)
     responses: torch.Tensor    # [n, T] long, right-padded
     mask: torch.Tensor         # [n, T] float, 1 on response tokens
     logprobs: torch.Tensor     # [n, T] float, the engine's log-probs (0 on padding)
     finished: torch.Tensor     # [n] bool
+    token_versions: Optional[torch.Tensor] = None  # [n, T] each token's version, -1 on padding (partial
+    #                                                rollouts); None: every token is ``version``'s
+
+    def row_token_versions(self) -> torch.Tensor:
+        """[n, T] each response token's version (-1 on padding)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full_like(self.responses, self.version).masked_fill(self.mask == 0, -1)
+
+    def row_versions(self) -> torch.Tensor:
+        """[n] each row's oldest token's version (``version`` for a row without tokens)."""
+        return oldest_versions(self.row_token_versions(), self.version)
 
 
 def version_window(sampling: str, max_staleness: int, prefetch_steps: int) -> int:
@@ -154,6 +168,27 @@ def staleness_metrics(versions: torch.Tensor, current: int, max_staleness: int) 
     for k in range(max_staleness + 1):
         out[f"async/staleness_hist/{k}"] = float(counts[k])
     out["async/versions_in_batch"] = float(len(torch.unique(age)))
+    return out
+
+
+def token_staleness_metrics(token_versions: torch.Tensor, current: int, max_staleness: int) -> dict[str, float]:
+    """Per-token staleness of a trained batch (partial rollouts): token_versions [B, T] (-1 on padding)
+    -> the share of tokens by age over 0..max_staleness, the mean token age, and the share of rows
+    whose tokens come from more than one version."""
+    real = token_versions >= 0                                                               # [B, T]
+    if not bool(real.any()):
+        return {}
+    age = (current - token_versions[real].long()).cpu()                                      # [tokens]
+    if int(age.min()) < 0:
+        raise ValueError(f"token_staleness_metrics: a token's version is newer than the current one ({current})")
+    counts = torch.bincount(age, minlength=max_staleness + 1).double() / age.numel()
+    out = {f"async/token_staleness_hist/{k}": float(counts[k]) for k in range(max_staleness + 1)}
+    out["async/token_staleness_mean"] = float(age.double().mean())
+    big = torch.iinfo(torch.long).max
+    hi = token_versions.masked_fill(~real, -1).max(dim=1).values                              # [B]
+    lo = token_versions.masked_fill(~real, big).min(dim=1).values                             # [B]
+    has = real.any(dim=1)
+    out["async/mixed_version_rows"] = float(((hi != lo) & has).double().sum() / token_versions.shape[0])
     return out
 
 

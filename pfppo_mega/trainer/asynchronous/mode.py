@@ -15,16 +15,19 @@ A checkpoint without that record is refused (AsyncResumeError).
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable, Optional
 
 import torch
 
+from pfppo_mega import parallel
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
+from pfppo_mega.rollout.base import oldest_versions
 from pfppo_mega.trainer.asynchronous import pending as pending_file
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
-    version_window
+    token_staleness_metrics, version_window
 from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
 from pfppo_mega.trainer.batch import RolloutBatch
@@ -44,7 +47,7 @@ def check_resume(run) -> None:
     if not run.cfg.algorithm.async_rl.enable or run.state.step == 0:
         return
     try:
-        next_key, requests = pending_file.read(run.out_dir, run.state.step)
+        next_key, requests = pending_file.read(run.out_dir, run.state.step, run.parallel.dp_rank, run.parallel.dp)
     except pending_file.PendingFileError as e:
         raise AsyncResumeError(
             f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
@@ -56,15 +59,23 @@ def check_resume(run) -> None:
 
 
 def save_pending(run) -> None:
-    """After a checkpoint save: the requests in flight, beside it (the logger rank writes it)."""
-    if run.cfg.algorithm.async_rl.enable and run.is_logger:
+    """After a checkpoint save: the requests in flight, beside it (every data-parallel rank its own
+    generator's: the asynchronous mode is data-parallel only, build.py)."""
+    if run.cfg.algorithm.async_rl.enable:
         c = run.strategies.collector
         try:
             pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
-                               keep=run.cfg.checkpoint.keep_last or 1)
+                               keep=run.cfg.checkpoint.keep_last or 1, rank=run.parallel.dp_rank,
+                               dp_size=run.parallel.dp)
         except TypeError as e:  # a prompt's metadata JSON cannot hold: this checkpoint resumes only synchronously
             run.log(f"[pfppo] async: the requests in flight at step {run.state.step} were not recorded ({e}); "
                     f"its checkpoint cannot be resumed asynchronously")
+
+
+def _reask_rng(seed: int, dropped: list[Group]) -> random.Random:
+    """The seeds of stale groups asked again: from their keys, not from the run's prompt stream, so
+    how many groups a rank drops (timing) never moves the prompts every rank draws in step."""
+    return random.Random(f"reask:{seed}:{','.join(str(g.key) for g in dropped)}")
 
 
 def write_live(sync, files, version: int) -> str:
@@ -75,10 +86,18 @@ def write_live(sync, files, version: int) -> str:
     return files.pack(version, sync.plan, LiveWeights(sync.actor, sync.model_cfg, sync.layout, version).produce)
 
 
+ROWS_PER_RANK = 1 << 20  # a data-parallel rank's rows are seeded from row_offset dp_rank * this on
+
+
 class AsyncCollector:
     def __init__(self, cfg, *, spec: WorkerSpec, sync, next_batch: Callable[[int], list[Sample]],
-                 state, rng, tokenizer, device, log: Callable[[str], None]) -> None:
+                 state, rng, tokenizer, device, log: Callable[[str], None], dp_rank: int = 0,
+                 dp_group=None) -> None:
         ac = cfg.algorithm.async_rl
+        # data-parallel (dp_group not None): every rank has its own generator process and its share of
+        # the prompts; rank 0 owns the weights (LiveWeights' owner) and writes each version's file, the
+        # others announce that file to their generators
+        self.dp_rank, self.dp_group = dp_rank, dp_group
         self.cfg, self.ac, self.sync, self.next_batch, self.log = cfg, ac, sync, next_batch, log
         # the run's training state (its step), prompt-seed stream, tokenizer and device: shared, not copied
         self.state, self.rng, self.tokenizer, self.device = state, rng, tokenizer, device
@@ -101,8 +120,14 @@ class AsyncCollector:
     # ------------------------------------------------------------------ the generator
 
     def push(self, version: int) -> None:
-        """The actor's weights ``version`` into the pool and the generator (between its requests)."""
-        self.proc.push_file(version, write_live(self.sync, self.proc.files, version))
+        """The actor's weights ``version`` into the pool and the generator (between its requests).
+        Data-parallel: rank 0 writes the file, every rank announces its path (one object gather)."""
+        if self.dp_group is None:
+            self.proc.push_file(version, write_live(self.sync, self.proc.files, version))
+            return
+        mine = write_live(self.sync, self.proc.files, version) if self.dp_rank == 0 else None
+        path = parallel.dp_gather_objects(mine, self.dp_group)[0]
+        self.proc.push_file(version, path)
 
     def close(self) -> None:
         """Stop the generator process (idempotent). A later collect starts a new one afresh."""
@@ -128,7 +153,7 @@ class AsyncCollector:
         ar = self.cfg.actor_rollout
         params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p,
                                 max_new_tokens=self.cfg.algorithm.max_response_length, eos_token_id=self._eos,
-                                seed=seed)
+                                seed=seed, row_offset=self.dp_rank * ROWS_PER_RANK)
         rid = self._next_rid
         self._next_rid += 1
         self.keys[rid] = groups
@@ -162,8 +187,10 @@ class AsyncCollector:
                 self.discard.discard(key)
                 continue
             rows = slice(j * n, (j + 1) * n)
-            self.buffer.add(Group(key, sample, result.version, result.responses[rows], result.mask[rows],
-                                  result.logprobs[rows], result.finished[rows]))
+            tv = None if result.token_versions is None else result.token_versions[rows]
+            version = result.version if tv is None else int(oldest_versions(tv, result.version).min())
+            self.buffer.add(Group(key, sample, version, result.responses[rows], result.mask[rows],
+                                  result.logprobs[rows], result.finished[rows], tv))
 
     # ------------------------------------------------------------------ the collect phase
 
@@ -197,7 +224,7 @@ class AsyncCollector:
                 self._retire(t.groups + t.dropped)
                 if t.dropped:  # too stale to train on: counted, and their prompts are asked again
                     dropped_now += len(t.dropped)
-                    self._submit([g.sample for g in t.dropped], self.rng)
+                    self._submit([g.sample for g in t.dropped], _reask_rng(self.cfg.training.seed, t.dropped))
                 if len(taken) >= need:
                     break
                 r = self.proc.next_result()  # wait for the generator
@@ -208,7 +235,10 @@ class AsyncCollector:
             scored = score(self._rollout(taken))
         window = t_enter - self._last_collect if self._last_collect is not None else 0.0
         self._last_collect = t_enter
-        return scored, self._stats(scored, step, got, waited, window, dropped_now)
+        stats = self._stats(scored, step, got, waited, window, dropped_now)
+        if self.ac.partial_rollouts:
+            stats.update(self._token_stats(taken, step, got))
+        return scored, stats
 
     def _rollout(self, groups: list[Group]) -> RolloutBatch:
         n, pad = self.n, self.tokenizer.pad_id
@@ -225,7 +255,7 @@ class AsyncCollector:
         return RolloutBatch(samples=samples, prompt_ids=[list(s.prompt_ids) for s in samples], responses=responses,
                             response_mask=mask, behav_logp=cat("logprobs", 0.0),
                             finished=torch.cat([g.finished for g in groups]),
-                            versions=torch.tensor([g.version for g in groups for _ in range(n)], dtype=torch.long),
+                            versions=torch.cat([g.row_versions() for g in groups]),  # [B] oldest token's
                             texts=texts, group_ids=torch.arange(len(groups)).repeat_interleave(n),
                             ).to(self.device)
 
@@ -249,6 +279,16 @@ class AsyncCollector:
             out["async/generator_busy_frac"] = busy_fraction(gen_busy, window)
             out["async/trainer_busy_frac"] = busy_fraction(window - self._prev_wait, window)
         self._prev_wait = waited
+        return out
+
+
+    def _token_stats(self, groups: list[Group], step: int, got: list[Result]) -> dict[str, float]:
+        """Partial rollouts: the share of tokens by age, rows with mixed versions, switches inside requests."""
+        T = max(g.responses.shape[1] for g in groups)
+        tv = torch.cat([torch.nn.functional.pad(g.row_token_versions(), (0, T - g.responses.shape[1]), value=-1)
+                        for g in groups])                                                         # [B, T]
+        out = token_staleness_metrics(tv, step, self.ac.max_staleness)
+        out["async/partial_switches"] = float(sum(r.switches for r in got))
         return out
 
 
@@ -282,13 +322,15 @@ class AsyncBehaviour(BehaviourPolicy):
 
 
 def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, tokenizer, device,
-                log) -> tuple[AsyncBehaviour, AsyncCollector]:
+                log, dp_rank: int = 0, dp_group=None) -> tuple[AsyncBehaviour, AsyncCollector]:
     ac = cfg.algorithm.async_rl
     spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=tokenizer.pad_id,
                       window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
-                      temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads)
+                      temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads,
+                      partial=ac.partial_rollouts)
     collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, state=state, rng=rng,
-                               tokenizer=tokenizer, device=device, log=log)
+                               tokenizer=tokenizer, device=device, log=log, dp_rank=dp_rank, dp_group=dp_group)
     log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
-        f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request")
+        f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request"
+        + (", partial rollouts (new weights between decode steps)" if ac.partial_rollouts else ""))
     return AsyncBehaviour(collector, cfg.algorithm.pool), collector

@@ -3,7 +3,10 @@
 It builds the run's engine, then loops: take every message waiting (weights of a new version,
 requests, stop), pick the version of the next request by the sampling rule among the versions it
 holds, push those weights into the engine when it holds another, generate, send the rows back.
-New weights therefore enter between requests, never inside one.
+New weights enter between requests; with ``partial`` (algorithm.async_rl.partial_rollouts) also
+inside one: at every token boundary the engine asks (``switch``), the messages waiting are taken
+and a newer version held is loaded, and the rest of the request is generated with it (each token
+tagged with its version: Result.token_versions).
 
 Messages in (trainer -> generator), tuples:
     ("weights", version, path)            the version's weight file (weightfile.py), mapped on
@@ -33,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -55,6 +58,7 @@ class WorkerSpec:
     rule: str                  # algorithm.async_rl.sampling
     temperature: float         # its recency temperature
     num_threads: int = 1
+    partial: bool = False      # algorithm.async_rl.partial_rollouts: new weights inside a request too
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class Result:
     generate_s: float          # seconds in the engine (and its weight switch) for this request
     idle_s: float              # seconds the generator waited with no request before this one
     switch_s: float
+    token_versions: Optional[torch.Tensor] = None  # [P * n, T] the version of each token (-1 on padding);
+    # None: every token is ``version``'s. With partial rollouts ``version`` is the oldest token's.
+    switches: int = 0          # versions loaded inside this request (partial rollouts)
 
 
 def _die_with_parent() -> None:
@@ -158,42 +165,76 @@ def _load(engine, pool: VersionPool, version: int) -> None:
         raise weightfile.WeightFileError(f"weight file {path} (version {version}) refused by the engine: {e}") from e
 
 
+class _Stop(Exception):
+    """A stop message taken at a token boundary (partial rollouts): the request in flight is abandoned."""
+
+
+def _take(messages: "queue.Queue", pool: VersionPool, pending: list, *, block: bool) -> None:
+    """Every message waiting (waiting up to 1 s for the first when ``block``): weights mapped into
+    the pool, requests queued; a stop raises _Stop."""
+    try:
+        msg = messages.get(timeout=1.0) if block else messages.get_nowait()
+    except queue.Empty:
+        return
+    while True:
+        kind = msg[0]
+        if kind == "stop":
+            raise _Stop
+        if kind == "weights":
+            _map(pool, msg[1], msg[2])
+        elif kind == "request":
+            pending.append(msg[1])
+        try:
+            msg = messages.get_nowait()
+        except queue.Empty:
+            return
+
+
 def serve(engine, messages: "queue.Queue", outbox, spec: WorkerSpec) -> None:
     """The generator's loop (see the module docstring)."""
     pool: VersionPool = VersionPool(spec.window)
     pending: list[Request] = []
     idle_from = time.perf_counter()
     while True:
-        block = not pending or pool.newest is None
         try:
-            msg = messages.get(timeout=1.0) if block else messages.get_nowait()
-        except queue.Empty:
-            msg = None
-        while msg is not None:
-            kind = msg[0]
-            if kind == "stop":
-                return
-            if kind == "weights":
-                _map(pool, msg[1], msg[2])
-            elif kind == "request":
-                pending.append(msg[1])
-            try:
-                msg = messages.get_nowait()
-            except queue.Empty:
-                msg = None
-        if not pending or pool.newest is None:
-            continue
-        req = pending.pop(0)
-        idle_s = time.perf_counter() - idle_from
-        t0 = time.perf_counter()
-        version = choose_version(pool.versions, spec.rule, random.Random(req.params.seed),
-                                 temperature=spec.temperature)
-        if engine.weight_version != version:
-            _load(engine, pool, version)
-        switch_s = time.perf_counter() - t0
-        prompts = [p for p in req.prompts for _ in range(req.n)]
-        out = engine.generate(prompts, req.params)
-        gen_s = time.perf_counter() - t0
-        outbox.send(("result", Result(req.rid, out.weight_version, out.responses, out.response_mask, out.logprobs,
-                                      out.finished, gen_s, idle_s, switch_s)))
+            _take(messages, pool, pending, block=not pending or pool.newest is None)
+            if not pending or pool.newest is None:
+                continue
+            req = pending.pop(0)
+            result = _answer(engine, messages, pool, pending, spec, req, idle_s=time.perf_counter() - idle_from)
+        except _Stop:
+            return
+        outbox.send(("result", result))
         idle_from = time.perf_counter()
+
+
+def _answer(engine, messages: "queue.Queue", pool: VersionPool, pending: list, spec: WorkerSpec, req: Request,
+            *, idle_s: float) -> Result:
+    """Generate one request: with the version the rule picks, and with partial rollouts each newer
+    version that arrives while it runs, from the next token on."""
+    t0 = time.perf_counter()
+    version = choose_version(pool.versions, spec.rule, random.Random(req.params.seed), temperature=spec.temperature)
+    if engine.weight_version != version:
+        _load(engine, pool, version)
+    switch_s = [time.perf_counter() - t0]
+    switches = [0]
+
+    def switch(t: int) -> bool:  # at a token boundary (partial rollouts): the newest held, if newer
+        _take(messages, pool, pending, block=False)
+        if pool.newest is None or pool.newest <= engine.weight_version:
+            return False
+        s0 = time.perf_counter()
+        _load(engine, pool, pool.newest)
+        switch_s[0] += time.perf_counter() - s0
+        switches[0] += 1
+        return True
+
+    prompts = [p for p in req.prompts for _ in range(req.n)]
+    if spec.partial:
+        out = engine.generate_partial(prompts, req.params, switch)
+        version, token_versions = int(out.versions.min()), out.token_versions
+    else:
+        out = engine.generate(prompts, req.params)
+        version, token_versions = out.weight_version, None
+    return Result(req.rid, version, out.responses, out.response_mask, out.logprobs, out.finished,
+                  time.perf_counter() - t0, idle_s, switch_s[0], token_versions, switches[0])

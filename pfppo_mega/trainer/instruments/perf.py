@@ -44,7 +44,7 @@ from pfppo_mega.trainer.batch import ScoredBatch
 from pfppo_mega.trainer.build import Models
 from pfppo_mega.trainer.instruments import machine
 
-_BYTES = {"float32": 4, "bfloat16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def layer_matmul_params(shape: DecoderShape) -> int:
