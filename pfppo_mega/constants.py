@@ -22,6 +22,14 @@ DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / P
 OVERLONG_PROMPTS = ("filter", "error", "left", "right", "middle")  # data.overlong_prompts: drop (counted), refuse
 # at start, or cut to max_prompt_length as verl's data.truncation does (left: keep the end; right: keep the start;
 # middle: keep both ends)
+# LoRA (model.lora, models/lora.py): the megatron linears an adapter may sit on, and the Hugging Face
+# projection names (PEFT's target_modules) inside each. A fused linear takes one adapter (one A, one B over
+# its whole output), so its parts come all together or not at all.
+LORA_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_HF_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                 "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+LORA_ALL = "all-linear"  # PEFT's / verl's name for every linear of the decoder layers (not the LM head)
+LORA_INITS = ("kaiming", "xavier")  # model.lora.init_a: PEFT's kaiming_uniform(a=sqrt 5), megatron's xavier
 LR_SCHEDULES = ("constant", "cosine")  # training.lr_schedule after the warm-up (verl's lr_scheduler_type)
 # Rule-based scorers of the reward registry (pfppo_mega/rewards/rules.py); reward.default_scorer.
 REWARD_SCORERS = ("gsm8k", "math", "exact_match", "math_dapo")

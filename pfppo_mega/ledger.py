@@ -88,6 +88,7 @@ from dataclasses import dataclass, field, replace
 from math import ceil, prod
 from typing import Optional
 
+from pfppo_mega.config.tree import lora_targets
 from pfppo_mega.families import DecoderShape, Head
 from pfppo_mega.registry import ADV_ESTIMATORS
 
@@ -162,6 +163,17 @@ def count(shapes: dict[str, tuple[int, ...]]) -> int:
 def stage_param_count(shape: DecoderShape, tp: int, pp: int, pp_rank: int, head: Head = "lm") -> int:
     """Parameters held by one rank of stage ``pp_rank``."""
     return count(param_shapes(shape, tp, pp, pp_rank, head))
+
+
+def lora_param_count(shape: DecoderShape, tp: int, pp: int, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters one rank holds (models/lora.py): per decoder layer of its stage and targeted
+    linear, A [r, in] and B [out, r], the factor on the split side cut by tp (column-parallel linear_qkv,
+    linear_fc1: B's rows; row-parallel linear_proj, linear_fc2: A's columns)."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    a, g = shape.num_attention_heads, shape.num_query_groups
+    per = {"linear_qkv": rank * h + (a + 2 * g) * d * rank // tp, "linear_proj": rank * a * d // tp + h * rank,
+           "linear_fc1": rank * h + 2 * f * rank // tp, "linear_fc2": rank * f // tp + h * rank}
+    return len(stage_layers(shape.num_layers, pp, 0)) * sum(per[t] for t in targets)
 
 
 def total_param_count(shape: DecoderShape, head: Head = "lm") -> int:
@@ -368,6 +380,8 @@ class RunShape:
     max_num_seqs: int = 64            # actor_rollout.max_num_seqs (a CPU vLLM's KV cache holds that many)
     refit_bucket_bytes: int = 64 * MiB  # actor_rollout.refit_bucket_mb
     max_tokens_per_micro_batch: Optional[int] = None  # training.use_dynamic_bsz's budget; None: off
+    lora_rank: int = 0                # model.lora.rank (0: every actor weight trains)
+    lora_targets: tuple[str, ...] = ()  # the megatron linears that take an adapter
 
     @classmethod
     def from_config(cls, cfg, arch=None, reward_model: Optional[DecoderShape] = None, *, model=None) -> "RunShape":
@@ -402,6 +416,11 @@ class RunShape:
             engine=ar.engine,
             max_num_seqs=ar.max_num_seqs,
             refit_bucket_bytes=max(1, int(ar.refit_bucket_mb * MiB)),
+            # LoRA: the reference is the actor's base (no copy); the rank of an adapter_path-only run is
+            # read from its file at start, so the planner counts rank 0 (full training) for it
+            reference=not m.lora.rank,
+            lora_rank=m.lora.rank,
+            lora_targets=lora_targets(list(m.lora.target_modules)) if m.lora.rank else (),
         )
 
 
@@ -547,6 +566,15 @@ def refit_buffers(run: RunShape, *, world: int) -> tuple[Holding, Holding]:
             Holding("refit bucket (transient)", biggest, "one bucket gathered by its producer"))
 
 
+def _lora_state(base: int, adapters: int, dp: int, distributed: bool, dtype: str) -> list[Holding]:
+    """The actor under LoRA: base and adapter weights, grads and optimizer states of the adapters only."""
+    w = DTYPE_BYTES[dtype]
+    frozen = Holding(f"actor weights ({SHORT[dtype]})", w * base,
+                     f"{w} B x {base / 1e9:.3f} B params on this rank (frozen base: no grads, no optimizer state)")
+    state = _train_state("actor LoRA adapters", adapters, dp, distributed, dtype)
+    return [frozen, *state]
+
+
 def rank_holdings(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, rollout_tp: int, *,
                   gpus_per_node: int, nodes: int = 1, device: str = "cuda") -> RankHoldings:
     """Every holding of a rank on pipeline stage ``pp_rank`` (``device``: the trainer's device type;
@@ -556,7 +584,11 @@ def rank_holdings(run: RunShape, knobs: Knobs, layout: Layout, pp_rank: int, rol
     na = stage_param_count(sh, layout.tp, layout.pp, pp_rank, "lm")
     nc = stage_param_count(sh, layout.tp, layout.pp, pp_rank, "value") if run.critic else 0
     dist_opt = knobs.distributed_optimizer
-    trainer = _train_state("actor", na, layout.dp, dist_opt, run.params_dtype)
+    if run.lora_rank:  # frozen base weights; adapters with grads and optimizer states (models/lora.py)
+        nl = lora_param_count(sh, layout.tp, layout.pp, run.lora_rank, run.lora_targets)
+        trainer = _lora_state(na, nl, layout.dp, dist_opt, run.params_dtype)
+    else:
+        trainer = _train_state("actor", na, layout.dp, dist_opt, run.params_dtype)
     if run.critic:
         trainer += _train_state("critic", nc, layout.dp, dist_opt, run.params_dtype)
     w = DTYPE_BYTES[run.params_dtype]

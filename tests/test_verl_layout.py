@@ -110,11 +110,24 @@ def expand(text: str, variables: dict[str, str], depth: int = 0) -> str:
     return "".join(out)
 
 
+# The keys that matter here of the config files a script names with --config-name, other than verl's
+# two trainer configs: every multi-turn config (examples/sglang_multiturn/config/*_multiturn_*.yaml,
+# recipe/deepeyes) sets rollout.multi_turn.enable true; read in verl's repository for
+# gsm8k_multiturn_grpo, gsm8k_multiturn_grpo_server and search_multiturn_grpo, the rest by their name
+# and folder. Without them 12 multi-turn scripts counted as loading.
+CONFIG_FILE_KEYS = {"multiturn": ["actor_rollout_ref.rollout.multi_turn.enable=True"]}
+
+
+def config_file_overrides(config_name: str) -> list[str]:
+    return [o for marker, keys in CONFIG_FILE_KEYS.items() if marker in config_name for o in keys]
+
+
 def overrides_of(path: str) -> tuple[list[str], list[str]]:
-    """The script's overrides with its variables filled in; a value that stays a placeholder takes
-    verl's default for that key (dropped when there is none). Also the keys so filled in."""
+    """The script's overrides with its variables filled in, after the keys its named config file
+    sets (CONFIG_FILE_KEYS); a value that stays a placeholder takes verl's default for that key
+    (dropped when there is none). Also the keys so filled in."""
     script = SCRIPTS["scripts"][path]
-    out, filled = [], []
+    out, filled = config_file_overrides(script["config_name"]), []
     for text in script["overrides"]:
         key, value = text.split("=", 1)
         try:
@@ -193,15 +206,11 @@ def test_verl_defaults_used_here_are_verls():
 
 # Keys the table refuses by name in verl's scripts: a phrase of the reason each refusal gives, and a
 # phrase of the fix it names (what a verl user changes to run the script here).
-LORA_FIX = "remove it to train every weight instead (full fine-tuning"
 MANAGER_FIX = "remove them with the reward manager that reads them"
 EXPECTED_REFUSED = {
     "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": ("fp8 training",
                                                                          "remove the key or set it to False"),
     "actor_rollout_ref.actor.router_replay.mode": ("MoE settings", "remove the key or set it to 'disabled'"),
-    "actor_rollout_ref.model.lora_rank": ("LoRA training", LORA_FIX),
-    "actor_rollout_ref.model.lora.rank": ("LoRA training", LORA_FIX),
-    "actor_rollout_ref.model.lora_adapter_path": ("LoRA adapters", "merge the adapter into its base model"),
     "actor_rollout_ref.model.mtp.enable": ("multi-token prediction", "remove the key or set it to False"),
     "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
                                                     "remove it for single-turn generation"),
@@ -222,20 +231,12 @@ EXPECTED_REFUSED = {
 # remax 114; trainer.resume_from_path ignored unless resume_mode is resume_path (as verl reads it) 115;
 # fp16 training (megatron's loss scaler) 117; verl's rollout correction in bypass mode 119; over_sample_rate
 # ignored as verl 0.9.1 ignores it (declared, read nowhere) 121; chat-template arguments 122;
-# optimal_token_baseline 123.
+# optimal_token_baseline 123; LoRA (model.lora: the 13 scripts refused only for lora_rank / lora.rank /
+# lora_adapter_path) 136; the
+# multi-turn config files 16 scripts name read (CONFIG_FILE_KEYS: 12 of them had counted as loading) 124.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_minicpmo2_6.sh':
         ('data.custom_cls.path',),
-    'examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh':
-        ('actor_rollout_ref.model.lora.rank',),
-    'examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh':
-        ('actor_rollout_ref.model.lora_adapter_path',),
-    'examples/grpo_trainer/run_qwen2_5_vl-7b_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh':
-        ('actor_rollout_ref.model.lora.rank',),
     'examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh':
         ('trainer.device',),
     'examples/mtp_trainer/test_dapo_mimo_7b_with_mtp_math_megatron.sh':
@@ -246,32 +247,40 @@ REFUSED_SCRIPTS = {
         ('actor_rollout_ref.actor.router_replay.mode',),
     'examples/router_replay/run_qwen30_a3b_megatron_vllm.sh':
         ('actor_rollout_ref.actor.router_replay.mode',),
+    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/gsm8k_toolcall_shaping/run_gsm8k_grpo_toolcall_shaping.sh':
-        ('data.sampler.class_path',),
+        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.sampler.class_path'),
     'examples/sglang_multiturn/run_qwen0.5b_gsm8k_multiturn_curriculum.sh':
-        ('data.sampler.class_path',),
+        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.sampler.class_path'),
+    'examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_server.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen2.5-3b_megatron_gsm8k_multiturn.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
+    'examples/sglang_multiturn/run_qwen3-4b_gsm8k_multiturn.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/run_qwen3_4b_dapo_multiturn.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/1.5b/qwen2-1.5b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/14b/qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/32b/qwen2-32b_grpo-lora_4_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/3b/qwen2-3b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/70b/qwen2-72b_grpo-lora_8_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
-    'examples/tuning/7b/qwen2-7b_grpo-lora_1_h100_fsdp_vllm.sh':
-        ('actor_rollout_ref.model.lora_rank',),
+    'examples/sglang_multiturn/search_r1_like/run_qwen2.5-3b_instruct_search_multiturn.sh':
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'recipe/collabllm/train_rl_collabllm.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'reward_model.reward_kwargs.llm_judge_kwargs.max_tokens', 'reward_model.reward_kwargs.llm_judge_kwargs.model', 'reward_model.reward_kwargs.llm_judge_kwargs.temperature', 'reward_model.reward_kwargs.metric_weights.accuracy', 'reward_model.reward_kwargs.metric_weights.interactivity', 'reward_model.reward_kwargs.metric_weights.token_amount', 'reward_model.reward_manager'),
-    'recipe/dapo/test_dapo_7b_math_lora.sh':
-        ('actor_rollout_ref.model.lora_rank',),
     'recipe/dapo/test_dapo_8b_megatron_fp8train.sh':
         ('actor_rollout_ref.actor.megatron.override_transformer_config.fp8',),
     'recipe/deepeyes/run_deepeyes_grpo.sh':
@@ -293,7 +302,7 @@ REFUSED_SCRIPTS = {
     'recipe/retool/run_qwen2_7b_dapo.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 123
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 124
 
 
 def survey():
@@ -326,7 +335,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 123 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 124 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():
@@ -470,7 +479,10 @@ def test_kl_loss_uses_kl_loss_coef_and_type(name, ours):
      "algorithm.kl_ctrl.type", "adaptive KL controller"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=wsd"], "actor_rollout_ref.actor.optim.lr_scheduler_type",
      "constant and cosine only"),
-    (["actor_rollout_ref.model.lora_rank=64"], "actor_rollout_ref.model.lora_rank", "LoRA"),
+    (["actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "actor_rollout_ref.model.lora_rank=8"],
+     "actor_rollout_ref.model.target_modules", "without k_proj"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
+     "actor_rollout_ref.model.lora.type", "dora"),
     (["algorithm.adv_estimator=no_such_estimator"], "algorithm.adv_estimator", "no counterpart here"),
     (["actor_rollout_ref.rollout.top_k=50"], "actor_rollout_ref.rollout.top_k", "top-k"),
     (["reward_model.enable=True", "reward_model.model.path=/rm", "custom_reward_function.path=/f.py"],

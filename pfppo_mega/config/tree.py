@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
@@ -149,6 +150,89 @@ def _range(
 
 
 @dataclass
+class LoraConfig(Section):
+    """LoRA training of the actor (pfppo_mega/models/lora.py): the base weights stay frozen (no gradients,
+    no optimizer state) and a low-rank adapter W + (alpha / rank) * B @ A learns on each targeted linear of
+    the decoder layers. B starts at zero, so step 0 is the base model. The reference policy is the actor
+    with its adapters off (no second copy of the weights); rollout engines, pool snapshots and HF exports
+    get the merged weights."""
+
+    rank: int = opt(0, "Adapter rank r; 0 = LoRA off (every weight trains).")
+    alpha: float = opt(16.0, "Scale numerator: the adapter adds (alpha / rank) * B @ A.")
+    target_modules: list[str] = opt(
+        factory=lambda: [C.LORA_ALL],
+        doc=f"Linears that get an adapter: {C.LORA_ALL!r} (every one of the decoder layers; not the LM head), "
+            f"megatron names ({', '.join(C.LORA_LINEARS)}) or Hugging Face ones "
+            f"({', '.join(n for parts in C.LORA_HF_PARTS.values() for n in parts)}). A fused megatron linear "
+            f"takes one adapter, so q/k/v_proj come together and gate/up_proj come together.")
+    exclude_modules: list[str] = opt(
+        factory=list, doc="Regular expressions; a targeted linear whose megatron or HF module name "
+                          "(decoder.layers.3.mlp.linear_fc1, model.layers.3.mlp.gate_proj) matches one is left "
+                          "without an adapter (both parts of a fused linear, or neither).")
+    init_a: str = opt("kaiming", "Initialisation of A: kaiming (PEFT's kaiming_uniform with a = sqrt 5) or "
+                                 "xavier (megatron's / verl-megatron's); B is always zero.")
+    dropout: float = opt(0.0, "Dropout on the adapter input: only 0 (a dropout would make the recomputed "
+                              "old log-probs differ from the update's).")
+    adapter_path: Optional[str] = opt(None, "A PEFT adapter directory (adapter_model.safetensors + "
+                                            "adapter_config.json) loaded onto the base at start; rank null or 0 "
+                                            "takes rank, alpha and target_modules from its adapter_config.json.")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"init_a": C.LORA_INITS}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0 or self.adapter_path is not None
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "rank", self.rank, ge=0, le=C.MAX_MODEL_DIM)
+        _range(p, "alpha", self.alpha, gt=0)
+        _range(p, "dropout", self.dropout, ge=0, le=0)
+        if isinstance(self.adapter_path, str) and not self.adapter_path.strip():
+            p.append(Problem("adapter_path", self.adapter_path, "must name a directory or be null"))
+        problem = lora_target_problem(self.target_modules)
+        if problem is not None:
+            p.append(Problem("target_modules", self.target_modules, problem))
+        for pattern in self.exclude_modules:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                p.append(Problem("exclude_modules", pattern, f"not a regular expression ({e})"))
+                break
+
+
+def lora_targets(names: list[str]) -> tuple[str, ...]:
+    """The megatron linears (in C.LORA_LINEARS order) that target_modules ``names`` select (ValueError
+    names what cannot be expressed: an unknown name, part of a fused linear's projections)."""
+    problem = lora_target_problem(names)
+    if problem is not None:
+        raise ValueError(f"model.lora.target_modules = {names!r}: {problem}")
+    chosen = set(names)
+    if C.LORA_ALL in chosen:
+        return C.LORA_LINEARS
+    return tuple(m for m, parts in C.LORA_HF_PARTS.items() if m in chosen or set(parts) & chosen)
+
+
+def lora_target_problem(names: Any) -> Optional[str]:
+    """Why ``names`` is not a valid target_modules, or None."""
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return "must be a non-empty list of module names"
+    known = {C.LORA_ALL, *C.LORA_LINEARS, *(n for parts in C.LORA_HF_PARTS.values() for n in parts)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        return (f"unknown module name(s) {unknown}: use {C.LORA_ALL!r}, {', '.join(C.LORA_LINEARS)} or "
+                f"{', '.join(n for parts in C.LORA_HF_PARTS.values() for n in parts)} (the LM head and embedding "
+                f"take no adapter)")
+    chosen = set(names)
+    for linear, parts in C.LORA_HF_PARTS.items():
+        some = [n for n in parts if n in chosen]
+        if some and len(some) < len(parts):
+            return (f"{', '.join(some)} without {', '.join(n for n in parts if n not in chosen)}: megatron fuses "
+                    f"{' / '.join(parts)} into one {linear}, whose adapter (one A and one B over the whole output) "
+                    f"covers all of them; name all of them (or {linear})")
+    return None
+
+
+@dataclass
 class ModelConfig(Section):
     """Shape of the Llama-style decoder shared by actor, critic and reference.
 
@@ -194,6 +278,7 @@ class ModelConfig(Section):
                 "refused at start otherwise) or auto (transformer_engine on GPUs where it is installed, local "
                 "elsewhere). All three have the same parameters and checkpoint layout "
                 "(pfppo_mega/models/fused_layers.py).")
+    lora: LoraConfig = opt(factory=LoraConfig, doc="LoRA training of the actor (rank 0: off).")
 
     ALIASES: ClassVar[dict[str, str]] = {
         "num_hidden_layers": "num_layers",

@@ -80,25 +80,26 @@ Counted over verl's 157 `main_ppo` example and recipe scripts (tests/data, verl 
 unchanged before these mappings, 112 after them, 114 with `remax`, 115 with `trainer.resume_from_path`
 ignored unless `resume_mode` is `resume_path` (verl reads it only then), then 117 with fp16 training,
 119 with verl's rollout correction, 121 with `over_sample_rate` read as verl 0.9.1 reads it (not at
-all), 122 with chat-template arguments and **123 of 157 (78%)** with `optimal_token_baseline`
-(`.venv/bin/python tests/test_verl_layout.py` prints the count). tests/test_verl_layout.py writes out
-every refused script with its keys, each refusal's reason and the fix it names. Issue 36's target,
-90% (142 scripts), is not reached: the 34 scripts left need features this trainer does not have, and
-refusing is the honest answer for each:
+all), 122 with chat-template arguments, 123 with `optimal_token_baseline` and 136 with LoRA (the 13
+scripts refused only for `lora_rank`, `lora.rank` or `lora_adapter_path`). Read with the multi-turn
+config files that 16 scripts name (below), **124 of 157 (79%)** load unchanged
+(`PYTHONPATH=. .venv/bin/python tests/test_verl_layout.py` prints the count). tests/test_verl_layout.py
+writes out every refused script with its keys, each refusal's reason and the fix it names. Issue 36's
+target, 90% (142 scripts), is not reached: the 33 scripts left need features this trainer does not
+have, and refusing is the honest answer for each:
 
 | scripts | what they need | the fix the refusal names |
 |---|---|---|
-| 13 | LoRA (`lora_rank`, `lora.rank`, `lora_adapter_path`) | remove it: full fine-tuning; merge an adapter into its base model |
-| 11 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class or reward manager (retool, collabllm, deepeyes, langgraph, sglang multi-turn, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
+| 25 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class, curriculum sampler or reward manager (sglang multi-turn, retool, collabllm, deepeyes, langgraph, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
 | 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
 | 2 | FAPO's generative reward model (a reward function that queries the model) | drop the function, or mix model and rule scores in our keys |
-| 2 | a user's curriculum sampler class (`data.sampler.class_path`, in two multi-turn tool scripts) | remove it |
 | 1 each | fp8 training, multi-token prediction, sandbox-fusion rewards, an NPU | remove the fp8 override; remove it; your own reward function; `cuda` |
 
-The count reads each script's overrides on verl's default trainer config. 12 of the scripts counted
-as loading (examples/sglang_multiturn/*, with `--config-name gsm8k_multiturn_grpo` and the like) name
-a multi-turn config file whose `multi_turn.enable: true` is not in their overrides: launched with
-that file they are refused on `multi_turn.enable`, as the rest of the multi-turn scripts are.
+The count reads each script's overrides after the keys of the config file it names with
+`--config-name` where that is not one of verl's two trainer configs: the 16 scripts that name a
+multi-turn config (examples/sglang_multiturn/config/*_multiturn_*.yaml, recipe/deepeyes) get its
+`rollout.multi_turn.enable: true` (`CONFIG_FILE_KEYS` in tests/test_verl_layout.py). Before this was
+read, 12 of them counted as loading (136 of 157); launched with their config files, they are refused.
 
 - **fp16 training** (`recipe/dapo/*_fp16.sh`): `actor.megatron.dtype=float16` ->
   `model.params_dtype: float16`: megatron's Float16Module and its mixed-precision optimizer (fp32 main
@@ -145,6 +146,18 @@ that file they are refused on `multi_turn.enable`, as the rest of the multi-turn
   rollout IS weights in W (verl applies them only in its decoupled correction mode, refused here).
   tests/test_optimal_token_baseline.py.
 
+- **LoRA** (`model.lora`, pfppo_mega/models/lora.py): verl's FSDP keys (`model.lora_rank`, `lora_alpha`,
+  `target_modules`, `exclude_modules`, `lora_adapter_path`) and its megatron ones (`model.lora.rank`,
+  `alpha`, `target_modules`, `exclude_modules`, `adapter_path`, `lora_A_init_method`, `dropout`) map onto
+  it; a rank > 0 takes the alpha of its own spelling when the script leaves it out (16 for `lora_alpha`,
+  32 for `lora.alpha`, and `lora.lora_A_init_method`'s xavier), and the other settings of a spelling whose
+  rank is 0 are ignored (verl's composed config holds both spellings' defaults). As verl: base weights
+  frozen, B = 0 at step 0, scale alpha / rank, the reference policy is the base with the adapters off (no
+  second copy), the engines get merged weights. Differences: a fused megatron linear (q/k/v, gate/up)
+  takes one adapter, so a subset of its projections (`[q_proj, v_proj]`) is refused by name, and a PEFT
+  adapter whose q/k/v parts have different `lora_A` is refused at load (merge it into the base instead);
+  adapter dropout only 0; `lora.type` dora / canonical_lora, non-zero B init and an adapter dtype of its
+  own are refused; the critic takes no LoRA (`critic.model.lora_rank` stays refused).
 - **Dynamic sampling** (`data.gen_batch_size` > `data.train_batch_size`, with
   `algorithm.filter_groups.enable`): `algorithm.filter_groups.gen_batch_size`. Each round generates
   that many prompts; groups whose rewards all agree are dropped; the first `train_batch_size` kept

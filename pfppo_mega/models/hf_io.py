@@ -58,9 +58,9 @@ from pfppo_mega.config.tree import ConfigError, ModelConfig
 from pfppo_mega.families import (
     Architecture, DecoderShape, Head, ModelDirError, ModelFileMissing, architecture_from_hf,
 )
-from pfppo_mega.models import reshard
+from pfppo_mega.models import lora, reshard
 from pfppo_mega.models.gpt import CriticModel, unwrap
-from pfppo_mega.models.reshard import Split, Stage
+from pfppo_mega.models.reshard import Split, Stage, fuse_qkv, split_qkv  # noqa: F401  (hf_io.fuse_qkv / split_qkv: their old home)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -225,26 +225,6 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 # ----------------------------------------------------------------------------- name / layout conversion
-
-
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
-    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
-    (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
-    rest = tuple(q.shape[1:])
-    d = q.shape[0] // heads
-    q = q.reshape(groups, heads // groups * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, ...] -> q [nh*d, ...], k, v [ng*d, ...]."""
-    rest = tuple(qkv.shape[1:])
-    d = qkv.shape[0] // (heads + 2 * groups)
-    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
-    q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # old transformers' RoPE cache
@@ -489,7 +469,8 @@ def _load_into(module: torch.nn.Module, path: str | os.PathLike, *,
     full_shapes = _stage_shapes(shape, vocab_rows, stage, _lm_head(tied_here=tied and stage.first))
     expected = {stage.to_local(n): (n, reshard.shard_shape(full, reshard.split_of(n), layout.tp))
                 for n, full in full_shapes.items()}
-    params = {n: p for n, p in target.named_parameters() if not n.startswith(skip_prefixes)}
+    params = {n: p for n, p in target.named_parameters()
+              if not n.startswith(skip_prefixes) and not lora.is_adapter(n)}  # adapters: not in an HF checkpoint
     expected = {n: v for n, v in expected.items() if not n.startswith(skip_prefixes)}
     missing = [n for n in params if n not in expected]
     if missing:
@@ -580,14 +561,24 @@ def _broadcast_stages(full: dict[str, Tensor], shape: DecoderShape, layout: _Lay
     return out
 
 
+def _effective(target: torch.nn.Module, layout: _Layout) -> tuple[dict[str, Tensor], set[str]]:
+    """Global name -> this rank's detached base tensor (LoRA-adapted weights merged, the adapters
+    left out: models/lora.py), and the names split over tensor parallelism."""
+    local, split = {}, set()
+    for n, t, tp_split in lora.effective_parameters(target):
+        name = layout.stage.to_global(n)
+        local[name] = t
+        if tp_split:
+            split.add(name)
+    return local, split
+
+
 def _gather_full(module: torch.nn.Module, shape: DecoderShape) -> dict[str, Tensor]:
     """Global megatron name -> full (tp = 1, vocab padded) detached tensor, on every rank.
     At tp = pp = 1 these are views of the live parameters."""
     target = unwrap(module)
     layout = _current_layout(shape.num_layers)
-    named = [(layout.stage.to_global(n), p) for n, p in target.named_parameters()]
-    local = {n: p.detach() for n, p in named}
-    split_params = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
+    local, split_params = _effective(target, layout)
     dtypes = {t.dtype for t in local.values()}
     if len(dtypes) != 1:
         raise ValueError(f"model parameters mix dtypes {sorted(map(str, dtypes))}; expected one")
@@ -732,9 +723,7 @@ def _stream_units(module: torch.nn.Module, shape: DecoderShape, sink: Optional[C
         return
     target = unwrap(module)
     layout = _current_layout(shape.num_layers)
-    named = [(layout.stage.to_global(n), p) for n, p in target.named_parameters()]
-    local = {n: p.detach() for n, p in named}
-    split_params = {n for n, p in named if getattr(p, "tensor_model_parallel", False)}
+    local, split_params = _effective(target, layout)
     dtype, device = next(iter(local.values())).dtype, next(iter(local.values())).device
     rank = dist.get_rank() if dist.is_initialized() else 0
     vocab_rows = reshard.padded_vocab_size(shape.vocab_size, layout.tp)
@@ -784,7 +773,7 @@ def export_hf(model_module: torch.nn.Module, model: ModelConfig, out_dir: str | 
     if isinstance(unwrap(model_module), CriticModel):
         raise TypeError("export_hf writes an actor, got a CriticModel")
     shape = _module_shape(model_module, model)
-    dtypes = {p.dtype for p in unwrap(model_module).parameters()}
+    dtypes = {p.dtype for n, p in unwrap(model_module).named_parameters() if not lora.is_adapter(n)}
     if len(dtypes) != 1:
         raise ValueError(f"exported tensors mix dtypes {sorted(map(str, dtypes))}; "
                          f"expected one parameter dtype")

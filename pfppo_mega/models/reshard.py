@@ -43,6 +43,12 @@ _SPLITS: tuple[tuple[str, Split], ...] = (
     ("self_attention.linear_proj.weight", Split.COLUMNS),
     ("mlp.linear_fc1.weight", Split.GLU_ROWS),
     ("mlp.linear_fc2.weight", Split.COLUMNS),
+    # LoRA adapters (models/lora.py): B of a column-parallel linear splits as its weight's rows, A of a
+    # row-parallel one as its weight's columns; the other factor is replicated
+    ("self_attention.linear_qkv.lora_B", Split.ROWS),
+    ("mlp.linear_fc1.lora_B", Split.GLU_ROWS),
+    ("self_attention.linear_proj.lora_A", Split.COLUMNS),
+    ("mlp.linear_fc2.lora_A", Split.COLUMNS),
 )
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -114,6 +120,27 @@ def unshard(shards: list[Tensor], split: Split) -> Tensor:
         return torch.cat(shards, dim=1)
     halves = [s.chunk(2, dim=0) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, *, heads: int, groups: int) -> Tensor:
+    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> megatron linear_qkv [ng*(nh/ng + 2)*d, ...]
+    (group-interleaved). Weights ([.., H]) and biases (1-D) alike."""
+    rest = tuple(q.shape[1:])
+    d = q.shape[0] // heads
+    q = q.reshape(groups, heads // groups * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: Tensor, *, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of fuse_qkv: linear_qkv [ng*(nh/ng + 2)*d, ...] -> q [nh*d, ...], k, v [ng*d, ...]."""
+    rest = tuple(qkv.shape[1:])
+    d = qkv.shape[0] // (heads + 2 * groups)
+    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
+    q, k, v = torch.split(per_group, [heads // groups * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
 
 
 @dataclass(frozen=True)

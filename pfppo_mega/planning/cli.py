@@ -95,7 +95,7 @@ def format_plan(plan: Plan, config: str) -> str:
         f"pfppo plan: {config} on {hw.nodes} nodes x {hw.gpus_per_node} {hw.gpu} "
         f"({hw.gpu_memory / GiB:.2f} GiB per GPU, {hw.host_memory / GiB:.0f} GiB host per node)",
         f"model: actor {plan.actor_params_total / 1e9:.2f} B params, critic {plan.critic_params_total / 1e9:.2f} B, "
-        f"reference {'yes' if r.reference else 'no (kl_coeff = 0)'}; layout tp={lay.tp} pp={lay.pp} dp={lay.dp} "
+        f"reference {_reference(r)}; layout tp={lay.tp} pp={lay.pp} dp={lay.dp} "
         f"(world {lay.world_size}); rollout engine tp={plan.rollout_tp} ({kv.replicas} replicas), "
         f"{r.engine_dtype}, sleep level {r.sleep_level}",
         f"sequence {r.seq_len} tokens (prompt {r.max_prompt_length} + response {r.max_response_length}); "
@@ -294,3 +294,10 @@ def _span(ranks: list[int]) -> str:
         if all(b - a == step for a, b in zip(ranks, ranks[1:])):
             return f"{ranks[0]}..{ranks[-1]}" + (f"/{step}" if step != 1 else "")
     return ",".join(map(str, ranks))
+
+
+def _reference(run) -> str:
+    """How the plan holds the reference policy."""
+    if run.lora_rank:
+        return f"the actor's frozen base (LoRA rank {run.lora_rank}: adapters off, no copy)"
+    return "yes" if run.reference else "no (kl_coeff = 0)"

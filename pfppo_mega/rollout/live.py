@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pfppo_mega.models import reshard
+from pfppo_mega.models import lora, reshard
 from pfppo_mega.rollout.source import WeightSource
 from pfppo_mega.rollout.weights import Bucket, BucketSpec, WeightLayout, plan_buckets
 
@@ -97,10 +97,12 @@ class LiveWeights(WeightSource):
         self.heads, self.groups = model_cfg.num_attention_heads, model_cfg.num_query_groups
         self.vocab, self.tied = model_cfg.vocab_size, bool(model_cfg.tie_word_embeddings)
         self.num_layers = model_cfg.num_layers
-        self.params = {self.stage.to_global(n): p for n, p in unwrap(actor).named_parameters()}
-        self.split_names = {n for n, p in unwrap(actor).named_parameters()
+        self.actor = unwrap(actor)
+        self.split_names = {self.stage.to_global(n) for n, p in self.actor.named_parameters()
                             if getattr(p, "tensor_model_parallel", False)}
-        self.split_names = {self.stage.to_global(n) for n in self.split_names}
+        # LoRA: an adapted linear's weight is read merged (W + s B A of this rank's shards, models/lora.py)
+        self.merged = {self.stage.to_global(f"{n}.weight"): m for n, m in lora.adapted(self.actor)}
+        self.params = {self.stage.to_global(n): p for n, p in self.actor.named_parameters() if not lora.is_adapter(n)}
 
     def segment(self, hf_name: str) -> int:
         return stage_of(hf_name, self.num_layers, self.pp)
@@ -125,7 +127,7 @@ class LiveWeights(WeightSource):
 
     def _gather(self, mnames: list[str]) -> Optional[dict[str, Tensor]]:
         """Full tensors of ``mnames`` on tp rank 0 (None on the other tp ranks)."""
-        local = {m: self.params[m].detach() for m in mnames}
+        local = {m: lora.merged(self.merged[m]) if m in self.merged else self.params[m].detach() for m in mnames}
         split = [m for m in mnames if m in self.split_names]
         if self.tp == 1 or not split:
             return local if self.tp_rank == 0 else None

@@ -27,7 +27,7 @@ from pfppo_mega.config.tree import ModelConfig
 from pfppo_mega.data import build_prompt_data
 from pfppo_mega.families import Architecture
 from pfppo_mega.kernels import KernelBackend, get_backend
-from pfppo_mega.models import gpt, hf_io
+from pfppo_mega.models import gpt, hf_io, lora
 from pfppo_mega.parallel import ParallelInfo, init_parallel
 from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.rewards import build_reward_fn
@@ -103,7 +103,7 @@ class Models:
     arch: Architecture                  # the family's differences (biases, q/k norms, RoPE scaling)
     features: gpt.Features
     actor: torch.nn.Module
-    ref: torch.nn.Module
+    ref: Optional[torch.nn.Module]      # None with model.lora: the actor with its adapters off
     critic: Optional[torch.nn.Module]   # None when the estimator needs no critic
     actor_opt: gpt.MegatronOptimizer
     critic_opt: Optional[gpt.MegatronOptimizer]
@@ -248,13 +248,20 @@ def build_models(cfg: Config, model_cfg, arch, features: gpt.Features, model_dir
     """(actor, reference, critic | None, actor optimizer, critic optimizer | None), in this order
     (the initialisation consumes the seeded RNG), every one on ``device`` in the config's dtype
     (the builders and wrappers check it: gpt.PlacementError). The reference is wrapped as the actor
-    is, minus DDP, so that it computes the actor's logits exactly at step 0."""
+    is, minus DDP, so that it computes the actor's logits exactly at step 0; with model.lora there is
+    none (None): the reference is the actor's frozen base, its adapters off."""
     actor = gpt.build_actor(model_cfg, arch=arch, features=features, device=device)
     hf_io.load_actor_from_hf(actor, model_dir)
+    try:  # model.lora: adapters on, the base frozen (only the adapters reach DDP's buffers and the optimizer)
+        spec = lora.apply(actor, cfg.model.lora, seed=cfg.training.seed)
+    except lora.LoraError as e:
+        raise SetupError(str(e)) from None
     actor = gpt.wrap_ddp(actor, features=features)
-    ref = gpt.build_actor(model_cfg, arch=arch, features=features, device=device)  # frozen initial policy
-    hf_io.load_actor_from_hf(ref, model_dir)
-    ref = gpt.wrap_frozen(ref)
+    ref = None  # with LoRA the reference is the actor with its adapters off (trainer/passes.reference_logp)
+    if spec is None:
+        ref = gpt.build_actor(model_cfg, arch=arch, features=features, device=device)  # frozen initial policy
+        hf_io.load_actor_from_hf(ref, model_dir)
+        ref = gpt.wrap_frozen(ref)
     value = None
     if critic:  # SFT trunk + zero-initialised value head
         value = gpt.build_critic(model_cfg, arch=arch, features=features, device=device)

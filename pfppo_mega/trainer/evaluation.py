@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from pfppo_mega import ppo
-from pfppo_mega.rollout import SamplingParams
-from pfppo_mega.trainer.batch import pack
 from pfppo_mega.config import Config
+from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.tokenizer import Tokenizer
+from pfppo_mega.trainer.batch import pack
 from pfppo_mega.trainer.build import Models, TrainState
 from pfppo_mega.trainer.colocation.generation import Generation
 from pfppo_mega.trainer.instruments import devicecheck
-from pfppo_mega.trainer.passes import policy_logp
+from pfppo_mega.trainer.passes import policy_logp, reference_logp
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.types import RewardFn, Sample
 
@@ -67,6 +67,7 @@ def kl_probe(samples: list[Sample], *, cfg: Config, gen: Generation, models: Mod
         out = gen.run_engine(prompts, params, step=step, what=f"KL probe at step {step}", replicated=True)
     devicecheck.mark_host(out.responses, out.response_mask)
     inp = pack(prompts, out.responses, out.response_mask, pad_id=tokenizer.pad_id, device=device)
-    logp, _ = policy_logp(models.actor, inp, temperature=ar.temperature, training=cfg.training, kernels=models.kernels)
-    ref, _ = policy_logp(models.ref, inp, temperature=ar.temperature, training=cfg.training, kernels=models.kernels)
+    kw = dict(temperature=ar.temperature, training=cfg.training, kernels=models.kernels)
+    logp, _ = policy_logp(models.actor, inp, **kw)
+    ref, _ = reference_logp(models.actor, models.ref, inp, **kw)
     return ppo.masked_mean(logp - ref, inp.response_mask).item()

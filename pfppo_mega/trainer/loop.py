@@ -29,7 +29,7 @@ import torch
 
 from pfppo_mega import parallel
 from pfppo_mega.config import Config, dump_yaml
-from pfppo_mega.models import hf_io
+from pfppo_mega.models import hf_io, lora
 from pfppo_mega.trainer import asynchronous, phases, worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatch, ScoredBatch
 from pfppo_mega.trainer.build import Run, build_run
@@ -244,7 +244,13 @@ class PPOTrainer:
         export = None
         if cfg.checkpoint.export_hf:
             export = run.out_dir / "hf_export"
-            hf_io.export_hf(run.models.actor, run.models.model_cfg, export, tokenizer_files=run.tokenizer.files())
+            hf_io.export_hf(run.models.actor, run.models.model_cfg, export,
+                            tokenizer_files=run.tokenizer.files())  # merged
+            spec = lora.spec_of(run.models.actor)
+            if spec is not None:  # the adapters alone as well, in PEFT's layout (beside it: not inside, where
+                # transformers would read the directory as an adapter)
+                lora.export_peft(run.models.actor, spec, run.out_dir / "lora_adapter",
+                                 base=cfg.actor_rollout.model_path)
         result = RunResult(out_dir=run.out_dir, metrics_path=logger.jsonl_path, plot_path=plot,
                            export_dir=export, eval_before=eval_before, eval_after=eval_acc,
                            steps=st.step, wall_s=time.monotonic() - t_start)

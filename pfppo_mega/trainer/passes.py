@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from pfppo_mega.models import lora
 from pfppo_mega.models import passes as model_passes
 from pfppo_mega.models.microbatch import Tally
 from pfppo_mega.trainer.batch import PackedInputs
@@ -62,3 +63,14 @@ def policy_logp(model: torch.nn.Module, inp: PackedInputs, *, temperature: float
     return model_passes.forward_logp_entropy(model, inp, temperature=temperature,
                                              micro_batch_size=batching(training, inp.labels.shape[0], tally),
                                              kernels=kernels)
+
+
+def reference_logp(actor: torch.nn.Module, ref: Optional[torch.nn.Module], inp: PackedInputs, *, temperature: float,
+                   training, kernels, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logp of the reference policy: the frozen copy ``ref``, or with model.lora (``ref`` None)
+    the actor with its adapters off, i.e. the base weights (verl's way: no second copy of the model)."""
+    kw = dict(temperature=temperature, training=training, kernels=kernels, tally=tally)
+    if ref is not None:
+        return policy_logp(ref, inp, **kw)
+    with lora.adapters_off(actor):
+        return policy_logp(actor, inp, **kw)

@@ -22,7 +22,7 @@ from pfppo_mega.trainer.batch import ExperienceBatch, PreparedBatch, RolloutBatc
 from pfppo_mega.trainer.build import Colocation, DataParallel, Models, Strategies, TrainState
 from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.instruments import devicecheck
-from pfppo_mega.trainer.passes import policy_logp
+from pfppo_mega.trainer.passes import policy_logp, reference_logp
 from pfppo_mega.trainer.update import TrainingHalted
 from pfppo_mega.types import RewardFn, Sample
 
@@ -132,7 +132,8 @@ def prepare(sb: ScoredBatch, *, cfg: Config, models: Models, strategies: Strateg
                                      tally=tally)
     old_logp, entropy = strategies.proximal.old_logp(inp, rb, actor_logp=logp_of(models.actor),
                                                      device=device)                # entropy None: not recomputed
-    ref_logp, _ = logp_of(models.ref)(inp)
+    ref_logp, _ = reference_logp(models.actor, models.ref, inp, temperature=temperature, training=training,
+                                 kernels=models.kernels, tally=tally)  # the frozen copy, or the adapters off
     m = inp.response_mask
     values = None if models.critic is None else model_passes.forward_values(
         models.critic, inp,

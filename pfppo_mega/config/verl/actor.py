@@ -9,11 +9,12 @@ from typing import Any
 
 from pfppo_mega.config.tree import AlgorithmConfig, field_types
 from pfppo_mega.config.verl.convert import _choice, _float, _when_ours
-from pfppo_mega.config.verl.keys import LORA_KEYS, A, M_, R_
+from pfppo_mega.config.verl.keys import A, M_, R_
+from pfppo_mega.config.verl.lora import RULES as LORA_RULES
 from pfppo_mega.config.verl.kl import _kl_coef, _kl_type, _use_kl_loss
 from pfppo_mega.config.verl.optim import (_betas, _min_lr, _min_lr_ratio, _only_default, _optimizer, _schedule,
                                           _warmup_ratio, _warmup_steps)
-from pfppo_mega.config.verl.reasons import (COPY_TOKENIZER, FORWARD_MICRO, FSDP, MERGE_ADAPTER, MOE, MULTIMODAL,
+from pfppo_mega.config.verl.reasons import (COPY_TOKENIZER, FORWARD_MICRO, FSDP, MOE, MULTIMODAL,
                                             REF_LAYOUT, SPEED)
 from pfppo_mega.config.verl.rule import (Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _native_choices, _typed,
                                          positive_int)
@@ -115,16 +116,7 @@ RULES: tuple[Rule, ...] = (
     I(f"{M_}.use_liger", SPEED), I(f"{M_}.use_fused_kernels", SPEED), I(f"{M_}.fused_kernel_options.**", SPEED, ("impl_backend",)),
     I(f"{M_}.tiled_mlp.**", SPEED, ("enabled", "num_shards")),
     I(f"{M_}.torch_dtype", FSDP),
-    R(f"{M_}.lora_rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None),
-      fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
-    R(f"{M_}.lora.rank", "LoRA training (only the low-rank adapters learn): not implemented here", ok=(0, None),
-      fix="remove it to train every weight instead (full fine-tuning: gradients and Adam states for all parameters; `pfppo plan` shows whether that fits)"),
-    R(f"{M_}.lora_adapter_path", "LoRA adapters: not implemented here", ok=(None,), fix=MERGE_ADAPTER),
-    R(f"{M_}.lora.adapter_path", "LoRA adapters: not implemented here", ok=(None,), fix=MERGE_ADAPTER),
-    I(f"{M_}.lora_alpha", "LoRA only (lora_rank > 0 is refused)"),
-    I(f"{M_}.target_modules", "LoRA only (lora_rank > 0 is refused)"),
-    I(f"{M_}.exclude_modules", "LoRA only (lora_rank > 0 is refused)"),
-    I(f"{M_}.lora.**", "LoRA only (lora.rank > 0 is refused)", LORA_KEYS),
+    *LORA_RULES,  # config/verl/lora.py: model.lora
     R(f"{M_}.mtp.enable", "multi-token prediction: not implemented here", ok=(False,)),
     I(f"{M_}.mtp.**", "multi-token prediction only (mtp.enable=True is refused)",
       ("detach_encoder", "enable_rollout", "enable_train", "method", "mtp_loss_scaling_factor", "num_speculative_tokens",

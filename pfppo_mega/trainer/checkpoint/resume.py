@@ -52,7 +52,7 @@ from safetensors import safe_open
 
 from pfppo_mega import parallel
 from pfppo_mega.config import config_to_dict
-from pfppo_mega.models import gpt, reshard
+from pfppo_mega.models import gpt, lora, reshard
 from pfppo_mega.trainer.checkpoint import store as ckpt
 from pfppo_mega.trainer.build import Run
 
@@ -63,8 +63,13 @@ OPTIM = "optim"  # the tensor group of a rank's distributed-optimizer shard
 
 
 def tensor_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and tensor buffers of the unwrapped model (megatron's _extra_state dropped)."""
-    return {k: v for k, v in gpt.unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
+    """Parameters and tensor buffers of the unwrapped model (megatron's _extra_state dropped). Under
+    model.lora the adapters alone: the frozen base is actor_rollout.model_path's, whose content a resume
+    checks (reference_identity), so a checkpoint holds megabytes, not the model."""
+    sd = {k: v for k, v in gpt.unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
+    if lora.spec_of(module) is not None:
+        sd = {k: v for k, v in sd.items() if lora.is_adapter(k)}
+    return sd
 
 
 def load_tensor_state(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
