@@ -402,7 +402,7 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     cfg = load_config(CONFIG, over)
     with PPOTrainer(cfg, log=lambda *_: None) as t:
         res = t.fit()
-        pid_after = t.run.collector.proc.pid
+        pid_after = t.run.strategies.collector.proc.pid
     assert pid_after is None  # fit stopped its generator
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "async/staleness_max" in r]
@@ -464,7 +464,7 @@ def _vllm_async_run(sft_dir: str, tmp_path: str) -> None:
             "training.total_training_steps=3"]
     with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as t:
         res = t.fit()
-        proc = t.run.collector.proc
+        proc = t.run.strategies.collector.proc
         assert proc.pid is None and proc.files.root is None  # stopped, its weight files removed
     steps = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
     assert res.steps == 3 and len(steps) == 3

@@ -177,7 +177,7 @@ def test_a_pf_ppo_pool_of_another_bucket_plan_is_refused_by_name(sft_small, tmp_
     for step in (1, 2):
         _edit_global(out / "checkpoints" / f"step_{step:06d}", lambda m: m["layout"].update(local_world=2))
     tr, msgs = _resume(sft_small, out, algorithm=pf, actor_rollout={"refit_bucket_mb": 0.01})
-    assert tr.step == 2 and len(tr.run.behaviour.pool.versions) == 2, msgs
+    assert tr.step == 2 and len(tr.run.strategies.behaviour.pool.versions) == 2, msgs
 
 
 def test_an_older_format_is_refused_by_name(sft_small, tmp_path):

@@ -35,13 +35,13 @@ def test_training_evaluation_and_the_probe_keep_the_order(sft_dir, tmp_path, pf_
                     algorithm={"use_pf_ppo": pf_ppo, "pool": {"pool_size": 2, "snapshot_interval": 1}})
     tr = PPOTrainer(_cfg(tmp_path, sft_dir, **sections), log=lambda *_: None)
     tr.fit()
-    events = tr.run.gen.events
+    events = tr.run.colocation.gen.events
     names = [name for name, _ in events]
     check_colocation_order(names)
     frames = names.count("offload trainer")
     assert frames == 2 * 3 + 1, names  # per step: rollout, probe, evaluation; + the evaluation before
     actor_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                       for p in tr.run.actor.parameters()}.values())
+                       for p in tr.run.models.actor.parameters()}.values())
     kv = None
     for i, (name, held) in enumerate(events):
         if name == "wake weights":  # only the actor's weights stay for the refit

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer import loop as trainer_loop
+from pfppo_mega.trainer import phases as trainer_phases
 from pfppo_mega.trainer.instruments.devicecheck import DeviceViolation
 
 from test_trainer import sft_dir, _cfg  # noqa: F401  (the shared tiny SFT checkpoint)
@@ -45,8 +46,8 @@ def test_trainer_steps_pass_the_device_check(trainer):
 def test_the_experience_left_on_the_host_is_caught(trainer, monkeypatch):
     """The bug issue 11 names: the experience packed on the host (no device) while the models are on
     the device. The check mode catches it at the first op that mixes the two."""
-    pack = trainer_loop.pack
-    monkeypatch.setattr(trainer_loop, "pack", lambda *a, device=None, **k: pack(*a, **k))
+    pack = trainer_phases.pack
+    monkeypatch.setattr(trainer_phases, "pack", lambda *a, device=None, **k: pack(*a, **k))
     with pytest.raises(DeviceViolation, match=r"prepare: model inputs and results: inputs .* made on the host"):
         trainer.train_step()
 

@@ -43,5 +43,5 @@ def test_trainer_clips_the_critic_apart_from_the_actor(tmp_path):
     cfg = _cfg(tmp_path, ["training.grad_clip=0.9", "training.critic_grad_clip=0.25"])
     run_sft(cfg, log=lambda *_: None)
     trainer = PPOTrainer(cfg, log=lambda *_: None)
-    assert trainer.run.actor_opt.config.clip_grad == 0.9
-    assert trainer.run.critic_opt.config.clip_grad == 0.25
+    assert trainer.run.models.actor_opt.config.clip_grad == 0.9
+    assert trainer.run.models.critic_opt.config.clip_grad == 0.25

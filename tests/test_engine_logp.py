@@ -51,10 +51,10 @@ def test_engine_logp_step_equals_the_recomputing_step(sft_dir, tmp_path, monkeyp
     for recompute in (True, False):
         tr = _trainer(tmp_path, sft_dir, recompute, **sections)
         calls = _counting_forwards(monkeypatch)
-        w0 = {k: v.clone() for k, v in tensor_state(tr.run.actor).items()}
+        w0 = {k: v.clone() for k, v in tensor_state(tr.run.models.actor).items()}
         m = tr.train_step()
-        actor_passes = sum(c is tr.run.actor for c in calls)
-        runs[recompute] = (m, {k: v.clone() for k, v in tensor_state(tr.run.actor).items()}, actor_passes, tr)
+        actor_passes = sum(c is tr.run.models.actor for c in calls)
+        runs[recompute] = (m, {k: v.clone() for k, v in tensor_state(tr.run.models.actor).items()}, actor_passes, tr)
     (m_re, w_re, n_re, _), (m_en, w_en, n_en, tr) = runs[True], runs[False]
     # the prepare pass's actor forward is gone (the reference's stays); the update has its own
     assert n_re == 1 and n_en == 0, (n_re, n_en)
@@ -85,9 +85,7 @@ def test_old_logp_is_the_engines_and_every_row_is_observed(sft_dir, tmp_path):  
     assert torch.equal(prep.old_logp, rb.behav_logp * m)
     eb = tr.advantages(sb, prep)
     assert torch.equal(eb.old_logp, eb.behav_logp)
-    from pfppo_mega.trainer.update import update
-
-    stats, seen = update(tr.run, eb, observe=True)
+    stats, seen = tr.update(eb, observe=True)
     assert seen is not None and int(seen.fresh.sum()) == 32  # the first of two mini-batches
     assert bool(((seen.entropy > 0) | (m == 0)).all()) and bool((seen.logp[m.bool()] < 0).all())
     # the fresh rows' log-probs are the generating weights': the engine's within numerics

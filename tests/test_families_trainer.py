@@ -59,7 +59,7 @@ def test_ppo_steps_on_family_checkpoint(kind, tmp_path):
     cfg = load_config_dict({**json.loads(json.dumps(RUN)), "actor_rollout": {"model_path": str(model_dir)},
                             "logging": {**RUN["logging"], "output_dir": str(tmp_path / "run")}})
     trainer = PPOTrainer(cfg, log=lambda *_: None)
-    assert trainer.run.arch.family == ("qwen3" if kind == "qwen3" else "llama")
+    assert trainer.run.models.arch.family == ("qwen3" if kind == "qwen3" else "llama")
     res = trainer.fit()
     rows = [json.loads(line) for line in res.metrics_path.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "rollout/logp_gap_max" in r]

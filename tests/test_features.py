@@ -129,7 +129,7 @@ def test_trainer_runs_bf16_with_fp32_main_weights(tmp_path):
         "model.params_dtype=bfloat16", "training.total_training_steps=2", "checkpoint.resume=false"])
     tr = PPOTrainer(cfg, log=lambda *_: None)
     recs = [tr.train_step() for _ in range(2)]
-    for model, opt in ((tr.run.actor, tr.run.actor_opt), (tr.run.critic, tr.run.critic_opt)):
+    for model, opt in ((tr.run.models.actor, tr.run.models.actor_opt), (tr.run.models.critic, tr.run.models.critic_opt)):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
         inner = [o.optimizer for o in opt.chained_optimizers] if hasattr(opt, "chained_optimizers") else [opt.optimizer]
         assert {p.dtype for o in inner for g in o.param_groups for p in g["params"]} == {torch.float32}

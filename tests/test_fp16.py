@@ -34,10 +34,10 @@ def test_fp16_matmul_runs_on_this_torch():
 
 def test_tiny_fp16_run_trains_in_fp16_with_a_scaler(sft_small, tmp_path):
     tr = _trainer(sft_small, tmp_path, 3)
-    actor = gpt.unwrap(tr.run.actor)
+    actor = gpt.unwrap(tr.run.models.actor)
     assert actor.config.fp16 and not actor.config.bf16
     assert next(actor.decoder.parameters()).dtype == torch.float16
-    assert tr.run.actor.config.grad_scale_func is not None  # megatron's schedule scales the loss
+    assert tr.run.models.actor.config.grad_scale_func is not None  # megatron's schedule scales the loss
     before = {k: v.float().clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
     rec = [tr.train_step() for _ in range(3)]
     assert all(math.isfinite(r["policy/pg_loss"]) for r in rec)
@@ -51,8 +51,8 @@ def test_tiny_fp16_run_trains_in_fp16_with_a_scaler(sft_small, tmp_path):
 def test_an_inf_gradient_skips_the_step_and_halves_the_scale(sft_small, tmp_path):
     tr = _trainer(sft_small, tmp_path, 4, loss_scale_hysteresis=1)
     tr.train_step()  # a clean step first (the scaler's window restarts)
-    actor = gpt.unwrap(tr.run.actor)
-    scale = _scaler(tr.run.actor_opt).scale.item()
+    actor = gpt.unwrap(tr.run.models.actor)
+    scale = _scaler(tr.run.models.actor_opt).scale.item()
     weights = {k: v.clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
     skipped = tr.run.state.guards["loss_scale_overflows"]
     # an inf in one gradient of the actor's next backward
@@ -65,7 +65,7 @@ def test_an_inf_gradient_skips_the_step_and_halves_the_scale(sft_small, tmp_path
         hook.remove()
     assert tr.run.state.guards["loss_scale_overflows"] > skipped
     assert rec["guard/loss_scale_overflows"] == tr.run.state.guards["loss_scale_overflows"]
-    assert _scaler(tr.run.actor_opt).scale.item() == scale / 2 ** (tr.run.state.guards["loss_scale_overflows"] - skipped)
+    assert _scaler(tr.run.models.actor_opt).scale.item() == scale / 2 ** (tr.run.state.guards["loss_scale_overflows"] - skipped)
     # the skipped actor step changed no weight (every actor update of this step saw the inf)
     after = actor.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in weights.items())
@@ -76,13 +76,13 @@ def test_resume_restores_the_scaler(sft_small, tmp_path):
     tr = _trainer(sft_small, tmp_path, 2, initial_loss_scale=2.0 ** 20)
     for _ in range(2):
         tr.train_step()
-    sc = _scaler(tr.run.actor_opt)
+    sc = _scaler(tr.run.models.actor_opt)
     sc._scale.fill_(96.0)
     sc._growth_tracker = 2
     resume.save(tr.run, tmp_path / "checkpoints")
     resume.wait(tmp_path / "checkpoints")
     again = _trainer(sft_small, tmp_path, 4, initial_loss_scale=2.0 ** 20)
-    got = _scaler(again.run.actor_opt)
+    got = _scaler(again.run.models.actor_opt)
     assert again.step == 2 and got.scale.item() == 96.0 and got._growth_tracker == 2
 
 
@@ -115,9 +115,9 @@ def test_the_distributed_optimizers_scaler_resumes_too(sft_small, tmp_path):
 
     tr = trainer(2)
     tr.train_step()
-    _scaler(tr.run.actor_opt)._scale.fill_(96.0)
+    _scaler(tr.run.models.actor_opt)._scale.fill_(96.0)
     resume.save(tr.run, tmp_path / "checkpoints")
     resume.wait(tmp_path / "checkpoints")
     again = trainer(4)
-    assert again.step == 1 and _scaler(again.run.actor_opt).scale.item() == 96.0
+    assert again.step == 1 and _scaler(again.run.models.actor_opt).scale.item() == 96.0
     assert math.isfinite(again.train_step()["policy/pg_loss"])

@@ -78,12 +78,12 @@ def _fit(tmp_path, sft_dir, engine: str, pf_ppo: bool):  # noqa: F811
                     algorithm={"use_pf_ppo": pf_ppo, "pool": {"pool_size": 2, "snapshot_interval": 1,
                                                                "assign": "step"}})
     tr = PPOTrainer(_cfg(tmp_path / engine, sft_dir, **sections), log=lambda *_: None)
-    updates, update = [], tr.run.engine.update_weights
-    tr.run.engine.update_weights = lambda buckets, version: (updates.append(version), update(buckets, version))[1]
+    updates, update = [], tr.run.colocation.engine.update_weights
+    tr.run.colocation.engine.update_weights = lambda buckets, version: (updates.append(version), update(buckets, version))[1]
     res = tr.fit()
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "reward/mean" in r]
-    weights = {k: v.clone() for k, v in resume.tensor_state(tr.run.actor).items()}
+    weights = {k: v.clone() for k, v in resume.tensor_state(tr.run.models.actor).items()}
     return steps, res, weights, updates
 
 
@@ -192,14 +192,16 @@ def test_a_nan_grad_norm_skips_the_step_and_is_counted(sft_dir, tmp_path, nan_gr
     rb, _ = tr.rollout(run.prompts.next_batch(32))
     sb = tr.score(rb)
     eb = tr.advantages(sb, tr.prepare(sb))
-    for name, step, model, opt, norm_key in (("actor", actor_step, run.actor, run.actor_opt, "policy/grad_norm"),
-                                             ("critic", critic_step, run.critic, run.critic_opt, "critic/grad_norm")):
-        assert math.isfinite(step(run, eb)[norm_key])  # a clean step first: Adam state to compare
+    parts = dict(cfg=run.cfg, models=run.models, strategies=run.strategies, state=run.state, device=run.device,
+                 log=run.log)
+    for name, step, model, opt, norm_key in (("actor", actor_step, run.models.actor, run.models.actor_opt, "policy/grad_norm"),
+                                             ("critic", critic_step, run.models.critic, run.models.critic_opt, "critic/grad_norm")):
+        assert math.isfinite(step(eb, **parts)[norm_key])  # a clean step first: Adam state to compare
         weights, state = resume.tensor_state(model), _opt_state(opt)
         weights = {k: v.clone() for k, v in weights.items()}
         skipped = run.state.guards["skipped_updates"]
         armed = nan_grad(model)
-        stats = step(run, eb)
+        stats = step(eb, **parts)
         assert not armed, f"{name}: the NaN was not injected"
         assert math.isnan(stats[norm_key]) and math.isfinite(stats["policy/loss" if name == "actor" else
                                                                     "critic/value_loss"]), stats
@@ -207,7 +209,7 @@ def test_a_nan_grad_norm_skips_the_step_and_is_counted(sft_dir, tmp_path, nan_gr
         assert not changed, f"{name} ({dtype}): a NaN grad norm was applied to {changed[:4]}"
         assert run.state.guards["skipped_updates"] == skipped + 1 and run.state.consecutive_skips[name] == 1
         assert any(f"{name} update skipped (grad norm nan" in line for line in logs), logs[-3:]
-        stats = step(run, eb)  # the poisoned grads were dropped: the next step is clean
+        stats = step(eb, **parts)  # the poisoned grads were dropped: the next step is clean
         assert math.isfinite(stats[norm_key]) and run.state.consecutive_skips[name] == 0
         assert all(bool(v.isfinite().all()) for v in resume.tensor_state(model).values())
 
@@ -216,7 +218,7 @@ def test_optimizer_step_skips_a_nan_grad_norm_as_sft_calls_it(sft_dir, tmp_path)
     """gpt.optimizer_step with its own finalize (pfppo_mega.sft's path)."""
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 1}, checkpoint={"resume": False})
     run = PPOTrainer(cfg, log=lambda *_: None).run
-    model, opt = run.actor, run.actor_opt
+    model, opt = run.models.actor, run.models.actor_opt
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], device=run.device)
 
     def backward():
@@ -247,8 +249,8 @@ def test_resharded_plain_optimizer_state_follows_its_parameters():
     inner = torch.optim.AdamW([{"params": [model.a]}, {"params": [model.b]}])
     inner.param_groups[1]["fused"] = True  # as gpt._fuse_adamw sets it where the device has the kernel
     opt = SimpleNamespace(optimizer=inner)
-    run = SimpleNamespace(parallel=SimpleNamespace(pp_rank=0, pp=1), model_cfg=SimpleNamespace(num_layers=1),
-                          models=lambda: {"actor": model})
+    run = SimpleNamespace(parallel=SimpleNamespace(pp_rank=0, pp=1),
+                          models=SimpleNamespace(model_cfg=SimpleNamespace(num_layers=1), trained=lambda: {"actor": model}))
 
     class Saved:  # the rebuilt moments as _Reshard.plain_state returns them: host, fp32
         def plain_state(self, opt_name, name, shape):

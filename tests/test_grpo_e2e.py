@@ -42,17 +42,17 @@ def _train(tmp_path, sft_dir, **algorithm):  # noqa: F811
                     actor_rollout={"n_samples_per_prompt": N}, training={"rollout_batch_size": 16, "batch_size": 32,
                                                                           "total_training_steps": 3})
     tr = PPOTrainer(_cfg(tmp_path, sft_dir, **sections), log=lambda *_: None)
-    assert tr.run.critic is None and tr.run.critic_opt is None
+    assert tr.run.models.critic is None and tr.run.models.critic_opt is None
     calls: list[tuple[PolicyLossInputs, PolicyLossParams, float]] = []
-    loss_fn = tr.run.policy_loss
+    loss_fn = tr.run.strategies.policy_loss
 
     def watched(x, p):
         res = loss_fn(x, p)
         frozen = PolicyLossInputs(**{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in x.__dict__.items()})
         calls.append((frozen, p, res.loss.item()))
         return res
-    tr.run.policy_loss = dataclasses.replace(loss_fn, fn=watched)  # the same variant and declarations, watched
-    before = {n: t.detach().clone() for n, t in tr.run.actor.named_parameters()}
+    tr.run.strategies.policy_loss = dataclasses.replace(loss_fn, fn=watched)  # the same variant and declarations, watched
+    before = {n: t.detach().clone() for n, t in tr.run.models.actor.named_parameters()}
     res = tr.fit()
     return tr, [json.loads(line) for line in open(res.metrics_path)][1:], calls, before  # step-0 eval record first
 
@@ -166,7 +166,7 @@ def check_losses_and_weights(tr, calls, before, name: str) -> None:
     for x, p, got in calls:
         want = reference_losses(name, x, p)
         assert any(abs(got - v) <= 1e-5 * max(1.0, abs(v)) for v in want), (name, got, want[:4])
-    after = dict(tr.run.actor.named_parameters())
+    after = dict(tr.run.models.actor.named_parameters())
     moved = [n for n, t in before.items() if not torch.equal(t, after[n].detach())]
     assert moved == list(before), sorted(set(before) - set(moved))
 
@@ -194,7 +194,7 @@ def test_grpo_with_the_pool_trains_without_a_critic(sft_dir, tmp_path, watched_g
 def test_verl_losses_train_with_the_pool(sft_dir, tmp_path, policy_loss):  # noqa: F811
     extra = {"clip_cov_lb": -1.0, "clip_cov_ub": 1.0} if policy_loss == "clip_cov" else {}  # tokens to cut
     tr, steps, calls, before = _train(tmp_path, sft_dir, adv_estimator="grpo", policy_loss=policy_loss, **extra)
-    assert tr.run.policy_loss.name == policy_loss
+    assert tr.run.strategies.policy_loss.name == policy_loss
     assert all("is/mean" in s for s in steps)
     assert any(x.is_weights is not None for x, _, _ in calls)  # the pool's weights reach the loss
     check_losses_and_weights(tr, calls, before, policy_loss)
@@ -203,6 +203,6 @@ def test_verl_losses_train_with_the_pool(sft_dir, tmp_path, policy_loss):  # noq
 def test_dr_grpo_trains(sft_dir, tmp_path):  # noqa: F811
     tr, steps, calls, before = _train(tmp_path, sft_dir, adv_estimator="grpo", norm_adv_by_std_in_grpo=False,
                                       loss_agg_mode="seq-mean-token-sum-norm", use_pf_ppo=False)
-    assert tr.run.policy_loss_params.loss_scale_factor == tr.run.cfg.algorithm.max_response_length
+    assert tr.run.strategies.policy_loss_params.loss_scale_factor == tr.run.cfg.algorithm.max_response_length
     assert all(p.loss_agg_mode == "seq-mean-token-sum-norm" for _, p, _ in calls)
     check_losses_and_weights(tr, calls, before, "ppo_clip")

@@ -153,15 +153,15 @@ def test_value_guard_skips_the_critic_update_and_counts_it(sft_dir, tmp_path):
     cfg = _cfg(tmp_path, sft_dir, training={"total_training_steps": 2, "value_loss_spike_factor": 10.0},
                logging={"worst_samples": 0}, checkpoint={"resume": False})
     tr = PPOTrainer(cfg, log=lambda *_: None)
-    tr.run.value_guard.history.extend([1e-9] * 5)  # any real loss is then > 10 x the median: a spike
-    critic0 = {k: v.clone() for k, v in tr.run.critic.state_dict().items() if isinstance(v, torch.Tensor)}
-    actor0 = {k: v.clone() for k, v in tr.run.actor.state_dict().items() if isinstance(v, torch.Tensor)}
+    tr.run.state.value_guard.history.extend([1e-9] * 5)  # any real loss is then > 10 x the median: a spike
+    critic0 = {k: v.clone() for k, v in tr.run.models.critic.state_dict().items() if isinstance(v, torch.Tensor)}
+    actor0 = {k: v.clone() for k, v in tr.run.models.actor.state_dict().items() if isinstance(v, torch.Tensor)}
     m = tr.train_step()
     assert m["guard/value_loss_spikes"] == 1.0 and "critic/value_loss" not in m
-    assert all(torch.equal(v, critic0[k]) for k, v in tr.run.critic.state_dict().items() if k in critic0)
-    assert any(not torch.equal(v, actor0[k]) for k, v in tr.run.actor.state_dict().items() if k in actor0)
+    assert all(torch.equal(v, critic0[k]) for k, v in tr.run.models.critic.state_dict().items() if k in critic0)
+    assert any(not torch.equal(v, actor0[k]) for k, v in tr.run.models.actor.state_dict().items() if k in actor0)
     assert not (tr.run.out_dir / worst_samples.FILE).exists()  # worst_samples 0: no dump
-    tr.run.value_guard.history.clear()  # too little history for a verdict: the critic updates
+    tr.run.state.value_guard.history.clear()  # too little history for a verdict: the critic updates
     m = tr.train_step()
     assert m["guard/value_loss_spikes"] == 1.0 and "critic/value_loss" in m
 

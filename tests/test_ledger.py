@@ -142,7 +142,7 @@ def test_the_trainer_fits_its_card_and_a_moved_call_overflows_it(sft_dir, tmp_pa
     # 1. the holdings of this run on a card too large to matter: the smallest card its order needs
     with _card(monkeypatch, 1 << 50):
         probe = PPOTrainer(_cfg(tmp_path / "probe", sft_dir, **_sections()), log=lambda *_: None)
-    h = probe.run.gen.memory.ledger.h
+    h = probe.run.colocation.gen.memory.ledger.h
     card = int(min_capacity(h, BUILD_ORDER + STEP_ORDER)) + 1
     trainer = sum(x.bytes for x in h.trainer)
     print(f"ledger card {card} B: trainer states {trainer:.0f} B, update activations {h.update.bytes:.0f} B, engine "
@@ -153,7 +153,7 @@ def test_the_trainer_fits_its_card_and_a_moved_call_overflows_it(sft_dir, tmp_pa
     with _card(monkeypatch, card):
         tr = PPOTrainer(_cfg(tmp_path / "fits", sft_dir, **_sections()), log=lambda *_: None)
         tr.fit()
-    recs = tr.run.gen.memory.records
+    recs = tr.run.colocation.gen.memory.records
     phases = [r.phase for r in recs]
     assert phases[:len(BUILD_ORDER)] == list(BUILD_ORDER)
     for name in STEP_ORDER + ("switch",):
@@ -178,10 +178,10 @@ def test_predicted_trainer_bytes_match_what_the_trainer_holds(sft_dir, tmp_path)
     device while the KV cache is awake."""
     tr = PPOTrainer(_cfg(tmp_path, sft_dir, **_sections()), log=lambda *_: None)
     tr.fit()
-    h = tr.run.gen.memory.ledger.h
+    h = tr.run.colocation.gen.memory.ledger.h
     moments = 8 * (h.actor_params + h.critic_params)
     worst, stepped, checked = 0.0, False, 0
-    for r in tr.run.gen.memory.records[len(BUILD_ORDER):]:
+    for r in tr.run.colocation.gen.memory.records[len(BUILD_ORDER):]:
         predicted, measured = r.trainer_bytes(h), r.measured["trainer_bytes"]
         if r.phase in ("wake kv cache", "generate"):
             assert predicted == measured == 0, r.phase
@@ -220,15 +220,15 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     sections = _sections()
     sections["checkpoint"] = {"save_interval": 1, "resume": False, "export_hf": False}
     tr = PPOTrainer(_cfg(tmp_path, sft_dir, **sections), log=lambda *_: None)
-    updates, update_weights = [], tr.run.engine.update_weights
-    monkeypatch.setattr(tr.run.engine, "update_weights",
+    updates, update_weights = [], tr.run.colocation.engine.update_weights
+    monkeypatch.setattr(tr.run.colocation.engine, "update_weights",
                         lambda buckets, version: (updates.append(version), update_weights(buckets, version))[1])
     res = tr.fit()
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "work/tokens_generated" in r]
     assert len(steps) == 2
-    rest = tr.run.gen.take_work(tr.run.behaviour.host_bytes())  # what came after the last record (final eval, save)
-    plan_bytes = tr.run.sync.plan_bytes()
+    rest = tr.run.colocation.gen.take_work(tr.run.strategies.behaviour.host_bytes())  # what came after the last record (final eval, save)
+    plan_bytes = tr.run.colocation.sync.plan_bytes()
     got = sum(r["work/refit_bytes_received"] + r["work/switch_bytes_received"] for r in steps)
     got += rest.refit_bytes + rest.switch_bytes
     took = len(updates)  # a switch to the snapshot the engine holds already moves nothing
@@ -239,9 +239,9 @@ def test_work_metrics_count_refit_checkpoint_and_host_bytes(sft_dir, tmp_path, m
     # the loop logs a step's record before it saves: step 1's save is in step 2's record, step 2's after
     assert [r["work/checkpoint_bytes_written"] for r in steps] == [0, reported[0]]
     assert rest.checkpoint_bytes == reported[1]
-    pool = tr.run.behaviour.pool
+    pool = tr.run.strategies.behaviour.pool
     held_pool = sum(t.numel() * t.element_size() for s in pool.snapshots for _, t in s.tensors)
-    held_offload = sum(t.numel() for t in tr.run.offload._host)
+    held_offload = sum(t.numel() for t in tr.run.colocation.offload._host)
     assert rest.host_bytes == held_pool + held_offload and held_pool > 0 and held_offload > 0
     assert steps[-1]["work/host_bytes_held"] > 0
     print(f"work per step: tokens {[r['work/tokens_generated'] for r in steps]}, weight bytes received "
@@ -331,16 +331,16 @@ def test_plan_holdings_equal_the_bytes_of_the_built_trainer(sft_dir, tmp_path): 
     def params(model):
         return list(model.parameters())
     measured = {
-        "actor weights (fp32)": _tensor_bytes(params(run.actor)),
-        "actor grads (fp32)": _tensor_bytes(p.main_grad for p in params(run.actor)),
-        "actor optimizer (fp32 x2)": _tensor_bytes(_adam_moments(run.actor_opt)),
-        "critic weights (fp32)": _tensor_bytes(params(run.critic)),
-        "critic grads (fp32)": _tensor_bytes(p.main_grad for p in params(run.critic)),
-        "critic optimizer (fp32 x2)": _tensor_bytes(_adam_moments(run.critic_opt)),
-        "reference weights (fp32)": _tensor_bytes(params(run.ref)),
+        "actor weights (fp32)": _tensor_bytes(params(run.models.actor)),
+        "actor grads (fp32)": _tensor_bytes(p.main_grad for p in params(run.models.actor)),
+        "actor optimizer (fp32 x2)": _tensor_bytes(_adam_moments(run.models.actor_opt)),
+        "critic weights (fp32)": _tensor_bytes(params(run.models.critic)),
+        "critic grads (fp32)": _tensor_bytes(p.main_grad for p in params(run.models.critic)),
+        "critic optimizer (fp32 x2)": _tensor_bytes(_adam_moments(run.models.critic_opt)),
+        "reference weights (fp32)": _tensor_bytes(params(run.models.ref)),
     }
-    assert all(p.dtype == torch.float32 for m in (run.actor, run.critic, run.ref) for p in m.parameters())
+    assert all(p.dtype == torch.float32 for m in (run.models.actor, run.models.critic, run.models.ref) for p in m.parameters())
     assert planned == measured, {k: (planned.get(k), measured.get(k)) for k in set(planned) | set(measured)}
     # and the ledger the trainer entered holds the plan's figures
-    assert {h.name: int(h.bytes) for h in run.gen.memory.ledger.h.trainer} == planned
+    assert {h.name: int(h.bytes) for h in run.colocation.gen.memory.ledger.h.trainer} == planned
     print("plan == measured bytes: " + ", ".join(f"{k} {v}" for k, v in measured.items()))

@@ -207,7 +207,7 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
 
     def records_and_weights(tr, res):  # no critic here
         recs = [json.loads(line) for line in open(res.metrics_path)]
-        return recs, {k: v.clone() for k, v in tr.run.actor.state_dict().items() if isinstance(v, torch.Tensor)}
+        return recs, {k: v.clone() for k, v in tr.run.models.actor.state_dict().items() if isinstance(v, torch.Tensor)}
 
     def trainer(sub: str, steps: int):
         return PPOTrainer(_cfg(tmp_path / sub, sft_small, model=_LORA, algorithm=_GRPO, logging=_LOG,
@@ -217,10 +217,10 @@ def test_grpo_with_lora_trains_only_the_adapters_and_resumes_exactly(sft_small, 
                           log=lambda *_: None)
 
     tr = trainer("a", 4)
-    assert tr.run.ref is None and tr.run.critic is None
-    actor = tr.run.actor
+    assert tr.run.models.ref is None and tr.run.models.critic is None
+    actor = tr.run.models.actor
     before = {n: p.detach().clone() for n, p in actor.named_parameters()}
-    stepped = sum(p.numel() for g in tr.run.actor_opt.param_groups for p in g["params"])
+    stepped = sum(p.numel() for g in tr.run.models.actor_opt.param_groups for p in g["params"])
     assert stepped == lora.adapter_numel(actor) > 0
     res = tr.fit()
     straight = records_and_weights(tr, res)
@@ -308,16 +308,16 @@ def test_pf_ppo_pool_snapshots_hold_the_merged_weights(sft_small, tmp_path):
                checkpoint={"save_interval": 0})
     tr = PPOTrainer(cfg, log=lambda *_: None)
     tr.fit()
-    pool = tr.run.behaviour.pool
+    pool = tr.run.strategies.behaviour.pool
     newest = len(pool.state_meta()["snapshots"]) - 1
     from pfppo_mega.rollout.weights import wire_flat
 
     wires = {k.split("/", 1)[1]: v for k, v in pool.state_tensors().items() if k.startswith(f"{newest}/")}
-    snap = {n: t for i, spec in enumerate(tr.run.sync.plan)
+    snap = {n: t for i, spec in enumerate(tr.run.colocation.sync.plan)
             for n, t in spec.split(wire_flat(wires[f"bucket.{i}"], spec))}  # one rank: it holds every bucket
-    merged = dict(hf_io.gather_hf_weights(tr.run.actor, tr.run.model_cfg))
-    with lora.adapters_off(tr.run.actor):
-        base = {k: v.clone() for k, v in hf_io.gather_hf_weights(tr.run.actor, tr.run.model_cfg)}
+    merged = dict(hf_io.gather_hf_weights(tr.run.models.actor, tr.run.models.model_cfg))
+    with lora.adapters_off(tr.run.models.actor):
+        base = {k: v.clone() for k, v in hf_io.gather_hf_weights(tr.run.models.actor, tr.run.models.model_cfg)}
     assert snap.keys() == merged.keys()
     assert all(torch.equal(snap[k].to(merged[k].dtype), merged[k]) for k in snap)
     assert not torch.equal(snap["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])

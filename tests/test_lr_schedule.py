@@ -48,12 +48,12 @@ def test_the_trainer_sets_the_formulas_lr_every_step(sft_dir, tmp_path):  # noqa
              0.2 + 0.8 * 0.5 * (1 + math.cos(2 * math.pi / 3))][k]
         fc = [0.0, 1.0, 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi / 4)),              # W = 1, N = 5
               0.2 + 0.8 * 0.5 * (1 + math.cos(2 * math.pi / 4)), 0.2 + 0.8 * 0.5 * (1 + math.cos(3 * math.pi / 4))][k]
-        groups = tr.run.actor_opt.param_groups
+        groups = tr.run.models.actor_opt.param_groups
         for g in groups:  # megatron's param groups scale the lr by lr_mult (1 here)
             assert g["lr"] == pytest.approx(lr * f * g.get("lr_mult", 1.0), abs=1e-15), (k, g["lr"])
         assert m["optim/actor_lr"] == pytest.approx(lr * f, abs=1e-15)
         assert m["optim/critic_lr"] == pytest.approx(clr * fc, abs=1e-15)
-        for g in tr.run.critic_opt.param_groups:
+        for g in tr.run.models.critic_opt.param_groups:
             assert g["lr"] == pytest.approx(clr * fc * g.get("lr_mult", 1.0), abs=1e-15), (k, g["lr"])
         seen.append(m["optim/actor_lr"])
     print("actor lr per step:", seen)

@@ -22,8 +22,8 @@ def _trainer(tmp_path, sft_dir, **sections):  # noqa: F811
 
 
 def _everything(tr) -> list[torch.Tensor]:
-    return [t for src in (module_tensors(tr.run.actor), module_tensors(tr.run.critic), module_tensors(tr.run.ref),
-                          optimizer_tensors(tr.run.actor_opt), optimizer_tensors(tr.run.critic_opt)) for t in src]
+    return [t for src in (module_tensors(tr.run.models.actor), module_tensors(tr.run.models.critic), module_tensors(tr.run.models.ref),
+                          optimizer_tensors(tr.run.models.actor_opt), optimizer_tensors(tr.run.models.critic_opt)) for t in src]
 
 
 def test_the_default_is_on_for_gpus_only():
@@ -53,14 +53,14 @@ def test_states_come_back_bit_identical_and_grads_zeroed_without_a_host_copy(sft
     grad_bytes = sum({g.untyped_storage().data_ptr(): n for g, n in zip(grads, grad_sizes)}.values())
     assert grads and any(bool(g.ne(0).any()) for g in grads)  # last step's gradients are there
     before = [t.detach().clone() for t in tensors]
-    held = tr.run.offload.device_bytes()
+    held = tr.run.colocation.offload.device_bytes()
     assert held > 0 and any(t.dtype == torch.bfloat16 for t in tensors)
-    freed = tr.run.offload.offload()
-    assert freed == held and tr.run.offload.device_bytes() == 0 and tr.run.offload.is_offloaded
+    freed = tr.run.colocation.offload.offload()
+    assert freed == held and tr.run.colocation.offload.device_bytes() == 0 and tr.run.colocation.offload.is_offloaded
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)  # freed, the tensors themselves kept
-    assert tr.run.offload.host_bytes() == held - grad_bytes > 0  # everything but the gradients on the host
-    tr.run.offload.reload()
-    assert tr.run.offload.device_bytes() == held and not tr.run.offload.is_offloaded
+    assert tr.run.colocation.offload.host_bytes() == held - grad_bytes > 0  # everything but the gradients on the host
+    tr.run.colocation.offload.reload()
+    assert tr.run.colocation.offload.device_bytes() == held and not tr.run.colocation.offload.is_offloaded
     after = _everything(tr)
     assert [id(t) for t in after] == [id(t) for t in tensors] and [id(g) for g in _grads(tr)] == [id(g) for g in grads]
     assert [g.untyped_storage().nbytes() for g in grads] == grad_sizes
@@ -83,19 +83,19 @@ def test_training_with_offload_equals_training_without(sft_dir, tmp_path):  # no
         f = {**feats, "training": {**feats["training"], "offload_during_rollout": on}}
         tr = _trainer(tmp_path / str(on), sft_dir, **f)
         slept = []
-        sleep = tr.run.engine.sleep
-        tr.run.engine.sleep = lambda: (slept.append(tr.step), sleep())[1]
+        sleep = tr.run.colocation.engine.sleep
+        tr.run.colocation.engine.sleep = lambda: (slept.append(tr.step), sleep())[1]
         metrics = [tr.train_step() for _ in range(3)]
         runs[on] = (metrics, [p.detach().clone() for p in _everything(tr)], tr, slept)
     (m_off, w_off, _, _), (m_on, w_on, tr, slept) = runs[False], runs[True]
     keys = ("policy/pg_loss", "critic/value_loss", "policy/grad_norm", "reward/mean", "kl/ref_k1")
     assert [[m[k] for k in keys] for m in m_off] == [[m[k] for k in keys] for m in m_on]
     assert all(torch.equal(a, b) for a, b in zip(w_off, w_on))
-    assert tr.run.offload.enabled and tr.run.offload.temporary_reloads >= 1  # the current policy was refit while offloaded
+    assert tr.run.colocation.offload.enabled and tr.run.colocation.offload.temporary_reloads >= 1  # the current policy was refit while offloaded
     assert "time/offload_s" in m_on[-1] and "time/offload_s" not in m_off[-1]
     assert slept == [0, 1, 2]  # once per rollout phase, after generating
     print(f"offload {m_on[-1]['time/offload_s'] * 1e3:.1f} ms, reload {m_on[-1]['time/reload_s'] * 1e3:.1f} ms "
-          f"(CPU: host == device), live refits while offloaded: {tr.run.offload.temporary_reloads}")
+          f"(CPU: host == device), live refits while offloaded: {tr.run.colocation.offload.temporary_reloads}")
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -112,25 +112,25 @@ def test_planner_rollout_figure_is_what_the_trainer_keeps(sft_dir, tmp_path, off
     for _ in range(2):
         tr.train_step()
     cfg = tr.run.cfg
-    plan = make_plan(RunShape.from_config(cfg, tr.run.arch), Hardware.preset("h200", nodes=1, gpus_per_node=1),
+    plan = make_plan(RunShape.from_config(cfg, tr.run.models.arch), Hardware.preset("h200", nodes=1, gpus_per_node=1),
                      Knobs(offload_during_rollout=offload_from_config(cfg),
                            distributed_optimizer=cfg.parallel.use_distributed_optimizer))
     planned = sum(c.bytes for c in plan.rollout.components if c.name.startswith("trainer states"))
-    measured = tr.run.gen.rollout_trainer_bytes
-    steps = sum(st["step"].untyped_storage().nbytes() for opt in (tr.run.actor_opt, tr.run.critic_opt)
+    measured = tr.run.colocation.gen.rollout_trainer_bytes
+    steps = sum(st["step"].untyped_storage().nbytes() for opt in (tr.run.models.actor_opt, tr.run.models.critic_opt)
                 for o in getattr(opt, "chained_optimizers", None) or [opt] for st in o.optimizer.state.values())
     if offload:
         assert planned == 0 and measured == 0
         # the host side: what the offload really holds (no gradients) is the plan's host line
         host_planned = {c.name: c.bytes for c in plan.host.components}["trainer states offloaded during rollout"]
-        print(f"host bytes of the offload: held {tr.run.offload.host_bytes()}, planned {host_planned:.0f} "
+        print(f"host bytes of the offload: held {tr.run.colocation.offload.host_bytes()}, planned {host_planned:.0f} "
               f"(+ {steps} Adam step counters)")
-        assert tr.run.offload.host_bytes() == host_planned + steps
+        assert tr.run.colocation.offload.host_bytes() == host_planned + steps
         return
     print(f"rollout phase, trainer bytes on the device: measured {measured}, planned {planned:.0f} "
           f"(+ {steps} Adam step counters)")
     # the reference is bf16 throughout (gpt.wrap_frozen): no fp32 norms beyond the plan any more
-    assert all(p.dtype == torch.bfloat16 for p in tr.run.ref.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in tr.run.models.ref.parameters())
     assert measured == planned + steps
 
 

@@ -104,8 +104,8 @@ def test_a_tiny_run_trains_with_it(sft_small, tmp_path):
     tr = PPOTrainer(_cfg(tmp_path, sft_small, algorithm={"adv_estimator": "optimal_token_baseline"},
                          actor_rollout={"n_samples_per_prompt": 4}, training={"total_training_steps": 2}),
                     log=lambda *_: None)
-    assert tr.run.critic is None
-    actor = gpt.unwrap(tr.run.actor)
+    assert tr.run.models.critic is None
+    actor = gpt.unwrap(tr.run.models.actor)
     before = {k: v.clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
     rec = [tr.train_step() for _ in range(2)]
     assert all(math.isfinite(r["policy/pg_loss"]) for r in rec)

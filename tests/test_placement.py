@@ -247,9 +247,9 @@ def test_build_run_inside_the_device_check_session(sft_dir, tmp_path):  # noqa: 
     cfg = _cfg(tmp_path, sft_dir, algorithm={"use_pf_ppo": True}, training={"total_training_steps": 1})
     with devicecheck.session(torch.device("cpu")) as s:
         trainer = PPOTrainer(cfg, log=lambda *_: None)
-        for name, m in trainer.run.models().items():
+        for name, m in trainer.run.models.trained().items():
             host = [n for n, p in m.named_parameters() if devicecheck.is_host(p)]
             assert not host, (name, host[:5])
-        assert not [n for n, p in gpt.unwrap(trainer.run.ref).named_parameters() if devicecheck.is_host(p)]
+        assert not [n for n, p in gpt.unwrap(trainer.run.models.ref).named_parameters() if devicecheck.is_host(p)]
         trainer.train_step()
     assert s.checks > 0

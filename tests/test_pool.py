@@ -557,7 +557,7 @@ def test_trainer_flow(tmp_path):
 
     tr.score = spy
     for step in range(9):
-        held = list(tr.run.behaviour.pool.versions)
+        held = list(tr.run.strategies.behaviour.pool.versions)
         m = tr.train_step()
         assert held == [v for v in range(0, step + 1, 2)][-3:]  # snapshots at 0, 2, 4, ...: the 3 newest
         live = step not in held  # the current version is not a snapshot: include_current offers it
@@ -566,11 +566,11 @@ def test_trainer_flow(tmp_path):
         assert f"pool/slot{n_cands}/prob" not in m
         assert sum(m[k] for k in m if k.startswith("pool/snap") and k.endswith("/count")) == 8
         assert step_versions[-1] <= set(held) | ({step} if live else set())
-    assert tr.run.behaviour.pool.versions == [4, 6, 8] and tr.run.behaviour.pool.n_corrupt == 0
-    for snap in tr.run.behaviour.pool.snapshots:  # stats are exactly the rows each held snapshot generated
+    assert tr.run.strategies.behaviour.pool.versions == [4, 6, 8] and tr.run.strategies.behaviour.pool.n_corrupt == 0
+    for snap in tr.run.strategies.behaviour.pool.snapshots:  # stats are exactly the rows each held snapshot generated
         assert snap.stats.n_samples == rows_by_version.get(snap.version, 0)
         assert snap.stats.reward_sum == pytest.approx(reward_by_version.get(snap.version, 0.0))
-    assert sum(s.stats.n_samples for s in tr.run.behaviour.pool.snapshots) > 0
+    assert sum(s.stats.n_samples for s in tr.run.strategies.behaviour.pool.snapshots) > 0
 
 
 def test_is_stats_are_those_of_the_global_batch_under_dp():

@@ -249,23 +249,23 @@ def test_trainer_recovers_from_a_dying_engine_and_an_interrupted_switch(tmp_path
     tr = PPOTrainer(load_config_dict(d), log=lines.append)
     tr.train_step()  # the pool holds versions 0 and 1 now
 
-    generate, calls = tr.run.engine.generate, []
+    generate, calls = tr.run.colocation.engine.generate, []
 
     def dies_once(prompts, params):
-        calls.append(tr.run.engine.weight_version)
+        calls.append(tr.run.colocation.engine.weight_version)
         if len(calls) == 1:
-            tr.run.engine.invalidate()  # what a dead engine leaves: no usable weights
+            tr.run.colocation.engine.invalidate()  # what a dead engine leaves: no usable weights
             raise RuntimeError("engine core died")
         return generate(prompts, params)
 
-    tr.run.engine.generate = dies_once
+    tr.run.colocation.engine.generate = dies_once
     m = tr.train_step()
     assert m["guard/engine_failures"] == 1.0 and tr.run.state.guards["engine_failures"] == 1
     assert calls[0] == calls[1] >= 0  # regenerated with the same version, pushed again
     assert any("engine core died" in line and "pushing weight version" in line for line in lines)
-    tr.run.engine.generate = generate
+    tr.run.colocation.engine.generate = generate
 
-    apply, applied = tr.run.engine._apply, []
+    apply, applied = tr.run.colocation.engine._apply, []
 
     def interrupted(named):
         applied.append(1)
@@ -273,15 +273,15 @@ def test_trainer_recovers_from_a_dying_engine_and_an_interrupted_switch(tmp_path
             raise OSError("link reset")
         apply(named)
 
-    tr.run.engine._apply = interrupted
-    tr.run.engine.invalidate()  # the next switch must move bytes
+    tr.run.colocation.engine._apply = interrupted
+    tr.run.colocation.engine.invalidate()  # the next switch must move bytes
     before = tr.run.state.guards["corrupt_snapshots"]
     m = tr.train_step()
-    tr.run.engine._apply = apply
+    tr.run.colocation.engine._apply = apply
     assert tr.run.state.guards["corrupt_snapshots"] == before + 1 and len(applied) >= 3
     assert any("refused" in line and "link reset" in line for line in lines)
-    assert tr.run.engine.weight_version >= 0  # a complete, verified version generated the step
+    assert tr.run.colocation.engine.weight_version >= 0  # a complete, verified version generated the step
 
-    tr.run.engine.generate = lambda prompts, params: (_ for _ in ()).throw(RuntimeError("engine core died"))
+    tr.run.colocation.engine.generate = lambda prompts, params: (_ for _ in ()).throw(RuntimeError("engine core died"))
     with pytest.raises(RuntimeError, match=r"rollout engine failed on rank\(s\) \[0\] again .*engine core died"):
         tr.train_step()

@@ -110,7 +110,7 @@ def test_remax_trains_with_greedy_baselines_from_the_current_weights(sft_dir, tm
                training={"rollout_batch_size": 16, "batch_size": 32, "total_training_steps": 2})
     tr = PPOTrainer(cfg, log=lambda *_: None)
     run = tr.run
-    assert run.critic is None
+    assert run.models.critic is None
     greedy_seen = []
     score = tr.score
 
@@ -124,19 +124,19 @@ def test_remax_trains_with_greedy_baselines_from_the_current_weights(sft_dir, tm
         samples = [rb.samples[i] for i in first.values()]
         params = SamplingParams(temperature=1.0, top_p=1.0, greedy=True, max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=run.tokenizer.eos_id, seed=123)
-        with run.gen.colocated(run.state.step, refit=True):
-            out = run.gen.run_engine([list(s.prompt_ids) for s in samples], params, step=run.state.step, what="test")
+        with run.colocation.gen.colocated(run.state.step, refit=True):
+            out = run.colocation.gen.run_engine([list(s.prompt_ids) for s in samples], params, step=run.state.step, what="test")
         texts = [run.tokenizer.decode(r[: int(n)].tolist()) for r, n in zip(out.responses, out.lengths)]
         rewards = run.reward_fn(samples, texts, out.finished.tolist()).scores.double()
         greedy_seen.append((rb, sb, list(first), texts, rewards))
         return sb
 
     tr.score = score_and_check
-    before = [p.detach().clone() for p in run.actor.parameters()]
+    before = [p.detach().clone() for p in run.models.actor.parameters()]
     res = tr.fit()
-    after = list(run.actor.parameters())
+    after = list(run.models.actor.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after)), "the weights did not move"
-    check_colocation_order([name for name, _ in run.gen.events])   # the greedy call sits in the rollout's frame
+    check_colocation_order([name for name, _ in run.colocation.gen.events])   # the greedy call sits in the rollout's frame
     steps = [json.loads(line) for line in open(res.metrics_path)][1:]
     assert [s["step"] for s in steps] == [1, 2] and len(SEEN) == 2 and len(greedy_seen) == 2
     for s, (x, adv), (rb, sb, groups, texts, rewards) in zip(steps, SEEN, greedy_seen):

@@ -75,7 +75,7 @@ def test_a_changed_learning_rate_is_applied_and_said(saved, sft_dir):  # noqa: F
     lines: list[str] = []
     tr = _resume(saved, sft_dir, lines.append, training={"lr": 1e-4, "critic_lr": 2e-4, "weight_decay": 0.05})
     assert tr.step == 2
-    for opt, lr in ((tr.run.actor_opt, 1e-4), (tr.run.critic_opt, 2e-4)):
+    for opt, lr in ((tr.run.models.actor_opt, 1e-4), (tr.run.models.critic_opt, 2e-4)):
         for g in opt.param_groups:
             assert g["lr"] == pytest.approx(lr * g.get("lr_mult", 1.0))
             assert g["weight_decay"] == pytest.approx(0.05 * g.get("wd_mult", 1.0))

@@ -188,8 +188,8 @@ def test_tiny_runs_train(sft_small, tmp_path, correction):
     cfg = _cfg(tmp_path, sft_small, algorithm={"recompute_old_logp": False, "rollout_correction": correction},
                training={"total_training_steps": 2})
     tr = PPOTrainer(cfg, log=lambda *_: None)
-    assert tr.run.policy_loss.name == "rollout_correction"
-    actor = gpt.unwrap(tr.run.actor)
+    assert tr.run.strategies.policy_loss.name == "rollout_correction"
+    actor = gpt.unwrap(tr.run.models.actor)
     before = {k: v.clone() for k, v in actor.state_dict().items() if isinstance(v, torch.Tensor)}
     rec = [tr.train_step() for _ in range(2)]
     assert all(math.isfinite(r["policy/pg_loss"]) and "rollout_corr/rs_masked_frac" in r for r in rec)

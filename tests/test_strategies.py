@@ -73,10 +73,10 @@ def test_a_registered_estimator_and_engine_train_without_a_critic(sft_dir, tmp_p
                     training={"total_training_steps": 3}, checkpoint={"save_interval": 1})
     tr = PPOTrainer(_cfg(tmp_path, sft_dir, **sections), log=lambda *_: None)
     run = tr.run
-    assert run.critic is None and run.critic_opt is None and CALLS["built"] == 1
-    assert isinstance(run.engine, CountingEngine)
-    assert run.sync.groups.timeout_s == 12.5  # actor_rollout.refit_timeout_s reaches every refit collective
-    before = _weights(run.actor)
+    assert run.models.critic is None and run.models.critic_opt is None and CALLS["built"] == 1
+    assert isinstance(run.colocation.engine, CountingEngine)
+    assert run.colocation.sync.groups.timeout_s == 12.5  # actor_rollout.refit_timeout_s reaches every refit collective
+    before = _weights(run.models.actor)
     res = tr.fit()
     steps = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in steps if "reward/mean" in r]
@@ -84,17 +84,17 @@ def test_a_registered_estimator_and_engine_train_without_a_critic(sft_dir, tmp_p
     assert CALLS["generate"] >= 3 + 2 * 2  # every step's rollout + sampled and greedy evaluation, twice
     assert not [k for r in steps for k in r if k.startswith("critic/value")], "a critic-free run logged a critic"
     assert all(math_ok(r["policy/grad_norm"]) for r in steps)
-    after = _weights(run.actor)
+    after = _weights(run.models.actor)
     assert any(not torch.equal(after[k], before[k]) for k in before), "the actor did not train"
     if pf_ppo:
-        assert "is/mean" in steps[-1] and run.behaviour.pool.versions[-1] == 3
+        assert "is/mean" in steps[-1] and run.strategies.behaviour.pool.versions[-1] == 3
     # the checkpoint holds no critic, and a resume with it continues where it stopped
     found = resume.load_part(tmp_path / "checkpoints")
     assert found.step == 3 and "critic" not in found.tensors and found.state["critic_opt"] is None
     more = dict(sections, training={"total_training_steps": 4})
     again = PPOTrainer(_cfg(tmp_path, sft_dir, **more), log=lambda *_: None)
-    assert again.step == 3 and again.run.critic is None
-    assert all(torch.equal(_weights(again.run.actor)[k], after[k]) for k in after)
+    assert again.step == 3 and again.run.models.critic is None
+    assert all(torch.equal(_weights(again.run.models.actor)[k], after[k]) for k in after)
     again.fit()
     assert again.step == 4
     # GAE needs a critic this checkpoint does not have: refused by name, not trained from a fresh critic

@@ -25,9 +25,9 @@ def _run(sft, out, steps, **sections):
 def test_distributed_optimizer_and_bf16_run_and_resume_bit_identically(sft_small, tmp_path):
     feats = dict(parallel={"use_distributed_optimizer": True}, model={"params_dtype": "bfloat16"})
     tr, res = _run(sft_small, tmp_path / "a", 4, **feats)
-    assert isinstance(tr.run.actor_opt.chained_optimizers[0] if hasattr(tr.run.actor_opt, "chained_optimizers")
-                      else tr.run.actor_opt, DistributedOptimizer)
-    assert tr.run.actor.config.bf16 and next(tr.run.actor.parameters()).dtype.is_floating_point
+    assert isinstance(tr.run.models.actor_opt.chained_optimizers[0] if hasattr(tr.run.models.actor_opt, "chained_optimizers")
+                      else tr.run.models.actor_opt, DistributedOptimizer)
+    assert tr.run.models.actor.config.bf16 and next(tr.run.models.actor.parameters()).dtype.is_floating_point
     straight = records_and_weights(tr, res)
     _run(sft_small, tmp_path / "b", 2, **feats)
     tr, res = _run(sft_small, tmp_path / "b", 4, **feats)
@@ -37,19 +37,19 @@ def test_distributed_optimizer_and_bf16_run_and_resume_bit_identically(sft_small
     # the checkpoint's optimizer state is checked against the run: each rank's share is saved by
     # parameter name and element range, and its param groups must be the run's
     sd = resume.load_part(tmp_path / "b" / "checkpoints").state["actor_opt"]
-    ckpt.check_optimizer_state(tr.run.actor_opt, sd, "actor_opt")
+    ckpt.check_optimizer_state(tr.run.models.actor_opt, sd, "actor_opt")
     part = sd["distributed_optimizer"][0]
     assert part["slices"] and all(0 <= s < e for _, _, s, e in part["slices"])
     bad = copy.deepcopy(sd)
     bad["distributed_optimizer"][0]["slices"][0][3] = 10**12
     with pytest.raises(ckpt.CheckpointError, match=r"slices must be a list of \[name, shape, start, end\]"):
-        ckpt.check_optimizer_state(tr.run.actor_opt, bad, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.models.actor_opt, bad, "actor_opt")
     bad = copy.deepcopy(sd)
     bad["distributed_optimizer"][0]["state_dict"]["optimizer"]["param_groups"].pop()
     with pytest.raises(ckpt.CheckpointError, match="param groups, the run's optimizer has"):
-        ckpt.check_optimizer_state(tr.run.actor_opt, bad, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.models.actor_opt, bad, "actor_opt")
     with pytest.raises(ckpt.CheckpointError, match="use_distributed_optimizer=true but the checkpoint holds a plain"):
-        ckpt.check_optimizer_state(tr.run.actor_opt, {"state": {}, "param_groups": []}, "actor_opt")
+        ckpt.check_optimizer_state(tr.run.models.actor_opt, {"state": {}, "param_groups": []}, "actor_opt")
 
 
 def test_distributed_optimizer_checkpoint_before_any_step_resumes(sft_small, tmp_path):

@@ -296,8 +296,8 @@ def test_a_dp2_distributed_optimizer_checkpoint_resumes_at_dp1_exactly(setup):
                     saved.setdefault(f"{opt}/{name}/{k}", {})[a] = flat[f"{opt}/{name}/{k}"]
     assert split > 0  # some parameter was shared by both ranks: the re-slice joined two ranges
     compared = 0
-    for opt_name, model in (("actor_opt", tr.run.actor), ("critic_opt", tr.run.critic)):
-        o = getattr(tr.run, opt_name)
+    for opt_name, model in (("actor_opt", tr.run.models.actor), ("critic_opt", tr.run.models.critic)):
+        o = getattr(tr.run.models, opt_name)
         o = (getattr(o, "chained_optimizers", None) or [o])[0]
         names = resume.param_names(tr.run, model)
         for p, a, b in ckpt._owned(o):
@@ -322,7 +322,7 @@ def test_a_dp2_pf_ppo_checkpoint_resumes_at_dp1_with_the_whole_pool(setup):
           "actor_rollout": {"refit_bucket_mb": 0.01}}
     tr, msgs = _resume_here("dp2_pf", pf)
     assert tr.step == 2 and any("resharded to tp=1 pp=1 dp=1" in m for m in msgs), msgs
-    pool = tr.run.behaviour.pool
+    pool = tr.run.strategies.behaviour.pool
     a, b = r["ranks"]
     assert pool.versions == a["versions"]
     assert sorted(i for c in pool._producer_checksums.values() for i in c) == sorted(a["kept"] + b["kept"])

@@ -41,7 +41,7 @@ def sft_small(tmp_path_factory):
 
 def records_and_weights(tr, res):
     recs = [json.loads(line) for line in open(res.metrics_path)]
-    weights = {f"{name}.{k}": v.clone() for name, model in (("actor", tr.run.actor), ("critic", tr.run.critic))
+    weights = {f"{name}.{k}": v.clone() for name, model in (("actor", tr.run.models.actor), ("critic", tr.run.models.critic))
                for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     return recs, weights
 
@@ -78,7 +78,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(sft_small, tmp_path, pf
     (versions, stats, snapshots, checksums) and the assignment RNG come back from the checkpoint."""
     tr, straight, halves = straight_and_resumed(sft_small, tmp_path, _PF if pf_ppo else {})
     if pf_ppo:
-        assert tr.run.behaviour.pool.versions == [3, 4]
+        assert tr.run.strategies.behaviour.pool.versions == [3, 4]
     differ, n, max_diff = resume_comparison(straight, halves)
     print(f"resume vs straight ({'PF-PPO' if pf_ppo else 'PPO'}): {len(differ)} of {n} metric values differ, "
           f"max weight diff {max_diff:.3g}")
@@ -93,10 +93,10 @@ def test_pool_is_rebuilt_exactly_from_the_checkpoint(sft_small, tmp_path):
     tr.fit()
     again = PPOTrainer(cfg, log=quiet)
     assert again.step == 3
-    assert again.run.behaviour.pool.state_meta() == tr.run.behaviour.pool.state_meta()
-    a, b = tr.run.behaviour.pool.state_tensors(), again.run.behaviour.pool.state_tensors()
+    assert again.run.strategies.behaviour.pool.state_meta() == tr.run.strategies.behaviour.pool.state_meta()
+    a, b = tr.run.strategies.behaviour.pool.state_tensors(), again.run.strategies.behaviour.pool.state_tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(again.run.assign_gen.get_state(), tr.run.assign_gen.get_state())
+    assert torch.equal(again.run.state.assign_gen.get_state(), tr.run.state.assign_gen.get_state())
 
 
 def test_stop_request_on_a_save_step_saves_once(sft_small, tmp_path, monkeypatch):
@@ -197,7 +197,7 @@ def test_resume_keeps_this_builds_adamw_kernel(sft_small, tmp_path):
                checkpoint={"save_interval": 0})
     tr = PPOTrainer(cfg, log=quiet)
     assert tr.step == 2
-    groups = [g for opt in tr.run.optimizers().values() for o in getattr(opt, "chained_optimizers", [opt])
+    groups = [g for opt in tr.run.models.optimizers().values() for o in getattr(opt, "chained_optimizers", [opt])
               for g in o.optimizer.param_groups]
     assert groups and all(g["fused"] is True and g["foreach"] is False for g in groups)
     assert all(g["lr"] == 1.5e-3 for g in groups)  # the checkpoint's hyper-parameters still load

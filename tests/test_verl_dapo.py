@@ -84,7 +84,7 @@ def test_a_dapo_shaped_verl_config_trains(sft_dir, tmp_path):  # noqa: F811
     rollout, filt = tr.rollout, tr.filter
     tr.rollout = lambda samples: (rounds.append(len(samples)), rollout(samples))[1]
     tr.filter = lambda sb: (trained.append(sb), filt(sb))[1]
-    before = [p.detach().clone() for p in tr.run.actor.parameters()]
+    before = [p.detach().clone() for p in tr.run.models.actor.parameters()]
     metrics = []
     for step in range(2):
         n = len(rounds)
@@ -98,7 +98,7 @@ def test_a_dapo_shaped_verl_config_trains(sft_dir, tmp_path):  # noqa: F811
         lengths = sb.rollout.response_mask.sum(1)
         assert bool(((sb.scores < sb.raw_scores) == (lengths > 3)).all())  # the buffer: lengths 4, 5 of 5
     assert metrics[0]["optim/actor_lr"] == 0.0 and metrics[1]["optim/actor_lr"] == pytest.approx(3e-4)
-    assert any(not (p == q).all() for p, q in zip(tr.run.actor.parameters(), before))  # the 2nd step trained
+    assert any(not (p == q).all() for p, q in zip(tr.run.models.actor.parameters(), before))  # the 2nd step trained
     last = metrics[-1]  # seeded: this step dropped agreeing groups and kept enough others to fill the batch
     assert last["dapo/dropped_groups"] > 0 and last["dapo/filled_groups"] == 0
     assert not agreeing_groups(trained[-1]).any()

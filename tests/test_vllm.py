@@ -200,10 +200,10 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
     trainer = PPOTrainer(load_config_dict(d), log=lambda *_: None)
     # vLLM's max_model_len is the rollout's longest sequence, not the model's context
     cap = d["data"]["max_prompt_length"] + d["algorithm"]["max_response_length"]
-    built = trainer.run.engine.llm.llm_engine.model_config.max_model_len
+    built = trainer.run.colocation.engine.llm.llm_engine.model_config.max_model_len
     print(f"vLLM max_model_len {built} (prompt + response; max_position_embeddings "
           f"{d['model']['max_position_embeddings']})")
-    assert trainer.run.engine.max_model_len == built == cap < d["model"]["max_position_embeddings"]
+    assert trainer.run.colocation.engine.max_model_len == built == cap < d["model"]["max_position_embeddings"]
     res = trainer.fit()
     recs = [json.loads(line) for line in open(res.metrics_path)]
     steps = [r for r in recs if "reward/mean" in r]
@@ -217,7 +217,7 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
     assert max(r["pool/snapshots_used"] for r in steps) >= 1
     too_long = [[1] * (cap - 2)]  # + 3 new tokens: one past the engine's max_model_len, refused by name
     with pytest.raises(ValueError, match=rf"= {cap + 1} > the engine's max_model_len \({cap} = data.max_prompt_length"):
-        trainer.run.engine.generate(too_long, SamplingParams(1.0, 1.0, 3, None, seed=0))
+        trainer.run.colocation.engine.generate(too_long, SamplingParams(1.0, 1.0, 3, None, seed=0))
 
 
 @NEEDS_VLLM

@@ -121,7 +121,7 @@ def worker(cfg_path: str, out_prefix: str) -> None:
            "step_during_s": step_during, "save_s": save_s, "sync_save_s": sync_save_s, "load_s": load_s,
            "host_copy_bytes": info.bytes, "part_bytes": manifest["parts"][resume.my_part(run)]["bytes"],
            "save_peak_bytes": save_peak.bytes, "load_peak_bytes": load_peak.bytes,
-           "params": sum(q.numel() for m in run.models().values() for q in m.parameters())}
+           "params": sum(q.numel() for m in run.models.trained().values() for q in m.parameters())}
     Path(f"{out_prefix}.rank{p.rank}.json").write_text(json.dumps(out))
 
 

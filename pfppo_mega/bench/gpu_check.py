@@ -204,17 +204,17 @@ def run_ppo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     print(f"trainer built in {time.perf_counter() - t0:.1f}s; device {trainer.run.parallel.device}; offload during "
-          f"rollout {trainer.run.offload.enabled}; engine {type(trainer.run.engine).__name__}")
+          f"rollout {trainer.run.colocation.offload.enabled}; engine {type(trainer.run.colocation.engine).__name__}")
     # GPU memory allocated while the engine generates: read inside generate(), when the trainer's
     # states are offloaded and the engine holds its weights and cache (not before the rollout phase)
     in_rollout: list[float] = []
-    engine = trainer.run.engine
+    engine = trainer.run.colocation.engine
     generate, sleep, slept = engine.generate, engine.sleep, []
     engine.generate = lambda *a, **k: (in_rollout.append(torch.cuda.memory_allocated() / 2**30), generate(*a, **k))[1]
     engine.sleep = lambda: (slept.append(trainer.step), sleep())[1]
     torch.cuda.reset_peak_memory_stats()
     peak_seen = [0]  # the ledger resets the allocator's peak at every phase: keep the run's own maximum
-    memory = trainer.run.gen.memory
+    memory = trainer.run.colocation.gen.memory
     if memory is not None:
         enter = memory.enter
 
@@ -240,7 +240,7 @@ def run_ppo(args: argparse.Namespace) -> int:
                       "update_tokens_per_s": m.get("perf/update_tokens_per_s"), "kl_probe": m.get("kl/probe_k1"),
                       "switch_s": m.get("pool/switch_s"), "reward": m.get("reward/mean"),
                       "offload_s": m.get("time/offload_s"), "reload_s": m.get("time/reload_s"),
-                      "trainer_bytes_in_rollout": trainer.run.gen.rollout_trainer_bytes,
+                      "trainer_bytes_in_rollout": trainer.run.colocation.gen.rollout_trainer_bytes,
                       "allocated_in_rollout_gib": in_rollout[-1] if in_rollout else None,
                       "peak_gib": peak_seen[0] / 2**30})
         s = steps[-1]
@@ -258,7 +258,8 @@ def run_ppo(args: argparse.Namespace) -> int:
           f"(torch allocator) vs planner training phase {planned:.2f} GiB (1 x 1 H200); trainer states on the "
           f"GPU during rollout: measured {last['trainer_bytes_in_rollout'] / 2**30:.2f} GiB, planned "
           f"{planned_rollout:.2f} GiB; engine.sleep() after generating at steps {slept} "
-          f"({type(trainer.run.engine).__name__}: {'frees its KV cache' if getattr(trainer.run.engine, 'sleep_supported', False) else 'a logged no-op'})")
+          f"({type(engine).__name__}: "
+          f"{'frees its KV cache' if getattr(engine, 'sleep_supported', False) else 'a logged no-op'})")
     if memory is not None:  # the ledger of the colocated order, phase by phase (pfppo_mega/ledger.py)
         memory.enter("sleep")  # closes the last phase's peak (the engine is asleep already)
         ledger = ledger_rows(memory.records[:-1], memory.ledger.h)
@@ -287,7 +288,7 @@ def update_throughput(trainer, steps: list[dict], matmul_tflops) -> dict:
     tflops = med([s["update_tflops"] for s in timed])
     out = {"tokens_per_s": med([s["update_tokens_per_s"] for s in timed]), "model_tflops": tflops,
            "update_s": med([s["update_s"] for s in timed]), "steps": len(timed),
-           "params_actor": sum(p.numel() for p in gpt.unwrap(trainer.run.actor).parameters())}
+           "params_actor": sum(p.numel() for p in gpt.unwrap(trainer.run.models.actor).parameters())}
     if matmul_tflops:
         out["frac_of_measured_matmul"] = tflops / matmul_tflops
     return out
@@ -298,11 +299,10 @@ def _eval_then_step_then_save(trainer, steps: list[dict], torch) -> dict:
     them at the same version: with vLLM's level-2 sleep this is where stale weights would generate),
     then a checkpoint written and committed (a second process resumes from it)."""
     from pfppo_mega.trainer.checkpoint import resume
-    from pfppo_mega.trainer.evaluation import evaluate, kl_probe
 
     run = trainer.run
-    ev = evaluate(run)
-    probe = kl_probe(run) if run.cfg.logging.kl_probe_size else None
+    ev = trainer.evaluate()
+    probe = trainer.kl_probe() if run.cfg.logging.kl_probe_size else None
     t = time.perf_counter()
     m = trainer.train_step()
     torch.cuda.synchronize()
@@ -336,17 +336,18 @@ def run_audit(args: argparse.Namespace) -> int:
     trainer.train_step()  # optimizer states exist after a step
     torch.cuda.synchronize()
     named = {}
-    for what, module in (("actor", run.actor), ("ref", run.ref), ("critic", run.critic),
-                         ("engine", getattr(run.engine, "model", None))):
+    for what, module in (("actor", run.models.actor), ("ref", run.models.ref), ("critic", run.models.critic),
+                         ("engine", getattr(run.colocation.engine, "model", None))):
         if module is not None:
             named.update({f"{what}.{n}": t for n, t in [*module.named_parameters(), *module.named_buffers()]})
-    for what, opt in run.optimizers().items():
+    for what, opt in run.models.optimizers().items():
         named.update({f"{what}[{i}]": t for i, t in enumerate(optimizer_tensors(opt))})
     off = sorted(f"{n} {t.device}" for n, t in named.items() if t.device.type != "cuda")
     print(f"audit: {len(named)} tensors, {len(off)} not on the GPU{': ' + ', '.join(off[:10]) if off else ''}")
     # offload round trip: bit-identical, device bytes freed, host bytes as pinned
-    trained = [t for m in (run.actor, run.critic, run.ref) if m is not None for t in module_tensors(m)]
-    trained += [t for o in run.optimizers().values() for t in optimizer_tensors(o)]
+    models = run.models
+    trained = [t for m in (models.actor, models.critic, models.ref) if m is not None for t in module_tensors(m)]
+    trained += [t for o in run.models.optimizers().values() for t in optimizer_tensors(o)]
     before = [t.detach().clone() for t in trained]
     alloc0 = torch.cuda.memory_allocated()
     host0 = dict(torch.cuda.host_memory_stats())
@@ -355,17 +356,17 @@ def run_audit(args: argparse.Namespace) -> int:
         exact0 = pinned.pinned_bytes()
     except ImportError:
         pinned, exact0 = None, None
-    predicted = run.offload.device_bytes()
-    with run.offload.offloaded():
+    predicted = run.colocation.offload.device_bytes()
+    with run.colocation.offload.offloaded():
         torch.cuda.synchronize()
         alloc_off = torch.cuda.memory_allocated()
         host1 = dict(torch.cuda.host_memory_stats())
         exact1 = pinned.pinned_bytes() if pinned else None
-        host_buffers = run.offload.host_bytes() if hasattr(run.offload, "host_bytes") else None
+        host_buffers = run.colocation.offload.host_bytes() if hasattr(run.colocation.offload, "host_bytes") else None
     torch.cuda.synchronize()
     alloc_back = torch.cuda.memory_allocated()
     # gradient buffers come back zeroed (nothing reads them before zero_grads): compare the rest
-    grads = {id(g) for m in (run.actor, run.critic) if m is not None for p in m.parameters()
+    grads = {id(g) for m in (run.models.actor, run.models.critic) if m is not None for p in m.parameters()
              for g in (getattr(p, "main_grad", None), p.grad) if g is not None}
     same = all(torch.equal(a, b) for a, b, t in zip(before, [t.detach() for t in trained], trained) if id(t) not in grads)
     host_key = "allocated_bytes.current"
@@ -375,7 +376,7 @@ def run_audit(args: argparse.Namespace) -> int:
            "torch_pinned_held_during": host1.get(host_key, 0) - host0.get(host_key, 0),
            "exact_pinned_during": None if exact1 is None else exact1 - exact0,
            "offload_host_buffers": host_buffers,  # the trainer's host copies (gradients are not copied)
-           "params": sum(p.numel() for p in gpt.unwrap(run.actor).parameters())}
+           "params": sum(p.numel() for p in gpt.unwrap(run.models.actor).parameters())}
     print(f"offload round trip: bit-identical {same}; device bytes {alloc0 / 2**30:.3f} -> {alloc_off / 2**30:.3f} -> "
           f"{alloc_back / 2**30:.3f} GiB (trainer states {predicted / 2**30:.3f} GiB); pinned host held during it: "
           f"torch allocator {res['torch_pinned_held_during'] / 2**30:.3f} GiB, exactly pinned "

@@ -4,8 +4,10 @@
 lengths, layout, features, batch split), sets up parallel state in one place, then builds, in
 this order: prompts and rewards, actor, reference, critic (only when the advantage estimator
 needs one), optimizers, kernels backend, offload, rollout engine, EngineSync, the behaviour
-policy (current policy or snapshot pool) and the policy loss. The loop (trainer/loop.py) and the
-checkpoint code (trainer/checkpoint/resume.py) see only the ``Run``.
+policy (current policy or snapshot pool) and the policy loss. The ``Run`` holds them in four
+typed parts (``Models``, ``Colocation``, ``Strategies``, ``TrainState``): the loop (trainer/loop.py)
+gives each phase the parts it reads; the checkpoint code (trainer/checkpoint/resume.py) takes the
+whole ``Run``.
 """
 
 from __future__ import annotations
@@ -32,17 +34,17 @@ from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout.base import EngineSetupError, RolloutEngine
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPolicy
-from pfppo_mega.trainer.collect import DynamicSampling, OneRound, build_collector
+from pfppo_mega.trainer.collect import Collector, build_collector
 from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
 from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
 from pfppo_mega.trainer.colocation.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.estimators import AdvantageEstimator
-from pfppo_mega.trainer.filtration import KeepAll, PolicyFiltration, choose_filtration
+from pfppo_mega.trainer.filtration import Filtration, choose_filtration
 from pfppo_mega.trainer.passes import PassWork
 from pfppo_mega.trainer.policy_loss import (PolicyLoss, PolicyLossParams, RolloutCorrection, choose_policy_loss,
                                             get_policy_loss)
-from pfppo_mega.trainer.proximal import EngineLogp, Recompute, choose_proximal
+from pfppo_mega.trainer.proximal import Proximal, choose_proximal
 from pfppo_mega.trainer.seeds import stream_seed
 from pfppo_mega.trainer.value_guard import ValueLossGuard
 from pfppo_mega.types import PromptSource, RewardFn, Sample
@@ -58,8 +60,12 @@ GUARDS = ("bad_rewards", "reward_errors", "reward_timeouts", "skipped_updates", 
 
 @dataclass
 class TrainState:
-    """What the loop changes step by step besides the weights (all of it checkpoint state)."""
+    """What the loop changes step by step besides the weights (all of it checkpoint state): the
+    counters and guards, the random streams, the value-loss guard."""
 
+    rng: random.Random                  # this DP rank's prompt and sampling-seed stream
+    assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
+    value_guard: ValueLossGuard
     step: int = 0
     guards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GUARDS, 0))
     consecutive_skips: dict[str, int] = field(default_factory=lambda: {"actor": 0, "critic": 0})
@@ -70,24 +76,78 @@ class TrainState:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """Batch statistics over the data-parallel ranks, as the math takes them (None at dp = 1)."""
+    """The data-parallel ranks: how many, and batch statistics over them as the math takes them
+    (None at dp = 1)."""
 
+    size: int
     group: Optional[torch.distributed.ProcessGroup]
     sum: Optional[Callable]
     gather: Optional[Callable]
     max: Optional[Callable]
 
     @classmethod
-    def of(cls, group) -> "DataParallel":
+    def of(cls, group, size: int) -> "DataParallel":
         if group is None:
-            return cls(None, None, None, None)
-        return cls(group, functools.partial(parallel.dp_sum, group=group),
+            return cls(size, None, None, None, None)
+        return cls(size, group, functools.partial(parallel.dp_sum, group=group),
                    functools.partial(parallel.dp_all_gather, group=group),
                    functools.partial(parallel.dp_max, group=group))
 
 
 @dataclass
+class Models:
+    """The trainer's models: what they are built from, the trained and frozen ones, their
+    optimizers, the kernels their passes run on, and the work of those passes."""
+
+    model_cfg: ModelConfig              # the config's model section, completed from the checkpoint
+    arch: Architecture                  # the family's differences (biases, q/k norms, RoPE scaling)
+    features: gpt.Features
+    actor: torch.nn.Module
+    ref: Optional[torch.nn.Module]      # None with model.lora: the actor with its adapters off
+    critic: Optional[torch.nn.Module]   # None when the estimator needs no critic
+    actor_opt: gpt.MegatronOptimizer
+    critic_opt: Optional[gpt.MegatronOptimizer]
+    kernels: KernelBackend
+    passes: PassWork = field(default_factory=PassWork)  # the model passes' work since the last step (perf/)
+
+    def trained(self) -> dict[str, torch.nn.Module]:
+        """The trained models by checkpoint name (the critic only when built)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def optimizers(self) -> dict[str, gpt.MegatronOptimizer]:
+        return {"actor_opt": self.actor_opt, **({"critic_opt": self.critic_opt} if self.critic_opt is not None
+                                                else {})}
+
+
+@dataclass
+class Colocation:
+    """The rollout engine on the trainer's devices (trainer/colocation/): the engine, the weight
+    movements into it, the generation frame, the offload of the trainer's states meanwhile."""
+
+    engine: RolloutEngine
+    sync: EngineSync
+    gen: Generation
+    offload: TrainerOffload
+
+
+@dataclass
+class Strategies:
+    """The choices made once from the config; the loop calls them and never asks which it has."""
+
+    behaviour: BehaviourPolicy          # trainer/behaviour.py: algorithm.use_pf_ppo (or the asynchronous mode's)
+    collector: Collector                # trainer/collect.py: algorithm.filter_groups (or the asynchronous mode's)
+    filtration: Filtration              # trainer/filtration.py: algorithm.filtration
+    proximal: Proximal                  # trainer/proximal.py: the old log-probs
+    estimator: AdvantageEstimator       # trainer/estimators.py: algorithm.adv_estimator
+    policy_loss: PolicyLoss             # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
+    policy_loss_params: PolicyLossParams
+
+
+@dataclass
 class Run:
+    """A training run in parts: where it runs (config, ranks, device, logging), its prompts and
+    rewards, and four typed parts. A phase takes the parts it reads; the checkpoint takes the Run."""
+
     cfg: Config
     out_dir: Path
     parallel: ParallelInfo
@@ -96,42 +156,13 @@ class Run:
     log: Callable[[str], None]
     dp: DataParallel
     tokenizer: Tokenizer
-    model_cfg: ModelConfig              # the config's model section, completed from the checkpoint
-    arch: Architecture                  # the family's differences (biases, q/k norms, RoPE scaling)
-    features: gpt.Features
     prompts: PromptSource
     eval_samples: list[Sample]
     reward_fn: RewardFn
-    actor: torch.nn.Module
-    ref: Optional[torch.nn.Module]     # None with model.lora: the actor with its adapters off
-    critic: Optional[torch.nn.Module]   # None when the estimator needs no critic
-    actor_opt: gpt.MegatronOptimizer
-    critic_opt: Optional[gpt.MegatronOptimizer]
-    kernels: KernelBackend
-    offload: TrainerOffload
-    engine: RolloutEngine
-    sync: EngineSync
-    gen: Generation
-    behaviour: BehaviourPolicy
-    collector: OneRound | DynamicSampling  # trainer/collect.py
-    estimator: AdvantageEstimator
-    filtration: KeepAll | PolicyFiltration  # trainer/filtration.py: algorithm.filtration
-    proximal: Recompute | EngineLogp    # trainer/proximal.py: the old log-probs
-    policy_loss: PolicyLoss             # trainer/policy_loss.py: algorithm.policy_loss, or tis (pool.is_mode)
-    policy_loss_params: PolicyLossParams
-    rng: random.Random                  # this DP rank's prompt and sampling-seed stream
-    assign_gen: torch.Generator         # rank 0's snapshot assignment and filtration draws
-    value_guard: ValueLossGuard
+    models: Models
+    colocation: Colocation
+    strategies: Strategies
     state: TrainState
-    passes: PassWork = field(default_factory=PassWork)  # the model passes' work since the last step (perf/)
-
-    def models(self) -> dict[str, torch.nn.Module]:
-        """The trained models by checkpoint name (the critic only when built)."""
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
-
-    def optimizers(self) -> dict[str, gpt.MegatronOptimizer]:
-        return {"actor_opt": self.actor_opt, **({"critic_opt": self.critic_opt} if self.critic_opt is not None
-                                                else {})}
 
 
 # ============================================================================ checks before any work
@@ -284,6 +315,37 @@ def rollout_correction(c) -> Optional[RolloutCorrection]:
                              criteria=tuple(c.criteria()), loss_type=c.loss_type)
 
 
+def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: ParallelInfo, dp: DataParallel,
+                     estimator: AdvantageEstimator, kernels: KernelBackend, prompts: PromptSource, tokenizer: Tokenizer,
+                     model_dir: Path, hf_cfg: dict, log: Callable[[str], None]) -> Strategies:
+    """The behaviour policy (current policy, the PF-PPO pool, or the asynchronous mode's generator
+    process), the collector, filtration, proximal log-probs, and the policy loss with its parameters."""
+    a = cfg.algorithm
+    n = cfg.actor_rollout.n_samples_per_prompt
+    # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
+    behaviour: BehaviourPolicy = (
+        SnapshotPolicy(gen, a.pool, n=n, step=state.step, assign_gen=state.assign_gen, guards=state.guards,
+                       dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
+    collector: Collector = build_collector(cfg, prompts=prompts, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
+    if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
+        if par.world_size != par.dp:
+            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
+                             f"rank); tensor_model_parallel_size = {par.tp}, pipeline_model_parallel_size = {par.pp} "
+                             f"at WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
+                             f"built yet (docs/async.md, Limits)")
+        from pfppo_mega.trainer.asynchronous import build_async
+        behaviour, collector = build_async(cfg, sync=gen.sync, model_dir=model_dir, hf_cfg=hf_cfg,
+                                           next_batch=prompts.next_batch, state=state, rng=state.rng,
+                                           tokenizer=tokenizer, device=par.device, log=log, dp_rank=par.dp_rank,
+                                           dp_group=dp.group)
+    loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
+                                   name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
+    return Strategies(behaviour=behaviour, collector=collector, filtration=choose_filtration(a.filtration,
+                                                                                             state.assign_gen),
+                      proximal=choose_proximal(a), estimator=estimator, policy_loss=get_policy_loss(loss_name),
+                      policy_loss_params=policy_loss_params(cfg, kernels))
+
+
 def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     torch.set_num_threads(cfg.training.num_threads)
     seed_everything(cfg.training.seed)
@@ -322,7 +384,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     check_batch_split(cfg, par.dp)
     # Batch statistics (advantage whitening, reward z-scores and running moments) are taken over
     # the global batch: the math gets this sum over the data-parallel ranks (None at dp = 1).
-    dp = DataParallel.of(parallel.data_parallel_group())
+    dp = DataParallel.of(parallel.data_parallel_group(), par.dp)
     # One prompt stream for the job, the same on every rank: each replica draws the global batch
     # from it and keeps its slice, so the rows and their sampling seeds do not depend on the DP size.
     rng = random.Random(stream_seed("prompts", cfg.training.seed))
@@ -355,37 +417,18 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     sync = EngineSync(engine, actor, model_cfg, refit_timeout_s=cfg.actor_rollout.refit_timeout_s,
                       local_world_size=local_world, log=log)
     assign_gen = torch.Generator().manual_seed(stream_seed("assignment", cfg.training.seed))
-    state = TrainState()
+    state = TrainState(rng=rng, assign_gen=assign_gen,
+                       value_guard=ValueLossGuard(cfg.training.value_loss_spike_factor))
     split = None if par.world_size == 1 else SplitLayout(  # rollout split across every engine
         world=par.world_size, rank=par.rank, rollout_tp=cfg.actor_rollout.tensor_model_parallel_size,
         dp_rank=par.dp_rank, replica_leader=par.tp_rank == 0 and par.pp_rank == 0)
     gen = Generation(cfg, engine=engine, sync=sync, offload=offload, tokenizer=tokenizer, rng=rng, device=device,
                      guards=state.guards, split=split, log=log, memory=memory)
-    a = cfg.algorithm
-    n = cfg.actor_rollout.n_samples_per_prompt
-    # --- PF-PPO: the behaviour-policy pool starts with the current (initial SFT) policy
-    behaviour: BehaviourPolicy = (
-        SnapshotPolicy(gen, a.pool, n=n, step=state.step, assign_gen=assign_gen, guards=state.guards,
-                       dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
-    collector = build_collector(cfg, prompts=data.train, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
-    if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
-        if par.world_size != par.dp:
-            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
-                             f"rank); tensor_model_parallel_size = {tp}, pipeline_model_parallel_size = {pp} at "
-                             f"WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
-                             f"built yet (docs/async.md, Limits)")
-        from pfppo_mega.trainer.asynchronous import build_async
-        behaviour, collector = build_async(cfg, sync=sync, model_dir=model_dir, hf_cfg=hf_cfg,
-                                           next_batch=data.train.next_batch, state=state, rng=rng,
-                                           tokenizer=tokenizer, device=device, log=log, dp_rank=par.dp_rank,
-                                           dp_group=dp.group)
-    loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
-                                   name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
+    models = Models(model_cfg=model_cfg, arch=arch, features=features, actor=actor, ref=ref, critic=critic,
+                    actor_opt=actor_opt, critic_opt=critic_opt, kernels=kernels)
+    strategies = build_strategies(cfg, gen=gen, state=state, par=par, dp=dp, estimator=estimator, kernels=kernels,
+                                  prompts=data.train, tokenizer=tokenizer, model_dir=model_dir, hf_cfg=hf_cfg, log=log)
     return Run(cfg=cfg, out_dir=out_dir, parallel=par, device=device, is_logger=is_logger, log=log, dp=dp,
-               tokenizer=tokenizer, model_cfg=model_cfg, arch=arch, features=features, prompts=data.train,
-               eval_samples=data.val, reward_fn=reward_fn, actor=actor, ref=ref, critic=critic, actor_opt=actor_opt,
-               critic_opt=critic_opt, kernels=kernels, offload=offload, engine=engine, sync=sync, gen=gen,
-               behaviour=behaviour, collector=collector,
-               estimator=estimator, filtration=choose_filtration(a.filtration, assign_gen), proximal=choose_proximal(a),
-               policy_loss=get_policy_loss(loss_name), policy_loss_params=policy_loss_params(cfg, kernels), rng=rng,
-               assign_gen=assign_gen, value_guard=ValueLossGuard(cfg.training.value_loss_spike_factor), state=state)
+               tokenizer=tokenizer, prompts=data.train, eval_samples=data.val, reward_fn=reward_fn, models=models,
+               colocation=Colocation(engine=engine, sync=sync, gen=gen, offload=offload), strategies=strategies,
+               state=state)

@@ -17,9 +17,10 @@ statistics; score: rows -> scored rows) and the phase timer; it knows nothing of
 
 from __future__ import annotations
 
-import torch
+from contextlib import AbstractContextManager
+from typing import Callable, Protocol
 
-from typing import Callable
+import torch
 
 from pfppo_mega import parallel
 from pfppo_mega.trainer.batch import RolloutBatch, ScoredBatch, concat_scored
@@ -27,16 +28,30 @@ from pfppo_mega.types import Sample
 
 Rollout = Callable[[list[Sample]], tuple[RolloutBatch, dict[str, float]]]
 Score = Callable[[RolloutBatch], ScoredBatch]
+Timer = Callable[[str], AbstractContextManager]  # timer(phase name): a frame timing that phase
+
+
+class Collector(Protocol):
+    """A step's scored rows from its prompts (OneRound, DynamicSampling, the asynchronous mode's)."""
+
+    def collect(self, samples: list[Sample], *, rollout: Rollout, score: Score,
+                timer: Timer) -> tuple[ScoredBatch, dict[str, float]]: ...
+
+    def close(self) -> None:
+        """End what the collector started outside this process (idempotent)."""
 
 
 class OneRound:
     def collect(self, samples: list[Sample], *, rollout: Rollout, score: Score,
-                timer) -> tuple[ScoredBatch, dict[str, float]]:
+                timer: Timer) -> tuple[ScoredBatch, dict[str, float]]:
         with timer("rollout"):
             rb, stats = rollout(samples)
         with timer("score"):
             scored = score(rb)
         return scored, stats
+
+    def close(self) -> None:
+        """Nothing outside this process."""
 
 
 def agreeing_groups(scored: ScoredBatch) -> torch.Tensor:
@@ -88,8 +103,11 @@ class DynamicSampling:
             f"draw prompts forever. Set algorithm.filter_groups.max_num_gen_batches > 0 (a batch still short is "
             f"then filled with agreeing groups), or check the reward function and the data")
 
+    def close(self) -> None:
+        """Nothing outside this process."""
+
     def collect(self, samples: list[Sample], *, rollout: Rollout, score: Score,
-                timer) -> tuple[ScoredBatch, dict[str, float]]:
+                timer: Timer) -> tuple[ScoredBatch, dict[str, float]]:
         need = len(samples)                              # prompt groups this rank trains on
         kept: list[ScoredBatch] = []
         spare: list[ScoredBatch] = []
@@ -136,7 +154,7 @@ class DynamicSampling:
         return out, stats
 
 
-def build_collector(cfg, *, prompts, log, pad_id: int, dp: int = 1):
+def build_collector(cfg, *, prompts, log, pad_id: int, dp: int = 1) -> OneRound | DynamicSampling:
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return OneRound()

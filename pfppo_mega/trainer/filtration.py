@@ -5,11 +5,17 @@ they are (KeepAll). The loop calls it and never asks which one it has."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pfppo_mega import ppo
 from pfppo_mega.trainer.batch import ScoredBatch
+
+
+class Filtration(Protocol):
+    def __call__(self, sb: ScoredBatch) -> ScoredBatch:
+        """The rows the update trains on."""
 
 
 class KeepAll:

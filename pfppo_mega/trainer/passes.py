@@ -54,19 +54,23 @@ def fused_head(setting: Optional[bool], update_on: Optional[torch.device]) -> bo
     return update_on is None or update_on.type != "cpu"
 
 
-def policy_logp(run, model, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logp(model: torch.nn.Module, inp: PackedInputs, *, temperature: float, training, kernels,
+                tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of the response tokens under logits / temperature.  [B, T] each.
     Through megatron's schedule: any TP x PP layout, vocab-parallel at tp > 1; micro-batched as
-    training.* says, its work counted into ``tally`` when given. ``run``: the trainer's Run."""
-    return model_passes.forward_logp_entropy(model, inp, temperature=run.cfg.actor_rollout.temperature,
-                                        micro_batch_size=batching(run.cfg.training, inp.labels.shape[0], tally),
-                                        kernels=run.kernels)
+    ``training`` (the config's training section) says, its work counted into ``tally`` when given;
+    ``kernels``: the run's kernels backend."""
+    return model_passes.forward_logp_entropy(model, inp, temperature=temperature,
+                                             micro_batch_size=batching(training, inp.labels.shape[0], tally),
+                                             kernels=kernels)
 
 
-def reference_logp(run, inp: PackedInputs, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """policy_logp of the reference policy: the frozen copy, or with model.lora (run.ref None) the actor
-    with its adapters off, i.e. the base weights (verl's way: no second copy of the model)."""
-    if run.ref is not None:
-        return policy_logp(run, run.ref, inp, tally)
-    with lora.adapters_off(run.actor):
-        return policy_logp(run, run.actor, inp, tally)
+def reference_logp(actor: torch.nn.Module, ref: Optional[torch.nn.Module], inp: PackedInputs, *, temperature: float,
+                   training, kernels, tally: Optional[Tally] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logp of the reference policy: the frozen copy ``ref``, or with model.lora (``ref`` None)
+    the actor with its adapters off, i.e. the base weights (verl's way: no second copy of the model)."""
+    kw = dict(temperature=temperature, training=training, kernels=kernels, tally=tally)
+    if ref is not None:
+        return policy_logp(ref, inp, **kw)
+    with lora.adapters_off(actor):
+        return policy_logp(actor, inp, **kw)

@@ -14,28 +14,39 @@ by numerics only (rollout/logp_gap_* measures it either way).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from pfppo_mega.trainer.batch import PackedInputs, RolloutBatch
-from pfppo_mega.trainer.passes import policy_logp
+
+ActorLogp = Callable[[PackedInputs], tuple[torch.Tensor, torch.Tensor]]  # the actor's (logp, entropy) [B, T]
+
+
+class Proximal(Protocol):
+    observes_in_update: bool
+
+    def old_logp(self, inp: PackedInputs, rb: RolloutBatch, *, actor_logp: ActorLogp,
+                 device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(old_logp, entropy or None) [B, T] of the rows, on ``device``."""
 
 
 class Recompute:
     observes_in_update = False  # the prepare pass has the entropy already
 
-    def old_logp(self, run, inp: PackedInputs, rb: RolloutBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def old_logp(self, inp: PackedInputs, rb: RolloutBatch, *, actor_logp: ActorLogp,
+                 device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(old_logp, entropy) [B, T] of the rows under the actor's current weights."""
-        return policy_logp(run, run.actor, inp, run.passes.prepare_lm)
+        return actor_logp(inp)
 
 
 class EngineLogp:
     observes_in_update = True  # entropy and the engine/trainer gap come from the update's first epoch
 
-    def old_logp(self, run, inp: PackedInputs, rb: RolloutBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def old_logp(self, inp: PackedInputs, rb: RolloutBatch, *, actor_logp: ActorLogp,
+                 device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(the engine's log-probs, None) [B, T]: no model pass."""
-        return rb.behav_logp.to(run.device), None
+        return rb.behav_logp.to(device), None
 
 
 def choose_proximal(algorithm) -> Recompute | EngineLogp:

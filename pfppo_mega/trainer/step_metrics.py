@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -10,21 +11,23 @@ import torch
 from pfppo_mega import parallel, ppo
 from pfppo_mega.trainer import worst_samples
 from pfppo_mega.trainer.batch import ExperienceBatch, ScoredBatch
-from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.build import DataParallel
 from pfppo_mega.trainer.metrics import aggregate_rank_metrics, quantiles, repetition_rate
 from pfppo_mega.trainer.update import Observed
 
 
-def step_metrics(run: Run, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float],
-                 times: dict[str, float], step_s: float, *, seen: Optional[Observed] = None) -> dict[str, float]:
+def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], times: dict[str, float],
+                 step_s: float, *, guards: dict[str, int], dp: DataParallel, observes_in_update: bool,
+                 seen: Optional[Observed] = None) -> dict[str, float]:
     """reward/* and response/* describe every generated row (`sb`, before policy filtration);
     the KL, entropy, critic and update metrics the rows trained on (`eb`). Without recomputed
     proximal log-probs (trainer/proximal.py) the entropy and the engine/trainer gap are the
-    update's first epoch's (`seen`), and absent in a step whose actor did not train."""
-    rb, m, guards = sb.rollout, eb.inputs.response_mask, run.state.guards
+    update's first epoch's (`seen`), and absent in a step whose actor did not train
+    (``observes_in_update``: the proximal strategy's declaration). ``guards``: the run's counters."""
+    rb, m = sb.rollout, eb.inputs.response_mask
     lengths = rb.response_mask.sum(1)                                               # [B] generated
     # std and quantiles of the global batch (every DP rank's rewards), not a mean of the ranks'
-    raw = sb.raw_scores if run.dp.gather is None else run.dp.gather(sb.raw_scores)  # [B * dp]
+    raw = sb.raw_scores if dp.gather is None else dp.gather(sb.raw_scores)  # [B * dp]
     first10 = m.clone()
     first10[:, 10:] = 0
     gen_tokens = float(lengths.sum())
@@ -46,7 +49,7 @@ def step_metrics(run: Run, sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, 
         "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
                                         for r, l in zip(rb.responses, lengths)) / len(lengths),
         **entropy_first10(eb, seen, first10),
-        **(logp_gap(eb, seen) if seen is not None or not run.proximal.observes_in_update else {}),
+        **(logp_gap(eb, seen) if seen is not None or not observes_in_update else {}),
         **critic,
         "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
         **{f"guard/{k}": float(guards[k]) for k in ("bad_rewards", "reward_errors", "reward_timeouts",
@@ -92,39 +95,40 @@ def logp_gap(eb: ExperienceBatch, seen: Optional[Observed] = None) -> dict[str, 
             "rollout/logp_gap_mean": ppo.masked_mean(gap, m).item()}
 
 
-def add_guard_counts(run: Run, scored: ScoredBatch, *, corrupt: int) -> None:
+def add_guard_counts(guards: dict[str, int], scored: ScoredBatch, *, corrupt: int, group) -> None:
     """Make the guard counters global: add this step's bad rewards of every DP rank, and replace
     this rank's corrupt snapshots of the step (`corrupt`, already counted) by every rank's.
-    (Skipped updates need no sum: the loss is global, every rank skips together.)"""
-    guards = run.state.guards
+    (Skipped updates need no sum: the loss is global, every rank skips together.) ``group``: the
+    data-parallel group."""
     counts = torch.tensor([scored.n_bad_rewards, scored.n_reward_errors, scored.n_reward_timeouts, corrupt],
                           dtype=torch.long)
-    bad, errors, timeouts, all_corrupt = parallel.dp_sum(counts, run.dp.group).tolist()
+    bad, errors, timeouts, all_corrupt = parallel.dp_sum(counts, group).tolist()
     guards["bad_rewards"] += bad
     guards["reward_errors"] += errors
     guards["reward_timeouts"] += timeouts
     guards["corrupt_snapshots"] += all_corrupt - corrupt
 
 
-def over_dp(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+def over_dp(metrics: dict[str, float], group) -> dict[str, float]:
     """One record from every data-parallel rank's (each saw its own part of the batch): maxima by
-    max, rates and counts by sum, means by mean (trainer.metrics.aggregate_rank_metrics)."""
-    if run.dp.group is None:
+    max, rates and counts by sum, means by mean (trainer.metrics.aggregate_rank_metrics). ``group``:
+    the data-parallel group (None at dp = 1)."""
+    if group is None:
         return metrics
-    return aggregate_rank_metrics(parallel.dp_gather_objects(metrics, run.dp.group))
+    return aggregate_rank_metrics(parallel.dp_gather_objects(metrics, group))
 
 
-def dump_worst(run: Run, sb: ScoredBatch) -> None:
-    """The step's longest, most repetitive and highest-reward samples -> samples_worst.jsonl
-    (trainer/worst_samples.py; rank 0's rows)."""
+def dump_worst(sb: ScoredBatch, *, step: int, per_kind: int, out_dir: Path) -> None:
+    """The step's longest, most repetitive and highest-reward samples (``per_kind`` of each:
+    logging.worst_samples) -> out_dir/samples_worst.jsonl (trainer/worst_samples.py; rank 0's rows)."""
     rb = sb.rollout
     lengths = [int(v) for v in rb.response_mask.sum(1).tolist()]
     rep = [repetition_rate(r[:n].tolist()) for r, n in zip(rb.responses, lengths)]
     rewards = sb.raw_scores.tolist()
     honest = None if sb.honest is None else sb.honest.tolist()
     recs = [worst_samples.WorstSample(
-        step=run.state.step, kind=kind, rank=rank, row=rb.samples[i].row, prompt=rb.samples[i].prompt_text,
+        step=step, kind=kind, rank=rank, row=rb.samples[i].row, prompt=rb.samples[i].prompt_text,
         text=rb.texts[i], length=lengths[i], repetition=round(rep[i], 4), reward=rewards[i],
         honest=None if honest is None else honest[i], finished=bool(rb.finished[i]), version=int(rb.versions[i]))
-        for kind, rank, i in worst_samples.pick_worst(lengths, rep, rewards, run.cfg.logging.worst_samples)]
-    worst_samples.append(run.out_dir / worst_samples.FILE, recs)
+        for kind, rank, i in worst_samples.pick_worst(lengths, rep, rewards, per_kind)]
+    worst_samples.append(out_dir / worst_samples.FILE, recs)

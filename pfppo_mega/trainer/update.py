@@ -10,10 +10,11 @@ from typing import Callable, Optional
 import torch
 
 from pfppo_mega import ppo
+from pfppo_mega.config import Config
 from pfppo_mega.models import passes as model_passes
 from pfppo_mega.trainer import passes
 from pfppo_mega.trainer.batch import ExperienceBatch
-from pfppo_mega.trainer.build import Run
+from pfppo_mega.trainer.build import DataParallel, Models, Strategies, TrainState
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.lr_schedule import lr_factor, warmup_steps
 from pfppo_mega.trainer.policy_loss import PolicyLossInputs
@@ -38,47 +39,51 @@ class Observed:
     fresh: torch.Tensor     # [B] bool
 
 
-def update(run: Run, eb: ExperienceBatch, *, observe: bool = False) -> tuple[dict[str, float], Optional[Observed]]:
+def update(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: Strategies, state: TrainState,
+           dp: DataParallel, device: torch.device, log: Callable[[str], None],
+           observe: bool = False) -> tuple[dict[str, float], Optional[Observed]]:
     """batch_size / dp rows on this rank per mini-batch; means of every mini-batch's stats, and
     with ``observe`` what the actor's first epoch saw (None when the actor did not train)."""
-    a, t, st = run.cfg.algorithm, run.cfg.training, run.state
+    a, t, st = cfg.algorithm, cfg.training, state
     B = eb.advantages.shape[0]
     stats: dict[str, list[float]] = {}
     train_actor = st.step >= t.critic_warmup_steps
-    train_critic = run.critic is not None
+    train_critic = models.critic is not None
     if train_critic:  # value-loss spike guard (trainer/value_guard.py): judged on the loss before any update
-        vl_pre = pre_update_value_loss(eb.old_values, eb.returns, eb.inputs.response_mask, reduce_sum=run.dp.sum)
-        train_critic = not run.value_guard.is_spike(vl_pre)
+        vl_pre = pre_update_value_loss(eb.old_values, eb.returns, eb.inputs.response_mask, reduce_sum=dp.sum)
+        train_critic = not st.value_guard.is_spike(vl_pre)
         if not train_critic:
             st.guards["value_loss_spikes"] += 1
         stats["critic/value_loss_pre"] = [vl_pre]
-    stats.update({f"optim/{k}": [v] for k, v in set_learning_rates(run, train_actor=train_actor).items()})
+    lrs = set_learning_rates(models, t, st.step, train_actor=train_actor)
+    stats.update({f"optim/{k}": [v] for k, v in lrs.items()})
     g = torch.Generator().manual_seed(stream_seed("minibatches", t.seed, step=st.step))
     seen = _Observer(eb) if observe and train_actor else None
+    parts = dict(cfg=cfg, models=models, strategies=strategies, state=state, device=device, log=log)
     for epoch in range(a.ppo_epochs):
-        for k_mb, idx in enumerate(torch.randperm(B, generator=g).split(t.batch_size // run.parallel.dp)):
+        for k_mb, idx in enumerate(torch.randperm(B, generator=g).split(t.batch_size // dp.size)):
             mb = eb.select(idx)
-            for k, v in (critic_step(run, mb) if train_critic else {}).items():
+            for k, v in (critic_step(mb, **parts) if train_critic else {}).items():
                 stats.setdefault(k, []).append(v)
             if train_actor:
                 sink = None if seen is None or epoch > 0 else seen.sink(idx, fresh=k_mb == 0)
-                for k, v in actor_step(run, mb, sink=sink).items():
+                for k, v in actor_step(mb, **parts, sink=sink).items():
                     stats.setdefault(k, []).append(v)
-    return {k: sum(v) / len(v) for k, v in stats.items()}, None if seen is None else seen.result(run.device)
+    return {k: sum(v) / len(v) for k, v in stats.items()}, None if seen is None else seen.result(device)
 
 
-def set_learning_rates(run: Run, *, train_actor: bool) -> dict[str, float]:
+def set_learning_rates(models: Models, training, step: int, *, train_actor: bool) -> dict[str, float]:
     """The one place the lr changes during training (trainer/lr_schedule.py): before this step's
     updates, each optimizer's param groups get base lr * lambda(k) (* the group's lr_mult, as
     megatron's scheduler), k = the updates that optimizer has made before: the critic's = the step,
     the actor's = the step - critic_warmup_steps (verl steps the actor's scheduler only when it updates)."""
-    t, step = run.cfg.training, run.state.step
+    t = training
     actor_warm = warmup_steps(steps=t.lr_warmup_steps, ratio=t.lr_warmup_ratio, total_steps=t.total_training_steps)
     critic_warm = actor_warm if t.critic_lr_warmup_ratio is None else \
         warmup_steps(steps=None, ratio=t.critic_lr_warmup_ratio, total_steps=t.total_training_steps)
     out = {}
-    for name, opt, base, k, warm in (("actor_lr", run.actor_opt, t.lr, step - t.critic_warmup_steps, actor_warm),
-                                     ("critic_lr", run.critic_opt, t.critic_lr, step, critic_warm)):
+    for name, opt, base, k, warm in (("actor_lr", models.actor_opt, t.lr, step - t.critic_warmup_steps, actor_warm),
+                                     ("critic_lr", models.critic_opt, t.critic_lr, step, critic_warm)):
         if opt is None or (name == "actor_lr" and not train_actor):
             continue
         lr = base * lr_factor(k, warmup=warm, total_steps=t.total_training_steps, schedule=t.lr_schedule,
@@ -115,14 +120,15 @@ class _Observer:
         return Observed(logp=both[:, :T], entropy=both[:, T:2 * T], fresh=both[:, 2 * T] > 0.5)
 
 
-def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None) -> dict[str, float]:
+def actor_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: Strategies, state: TrainState,
+               device: torch.device, log: Callable[[str], None], sink: Optional[Callable] = None) -> dict[str, float]:
     """Policy loss (+ KL loss, - entropy bonus). The loss function returns each micro-batch's
     share of the mini-batch aggregate (see pfppo_mega.models.passes). ``sink(rows, logp,
     entropy)``, when given, receives each micro-batch's log-probs and entropy (update's Observed)."""
-    a = run.cfg.algorithm
-    mode, c = a.loss_agg_mode, run.policy_loss_params.loss_scale_factor
+    a = cfg.algorithm
+    mode, c = a.loss_agg_mode, strategies.policy_loss_params.loss_scale_factor
     # The mask the variant declares its aggregate is over: pg_mask, or every response token (tis).
-    pg_norm = model_passes.global_normalizers(eb.pg_mask if run.policy_loss.trains_on_pg_mask
+    pg_norm = model_passes.global_normalizers(eb.pg_mask if strategies.policy_loss.trains_on_pg_mask
                                               else eb.inputs.response_mask)
 
     def loss_fn(logp, entropy, micro: model_passes.MicroBatch):
@@ -132,10 +138,10 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
             logp=logp, old_logp=eb.old_logp[r], behav_logp=eb.behav_logp[r], advantages=eb.advantages[r],
             mask=m, pg_mask=eb.pg_mask[r], is_weights=None if eb.is_weights is None else eb.is_weights[r],
             on_policy=eb.on_policy[r])
-        devicecheck.expect("policy loss", run.device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
+        devicecheck.expect("policy loss", device, inputs=pl_in, entropy=entropy, ref_logp=eb.ref_logp[r])
         if sink is not None:
             sink(r, logp, entropy)
-        pl = run.policy_loss(pl_in, run.policy_loss_params)
+        pl = strategies.policy_loss(pl_in, strategies.policy_loss_params)
         share = pl.loss * model_passes.share_scale(pl.mask, pg_norm, mode=pl.agg_mode or mode, like=pl.loss)
         resp_share = model_passes.share_scale(m, micro.norm, mode=mode, like=pl.loss)
         kl_loss = logp.new_zeros(())
@@ -148,13 +154,13 @@ def actor_step(run: Run, eb: ExperienceBatch, *, sink: Optional[Callable] = None
             share = share - a.entropy_coeff * ent * resp_share
         return share, {**pl.stats, "policy/kl_loss": kl_loss.detach(), "policy/entropy": ent.detach()}
 
-    run.actor.train()
-    res = model_passes.train_step(run.actor, run.actor_opt, eb.inputs, loss_fn,
-                             temperature=run.cfg.actor_rollout.temperature,
-                             micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
-                                                              run.passes.update_lm, update_on=run.device),
-                             kernels=run.kernels)
-    count_skip(run, "actor", res)
+    models.actor.train()
+    res = model_passes.train_step(models.actor, models.actor_opt, eb.inputs, loss_fn,
+                                  temperature=cfg.actor_rollout.temperature,
+                                  micro_batch_size=passes.batching(cfg.training, eb.advantages.shape[0],
+                                                                   models.passes.update_lm, update_on=device),
+                                  kernels=models.kernels)
+    count_skip(state, "actor", res, cfg=cfg, log=log)
     return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm, **_scale_metric("policy", res)}
 
 
@@ -163,29 +169,31 @@ def _scale_metric(prefix: str, res: "model_passes.StepResult") -> dict[str, floa
     return {} if res.loss_scale is None else {f"{prefix}/loss_scale": res.loss_scale}
 
 
-def critic_step(run: Run, eb: ExperienceBatch) -> dict[str, float]:
-    a = run.cfg.algorithm
+def critic_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: Strategies, state: TrainState,
+                device: torch.device, log: Callable[[str], None]) -> dict[str, float]:
+    a = cfg.algorithm
 
     def loss_fn(values, micro: model_passes.MicroBatch):
         r = micro.rows
         m = micro.inputs.response_mask
-        devicecheck.expect("value loss", run.device, values=values, old_values=eb.old_values[r],
+        devicecheck.expect("value loss", device, values=values, old_values=eb.old_values[r],
                            returns=eb.returns[r], mask=m)
         out = ppo.value_loss(values, eb.old_values[r], eb.returns[r], m, value_clip=a.value_clip,
                              loss_agg_mode=a.loss_agg_mode,
-                             loss_scale_factor=run.policy_loss_params.loss_scale_factor)
+                             loss_scale_factor=strategies.policy_loss_params.loss_scale_factor)
         share = a.vf_coef * out.loss * model_passes.share_scale(m, micro.norm, mode=a.loss_agg_mode, like=out.loss)
         return share, {"critic/value_loss": out.loss.detach(), "critic/vf_clipfrac": out.vf_clipfrac}
 
-    run.critic.train()
-    res = model_passes.critic_train_step(run.critic, run.critic_opt, eb.inputs, loss_fn,
-                                    micro_batch_size=passes.batching(run.cfg.training, eb.advantages.shape[0],
-                                                                     run.passes.update_value))
-    count_skip(run, "critic", res)
+    models.critic.train()
+    res = model_passes.critic_train_step(models.critic, models.critic_opt, eb.inputs, loss_fn,
+                                         micro_batch_size=passes.batching(cfg.training, eb.advantages.shape[0],
+                                                                          models.passes.update_value))
+    count_skip(state, "critic", res, cfg=cfg, log=log)
     return {**res.stats, "critic/grad_norm": res.grad_norm, **_scale_metric("critic", res)}
 
 
-def count_skip(run: Run, model: str, res: "model_passes.StepResult") -> None:
+def count_skip(state: TrainState, model: str, res: "model_passes.StepResult", *, cfg: Config,
+               log: Callable[[str], None]) -> None:
     """A NaN/inf loss, a NaN/inf grad norm (bf16 and fp32 have no grad scaler: gpt.optimizer_step
     skips it) or a refused step is skipped, logged and counted (loss and norm are global, so every
     rank skips together); training.max_consecutive_skipped_updates in a row of one model halt the
@@ -193,7 +201,7 @@ def count_skip(run: Run, model: str, res: "model_passes.StepResult") -> None:
     guard/loss_scale_overflows; it does not count towards the halt while the scaler could still lower its
     scale (the first steps from megatron's initial 2^32 overflow by design), only once it is at
     model.min_loss_scale (or constant)."""
-    st = run.state
+    st = state
     if res.update_successful:
         st.consecutive_skips[model] = 0
         return
@@ -201,14 +209,14 @@ def count_skip(run: Run, model: str, res: "model_passes.StepResult") -> None:
     why = skip_reason(res)
     if res.overflow:
         st.guards["loss_scale_overflows"] += 1
-        m = run.cfg.model
+        m = cfg.model
         if m.loss_scale is None and res.loss_scale is not None and res.loss_scale > m.min_loss_scale:
-            run.log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in "
-                    f"guard/loss_scale_overflows")
+            log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in "
+                f"guard/loss_scale_overflows")
             return
     st.consecutive_skips[model] += 1
-    run.log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in guard/skipped_updates")
-    limit = run.cfg.training.max_consecutive_skipped_updates
+    log(f"[pfppo] step {st.step + 1}: {model} update skipped ({why}); counted in guard/skipped_updates")
+    limit = cfg.training.max_consecutive_skipped_updates
     if limit and st.consecutive_skips[model] >= limit:
         raise TrainingHalted(
             f"step {st.step + 1}: {st.consecutive_skips[model]} consecutive {model} updates were skipped "

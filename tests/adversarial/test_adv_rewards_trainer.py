@@ -34,7 +34,6 @@ import torch
 
 from pfppo_mega.config import load_config_dict
 from pfppo_mega.sft import run_sft
-from pfppo_mega.trainer.evaluation import evaluate
 from pfppo_mega.trainer.loop import PPOTrainer
 
 TIMEOUT_S = 120
@@ -158,7 +157,7 @@ def outcome(case: Case, sft_dir: Path, out_dir: Path) -> Result:
             checked = {k: metrics[k] for k in ("reward/mean", "policy/pg_loss", "critic/value_loss",
                                                "policy/grad_norm") if k in metrics}
         else:
-            checked = evaluate(tr.run)
+            checked = tr.evaluate()
             metrics = dict(checked)
         counted = tr.run.state.guards.get(counter, 0)
         if not all(math.isfinite(v) for v in checked.values()):

@@ -29,7 +29,7 @@ from pfppo_mega.trainer.loop import PPOTrainer
 
 def _own_replica_matches(run, version: int, path: str) -> bool:
     """The file's buckets equal the ones this rank would pack from its own replica of the actor."""
-    sync = run.sync
+    sync = run.colocation.sync
     mine = LiveWeights(sync.actor, sync.model_cfg, sync.layout, version)
     mine.dp_rank = 0  # test only: let a replica other than the owner produce its copy to compare
     theirs = {b.spec.index: b for b in weightfile.read(path, version)}
@@ -37,7 +37,7 @@ def _own_replica_matches(run, version: int, path: str) -> bool:
 
 
 def _watch(tr, record: dict) -> None:
-    col = tr.run.collector
+    col = tr.run.strategies.collector
     push, submit = col.push, col.proc.submit
 
     def pushed(version):
@@ -66,11 +66,11 @@ def main(config: str, out: str, sft: str) -> None:
         _watch(tr, record)
         first = tr.fit()
         record["dp"] = tr.run.parallel.dp
-        record["pid_after_fit"] = tr.run.collector.proc.pid
+        record["pid_after_fit"] = tr.run.strategies.collector.proc.pid
     with PPOTrainer(load_config(config, over + ["checkpoint.resume=true", "training.total_training_steps=4"]),
                     log=lines.append) as tr:
         record["resumed_at"] = tr.step
-        record["restored_requests"] = len(tr.run.collector.restored or [])  # read from this rank's own file
+        record["restored_requests"] = len(tr.run.strategies.collector.restored or [])  # read from this rank's own file
         _watch(tr, record)
         second = tr.fit()
     destroy_parallel()  # the DP2 layout's groups (the world group stays)

@@ -50,7 +50,7 @@ def record_requests(tr: PPOTrainer, responses: list | None = None) -> list:
     """[[prompts, seed]] of each rollout this rank asks its engines for from now on (its replica's);
     ``responses``: the response tokens each returned are appended to it."""
     seen: list = []
-    inner = tr.run.gen.run_engine
+    inner = tr.run.colocation.gen.run_engine
 
     def recorded(prompt_ids, params, **kw):
         out = inner(prompt_ids, params, **kw)
@@ -60,7 +60,7 @@ def record_requests(tr: PPOTrainer, responses: list | None = None) -> list:
                 responses.append([r[: int(n)].tolist() for r, n in zip(out.responses, out.lengths)])
         return out
 
-    tr.run.gen.run_engine = recorded
+    tr.run.colocation.gen.run_engine = recorded
     return seen
 
 
@@ -162,7 +162,7 @@ def dp_invariance(tr: PPOTrainer) -> dict | None:
     scores_all = ppo.scale_rewards(raw_all, method=c.scaling, running=serial)  # DP1: no reduction
     scores_all = ppo.clip_rewards(ppo.quantile_clip(scores_all, quantile=c.quantile_clip), clip_range=c.clip_range)
     saved = tr.run.dp
-    tr.run.dp = DataParallel.of(None)  # the advantages phase at DP1 on the concatenation (no collective inside)
+    tr.run.dp = DataParallel.of(None, 1)  # the advantages phase at DP1 on the concatenation (no collective inside)
     eb_all = tr.advantages(ScoredBatch(rb_all, raw_all, scores_all, 0), prep_all)
     tr.run.dp = saved
     adv_dp = torch.cat([_pad(e["adv"], width) for e in everyone])
@@ -190,10 +190,10 @@ def split_vs_single(tr: PPOTrainer) -> dict:
     prompts = [list(x.prompt_ids) for x in samples for _ in range(2)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=run.cfg.algorithm.max_response_length,
                             eos_token_id=run.tokenizer.eos_id, seed=1234)  # the job's seed, every replica
-    run.gen.work.take()
-    split = run.gen.run_engine(prompts, params, step=tr.step, what="split check")
-    work = run.gen.work.take()
-    alone = run.engine.generate(prompts, replace(params, row_offset=run.parallel.dp_rank * len(prompts)))
+    run.colocation.gen.work.take()
+    split = run.colocation.gen.run_engine(prompts, params, step=tr.step, what="split check")
+    work = run.colocation.gen.work.take()
+    alone = run.colocation.engine.generate(prompts, replace(params, row_offset=run.parallel.dp_rank * len(prompts)))
     return {"tokens_equal": bool(torch.equal(split.responses, alone.responses)),
             "logp_max_gap": float((split.logprobs - alone.logprobs).abs().max()),
             "generated": work.generated, "needed": work.needed}
@@ -235,7 +235,7 @@ def split_run(d: dict, steps: int, *, against_one_engine: bool = False) -> dict:
             "assignment_from_rank0": same and len(rank0) == steps, "ranks": everyone,
             "tp": tr.run.parallel.tp, "pp": tr.run.parallel.pp, "dp": tr.run.parallel.dp,
             "rollout_tp": d["actor_rollout"].get("tensor_model_parallel_size", 1),
-            "engine": type(tr.run.engine).__name__}
+            "engine": type(tr.run.colocation.engine).__name__}
 
 
 def pf_ppo(base: dict, name: str, **sections) -> dict:
@@ -254,7 +254,7 @@ def _shard_state(tr: PPOTrainer) -> list[torch.Tensor]:
     """This rank's distributed-optimizer shards (fp32 main params, exp_avg, exp_avg_sq, step) of
     both models, in the optimizers' parameter order."""
     out = []
-    for opt in (tr.run.actor_opt, tr.run.critic_opt):
+    for opt in (tr.run.models.actor_opt, tr.run.models.critic_opt):
         for o in getattr(opt, "chained_optimizers", None) or [opt]:
             for group in o.optimizer.param_groups:
                 for p in group["params"]:
@@ -283,7 +283,7 @@ def dp2_distributed_optimizer(base: dict) -> dict:
     diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(saved, loaded))
     mine = {"diff": diff if len(saved) == len(loaded) else float("inf"), "n": len(saved),
             "numel": sum(t.numel() for t in saved[::4]), "sum": sum(float(t.double().sum()) for t in saved[1::4]),
-            "model_numel": sum(p.numel() for m in (tr.run.actor, tr.run.critic) for p in m.parameters())}
+            "model_numel": sum(p.numel() for m in (tr.run.models.actor, tr.run.models.critic) for p in m.parameters())}
     m = again.train_step()
     everyone = parallel.dp_gather_objects(mine, again.run.dp.group)
     return {"dp": again.run.parallel.dp, "resumed_step": again.step - 1, "ranks": everyone,
@@ -305,10 +305,10 @@ def dp2_pf_ppo_resume(base: dict) -> dict:
     for _ in range(2):
         tr.train_step()
     resume.save(tr.run, tr.run.out_dir / "checkpoints")
-    saved = (tr.run.behaviour.pool.versions, tr.run.behaviour.pool._producer_checksums)
+    saved = (tr.run.strategies.behaviour.pool.versions, tr.run.strategies.behaviour.pool._producer_checksums)
     d["checkpoint"]["resume"] = True
     again = PPOTrainer(load_config_dict(d), log=lambda *_: None)
-    restored = (again.run.behaviour.pool.versions, again.run.behaviour.pool._producer_checksums)
+    restored = (again.run.strategies.behaviour.pool.versions, again.run.strategies.behaviour.pool._producer_checksums)
     m = again.train_step()
     mine = {"same": restored == saved, "kept": sorted(i for c in saved[1].values() for i in c),
             "versions": saved[0], "used": m.get("pool/snapshots_used", 0.0)}

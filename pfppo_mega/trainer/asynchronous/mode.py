@@ -53,7 +53,7 @@ def check_resume(run) -> None:
             f"algorithm.async_rl.enable: the checkpoint at step {run.state.step} cannot be resumed asynchronously: "
             f"{e}. Resume it with algorithm.async_rl.enable=false, or start afresh (checkpoint.resume=false or a "
             f"new logging.output_dir)") from e
-    run.collector.restore(next_key, requests)
+    run.strategies.collector.restore(next_key, requests)
     run.log(f"[pfppo] async: {len(requests)} request(s) in flight at step {run.state.step} asked again "
             f"({sum(len(r.pending) for r in requests)} untrained prompt groups)")
 
@@ -62,7 +62,7 @@ def save_pending(run) -> None:
     """After a checkpoint save: the requests in flight, beside it (every data-parallel rank its own
     generator's: the asynchronous mode is data-parallel only, build.py)."""
     if run.cfg.algorithm.async_rl.enable:
-        c = run.collector
+        c = run.strategies.collector
         try:
             pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
                                keep=run.cfg.checkpoint.keep_last or 1, rank=run.parallel.dp_rank,

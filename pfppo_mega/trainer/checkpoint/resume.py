@@ -86,7 +86,7 @@ def load_tensor_state(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> N
 
 def _stage(run: Run) -> reshard.Stage:
     p = run.parallel
-    return reshard.Stage(p.pp_rank, p.pp, run.model_cfg.num_layers)
+    return reshard.Stage(p.pp_rank, p.pp, run.models.model_cfg.num_layers)
 
 
 def param_names(run: Run, model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
@@ -106,7 +106,7 @@ def layout_of(run: Run) -> dict[str, int]:
 
 
 def _local_world(run: Run) -> int:
-    sync = getattr(run.gen, "sync", None) if hasattr(run, "gen") else None
+    sync = getattr(run.colocation.gen, "sync", None) if hasattr(run, "colocation") else None
     ranks = getattr(sync, "node_ranks", None)
     return len(ranks) if ranks else int(os.environ.get("LOCAL_WORLD_SIZE", run.parallel.world_size))
 
@@ -190,23 +190,23 @@ def _host_copy(obj: Any) -> Any:
 
 def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     """This rank's part: tensor groups and state (live tensors; copied by the caller)."""
-    st, b, p = run.state, run.behaviour, run.parallel
+    st, b, p = run.state, run.strategies.behaviour, run.parallel
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     stage = _stage(run)
     if p.dp_rank == 0:
         tensors.update({name: {stage.to_global(k): v for k, v in tensor_state(m).items()}
-                        for name, m in run.models().items()})
+                        for name, m in run.models.trained().items()})
     opt_states: dict[str, Any] = {"critic_opt": None}
     opt_names: dict[str, list] = {}
     shard: dict[str, torch.Tensor] = {}
-    for name, opt in run.optimizers().items():
+    for name, opt in run.models.optimizers().items():
         if ckpt.is_distributed(opt):  # every rank its own share (one small all-reduce each)
-            meta, ts = ckpt.optimizer_shard(opt, param_names(run, run.models()[OPT_MODEL[name]]))
+            meta, ts = ckpt.optimizer_shard(opt, param_names(run, run.models.trained()[OPT_MODEL[name]]))
             opt_states[name] = meta
             shard.update({f"{name}/{k}": v for k, v in ts.items()})
         else:  # replicated over DP: dp_rank 0 writes it, with the name of each parameter index
             opt_states[name] = opt.state_dict() if p.dp_rank == 0 else None
-            opt_names[name] = plain_param_names(opt, param_names(run, run.models()[OPT_MODEL[name]]))
+            opt_names[name] = plain_param_names(opt, param_names(run, run.models.trained()[OPT_MODEL[name]]))
     if shard:
         tensors[OPTIM] = shard
     if b.keeps_state:  # the pool's bytes once per job: each bucket by its keeper on one node (pool_writer)
@@ -215,8 +215,8 @@ def _collect(run: Run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
         if mine:
             tensors["pool"] = mine
     state = {"step": st.step, "rank": {"rank": p.rank, "tp": p.tp_rank, "pp": p.pp_rank, "dp": p.dp_rank},
-             "rng": run.rng.getstate(), "torch_rng": torch.get_rng_state(),
-             "assign_rng": run.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
+             "rng": run.state.rng.getstate(), "torch_rng": torch.get_rng_state(),
+             "assign_rng": run.state.assign_gen.get_state(), "running_reward": st.running_reward.state_dict(),
              "guards": dict(st.guards), "consecutive_skips": dict(st.consecutive_skips),
              "data": run.prompts.state_dict(), **opt_states, "opt_names": opt_names, "config": config_to_dict(run.cfg),
              "pool": b.state_meta() if b.keeps_state else None,
@@ -278,7 +278,7 @@ def save(run: Run, root: Path, *, background: bool | None = None) -> SaveInfo | 
     parts, token = [a for a, _, _ in agreed], agreed[0][1]
     st.run_id = agreed[0][2]  # kept across resumes: every part of every step of this run names it
     bg = background if background is not None else c.background
-    pool = getattr(run.behaviour, "pool", None) if "pool" in tensors else None
+    pool = getattr(run.strategies.behaviour, "pool", None) if "pool" in tensors else None
     held = tensors.pop("pool") if bg and hasattr(pool, "hold_buffers") else None  # written in place, held
     tensors, state = _host_copy(tensors), _host_copy(state)
     if held is not None:
@@ -500,7 +500,7 @@ def needed_parts(run: Run, saved: dict, ranks: list[str], *, distributed: bool) 
         parts = _coords(saved) if distributed else [ckpt.part_name(t, s, 0) for t in range(saved["tp"])
                                                     for s in range(saved["pp"])]
     parts.append(_state_part(run, saved))
-    if run.behaviour.keeps_state:  # the pool's bytes: this node index's keepers (another layout: every part)
+    if run.strategies.behaviour.keeps_state:  # the pool's bytes: this node index's keepers (another layout: every part)
         parts += pool_parts(p.rank, ranks, saved["local_world"]) if saved == layout_of(run) else _coords(saved)
     return list(dict.fromkeys(parts))
 
@@ -554,7 +554,7 @@ def _agree(run: Run, root: Path, ranks: list[str], note) -> Saved | int | None:
     """The newest step every rank verified (each its own parts, once); None when there is none,
     -2 when there are checkpoints and none can be used on some rank."""
     threads = run.cfg.checkpoint.io_threads
-    distributed = any(ckpt.is_distributed(o) for o in run.optimizers().values())
+    distributed = any(ckpt.is_distributed(o) for o in run.models.optimizers().values())
     candidates = {ckpt._step_of(d): d for d in ckpt._candidates(root, note)}
     ok: dict[int, Saved | None] = {}
     foreign: list[str] = []  # parts another run or step wrote, found in the steps this rank checked
@@ -627,7 +627,7 @@ class _Reshard:
         self.run, self.saved = run, saved
         self.old, p = saved.layout, run.parallel
         self.same_tp = self.old["tp"] == p.tp
-        self.vocab = run.model_cfg.vocab_size
+        self.vocab = run.models.model_cfg.vocab_size
         self._weights: dict[str, dict[str, dict[int, str]]] = {}  # group -> name -> tp rank -> part
         self._slices: dict[str, dict[str, list]] = {}  # opt -> name -> [(tp rank, part, shape, start, end)]
 
@@ -764,8 +764,8 @@ def _check_layout(run: Run, saved: Saved, need) -> None:
     """What cannot be resharded is refused by name."""
     old, p = saved.layout, run.parallel
     if (old["tp"], old["pp"]) != (p.tp, p.pp):
-        plain = [n for n, o in run.optimizers().items() if not ckpt.is_distributed(o)
-                 and any(q.dtype != torch.float32 for q in run.models()[OPT_MODEL[n]].parameters())]
+        plain = [n for n, o in run.models.optimizers().items() if not ckpt.is_distributed(o)
+                 and any(q.dtype != torch.float32 for q in run.models.trained()[OPT_MODEL[n]].parameters())]
         need(not plain, f"written at tp={old['tp']} pp={old['pp']}, this run has tp={p.tp} pp={p.pp}: a plain "
                         f"optimizer's state ({', '.join(plain)}) over {run.cfg.model.params_dtype} parameters keeps "
                         f"fp32 main copies by index and is not resharded to another tensor/pipeline layout; resume "
@@ -815,7 +815,7 @@ def _pool_share(run: Run, saved: Saved, ranks: list[str], meta: Any, need) -> tu
 def _plain_resharded(run: Run, re: "_Reshard", name: str, opt: Any, subs: list, need) -> list:
     """[(param groups, {main param: Adam state})] per sub-optimizer of a plain optimizer whose
     checkpoint was written at another TP/PP layout: each parameter's moments rebuilt by name."""
-    names = param_names(run, run.models()[OPT_MODEL[name]])
+    names = param_names(run, run.models.trained()[OPT_MODEL[name]])
     model_of = {id(getattr(q, "main_param", q)): q for q in names}
     out = []
     for o, saved_sub in zip(_subs(opt), subs):
@@ -879,7 +879,7 @@ def _install(run: Run, saved: Saved, ranks: list[str]) -> None:
     _install_streams(run, c)
     if c.state["pool"] is not None:
         meta, pool = _pool_share(run, saved, ranks, c.state["pool"], _need_fn(c.where))
-        run.behaviour.load_state(meta, pool, saved.step, _need_fn(c.where))
+        run.strategies.behaviour.load_state(meta, pool, saved.step, _need_fn(c.where))
     st = run.state
     st.guards.update(c.state["guards"])
     st.consecutive_skips.update(c.state["consecutive_skips"])
@@ -901,9 +901,9 @@ def _check(run: Run, saved: Saved) -> _Checked:
     _check_models_held(run, saved, weights_part, need)
     plain_source = saved.state(weights_part) if weights_part != source else s  # dp_rank 0's: every optimizer
     need(set(plain_source) == STATE_KEYS, f"{weights_part} state keys {sorted(plain_source)} must be {sorted(STATE_KEYS)}")
-    need(("critic_opt" in run.optimizers()) == (plain_source["critic_opt"] is not None),
+    need(("critic_opt" in run.models.optimizers()) == (plain_source["critic_opt"] is not None),
          f"state critic_opt is {'absent' if plain_source['critic_opt'] is None else 'present'} but this run "
-         f"{'builds' if 'critic_opt' in run.optimizers() else 'has no'} a critic")
+         f"{'builds' if 'critic_opt' in run.models.optimizers() else 'has no'} a critic")
     re = _Reshard(run, saved)
     c = _Checked(source=source, state=s, weights_part=weights_part, plain_source=plain_source, where=where,
                  weights=_resharded_weights(run, re, need), reshard=re)
@@ -923,7 +923,7 @@ def _check_state(run: Run, saved: Saved, s: dict, need) -> None:
          f"step {saved.step} > training.total_training_steps ({t.total_training_steps}): this checkpoint is "
          f"from a longer run; raise total_training_steps, or use another logging.output_dir or "
          f"checkpoint.resume=false")
-    has_pool, keeps = s["pool"] is not None, run.behaviour.keeps_state
+    has_pool, keeps = s["pool"] is not None, run.strategies.behaviour.keeps_state
     need(has_pool == keeps,
          f"the checkpoint {'holds' if has_pool else 'has no'} PF-PPO pool but this run has "
          f"algorithm.use_pf_ppo={keeps}: resume with the setting it was written with")
@@ -937,7 +937,7 @@ def _weights_part(run: Run, saved: Saved) -> str:
 
 
 def _check_models_held(run: Run, saved: Saved, weights_part: str, need) -> None:
-    models = run.models()
+    models = run.models.trained()
     held = saved.groups(weights_part) - {OPTIM, "pool"}
     wants, holds = "critic" in models, "critic" in held
     hint = "" if wants == holds else (
@@ -950,7 +950,7 @@ def _resharded_weights(run: Run, re: "_Reshard", need) -> dict[str, dict[str, to
     """Each model's tensors for this rank, cut from the checkpoint, shapes and values checked."""
     stage = _stage(run)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
-    for group, model in run.models().items():
+    for group, model in run.models.trained().items():
         sd = {}
         for k, v in tensor_state(model).items():
             try:
@@ -970,7 +970,7 @@ def _check_optimizers(run: Run, saved: Saved, c: _Checked, need) -> None:
     """Each optimizer's saved state against the run's: a distributed one's shares (c.opt_meta), a
     plain one as saved (same TP/PP) or rebuilt by parameter name (c.plain_moved)."""
     old, p = saved.layout, run.parallel
-    for name, opt in run.optimizers().items():
+    for name, opt in run.models.optimizers().items():
         if ckpt.is_distributed(opt):
             c.opt_meta[name] = ckpt.check_shard_meta(opt, c.state[name], f"{c.where}: state {name}")
         elif (old["tp"], old["pp"]) == (p.tp, p.pp):
@@ -1007,7 +1007,7 @@ def _check_counters(st, s: dict, need) -> None:
 
 
 def _install_weights(run: Run, c: _Checked) -> None:
-    for group, model in run.models().items():
+    for group, model in run.models.trained().items():
         try:
             load_tensor_state(model, c.weights[group])
         except ValueError as e:
@@ -1016,7 +1016,7 @@ def _install_weights(run: Run, c: _Checked) -> None:
 
 def _install_optimizers(run: Run, c: _Checked) -> None:
     """The optimizers' states (this build's AdamW implementation kept), then the changed HYPER settings."""
-    opts, models = run.optimizers(), run.models()
+    opts, models = run.models.optimizers(), run.models.trained()
     kernels = _kernel_choice(opts)  # this build's AdamW implementation, not the checkpoint's
     for name, opt in opts.items():
         if name in c.opt_meta:
@@ -1047,12 +1047,12 @@ def _install_streams(run: Run, c: _Checked) -> None:
     s, st = c.state, run.state
     need = _need_fn(c.where)
     try:
-        run.rng.setstate(s["rng"])
+        run.state.rng.setstate(s["rng"])
         for name in ("torch_rng", "assign_rng"):
             need(isinstance(s[name], torch.Tensor) and s[name].dtype == torch.uint8 and s[name].dim() == 1,
                  f"state {name} must be a 1-D uint8 tensor")
         torch.set_rng_state(s["torch_rng"])
-        run.assign_gen.set_state(s["assign_rng"])
+        run.state.assign_gen.set_state(s["assign_rng"])
         st.running_reward.load_state_dict(s["running_reward"])
     except (TypeError, ValueError, RuntimeError, AttributeError) as e:
         need(False, f"RNG or running-reward state refused ({type(e).__name__}: {str(e)[:200]})")

@@ -40,8 +40,9 @@ import torch
 
 from pfppo_mega.families import DecoderShape
 from pfppo_mega.models.microbatch import Tally
-from pfppo_mega.trainer.instruments import machine
 from pfppo_mega.trainer.batch import ScoredBatch
+from pfppo_mega.trainer.build import Models
+from pfppo_mega.trainer.instruments import machine
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -97,16 +98,17 @@ def rollout_floor_s(shape: DecoderShape, prompt_lengths: list[int], response_len
     return prefill + decode
 
 
-def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, float]:
-    """This step's perf/ record (takes the passes' tallies: the next step starts from zero)."""
-    work = run.passes.take()
-    every = run.cfg.logging.perf_probe_interval
-    if every and run.state.step % every == 0:
+def step_perf(models: Models, scored: ScoredBatch, times: dict[str, float], *, step: int, probe_interval: int,
+              device: torch.device) -> dict[str, float]:
+    """This step's perf/ record (takes the passes' tallies of ``models``: the next step starts from
+    zero). ``probe_interval``: logging.perf_probe_interval, the steps between measurements of the machine."""
+    work = models.passes.take()
+    if probe_interval and step % probe_interval == 0:
         machine.remeasure()  # this machine's speed drifts (1.8x within hours seen on a shared CPU)
-    shape = DecoderShape.from_model_config(run.model_cfg, run.arch)
-    dtype = getattr(torch, run.model_cfg.params_dtype)
-    rates = machine.matmul_rates(run.device, dtype)
-    matmul, memcpy = max(rates.values()), machine.memcpy_rate(run.device)
+    shape = DecoderShape.from_model_config(models.model_cfg, models.arch)
+    dtype = getattr(torch, models.model_cfg.params_dtype)
+    rates = machine.matmul_rates(device, dtype)
+    matmul, memcpy = max(rates.values()), machine.memcpy_rate(device)
     vocab = shape.vocab_size
     prepare = tally_flops(shape, work.prepare_lm, head_width=vocab) + tally_flops(shape, work.prepare_value,
                                                                                    head_width=1)
@@ -115,7 +117,7 @@ def step_perf(run, scored: ScoredBatch, times: dict[str, float]) -> dict[str, fl
     total = work.total()
     rb = scored.rollout
     prompts, responses = [len(p) for p in rb.prompt_ids], [int(n) for n in rb.response_mask.sum(1).tolist()]
-    rates_kw = dict(matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[run.model_cfg.params_dtype])
+    rates_kw = dict(matmul=matmul, memcpy=memcpy, dtype_bytes=_BYTES[models.model_cfg.params_dtype])
     floor = rollout_floor_s(shape, prompts, responses, **rates_kw)
     distinct = [len(p) for p in dict.fromkeys(tuple(p) for p in rb.prompt_ids)]
     out = {"perf/matmul_gflops": matmul / 1e9, "perf/memcpy_gbps": memcpy / 1e9,
