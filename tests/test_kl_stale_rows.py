@@ -137,3 +137,29 @@ def test_async_tiny_logs_the_tail_and_weights_its_kl_loss(sft_dir, tmp_path, mon
         assert r["kl/ref_token_max"] >= r["kl/ref_mean"] >= 0
         assert r["kl/ref_mean_is"] == r["kl/ref_mean_is"]                           # logged, not NaN
     assert seen and all(seen_on and has_w for seen_on, has_w in seen)
+
+
+def test_the_script_names_the_tokens_that_carry_each_step(sft_dir, tmp_path, capsys):
+    """scripts/kl_stale_rows.py (the command docs/async.md gives): a row per top token a step, the
+    shares of one step adding up to at most 1, and the rows saved."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kl_stale_rows.py"
+    spec = importlib.util.spec_from_file_location("kl_stale_rows", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kl = torch.tensor([[0.1, 5.0, 0.0], [2.0, 0.5, 9.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 0]])                                 # 9.0 is padding
+    assert [(b, t) for b, t, _, _ in mod.top_tokens(kl, mask, 2)] == [(0, 1), (1, 0)]
+    assert mod.top_tokens(kl, mask, 2)[0][3] == pytest.approx(5.0 / 7.6)
+    config = path.parents[1] / "configs" / "async_tiny.yaml"
+    assert mod.main([str(config), f"actor_rollout.model_path={sft_dir}", f"logging.output_dir={tmp_path}",
+                     "training.total_training_steps=2", "algorithm.kl_estimator=k3", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[kl_stale_rows] step ") == 2 and out.count("    row ") == 4
+    saved = torch.load(tmp_path / "kl_rows.pt", weights_only=False)
+    assert [r["step"] for r in saved] == [1, 2]
+    assert saved[1]["kl"].shape == saved[1]["cur"].shape == saved[1]["mask"].shape
+    with pytest.raises(SystemExit):
+        mod.main([str(config), "--top", "0"])
