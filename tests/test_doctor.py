@@ -511,6 +511,26 @@ def test_kl_spike_without_the_probe_warns_that_pool_batches_mix_snapshots(tmp_pa
     assert not any("with the pool on" in line for line in kl.verdict.evidence)
 
 
+def test_kl_spike_reads_the_weighted_batch_kl_before_the_raw_one(tmp_path):
+    """Regression (issue 39: kl/ref_mean 27 at one step of an async run, one stale token): with
+    kl/ref_mean_is logged and steady the rule reads it, so the raw batch KL's jumps are not called
+    spikes; a jump of the weighted one still is, by that name."""
+    run = _pool_kl_run(tmp_path / "is", probe=False)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        if "kl/ref_mean" in r:
+            r["kl/ref_mean_is"] = 0.02 + 0.001 * (r["step"] % 3)
+    write_run(run, recs)
+    kl = next(d for d in diagnose(read_run(run)) if d.rule.name == "kl_spike")
+    assert kl.verdict.status == "healthy", kl.verdict.evidence
+    jump = next(i for i, r in enumerate(recs) if r.get("step") == 20)
+    recs[jump]["kl/ref_mean_is"] = 1.5
+    write_run(run, recs)
+    kl = next(d for d in diagnose(read_run(run)) if d.rule.name == "kl_spike")
+    assert kl.verdict.status == "finding" and kl.verdict.steps == [20]
+    assert kl.verdict.evidence[0].startswith("step 20: kl/ref_mean_is 1.5 vs median")
+
+
 # A real plain-PPO control run (exact reward; seed 1 of the same compare): sampled held-out accuracy
 # 0.328 -> 0.344 while greedy fell 0.617 -> 0.484 and the reward rose. Not hacking: the reward is earned
 # by sampled responses, whose accuracy did not fall.

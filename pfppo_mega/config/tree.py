@@ -676,6 +676,12 @@ class AlgorithmConfig(Section):
         False, "true: KL is a loss term (kl_coeff * KL); false: a per-token reward penalty."
     )
     kl_estimator: str = opt("k3", "KL estimator: k1, k2, k3 (low variance, >= 0) or abs.")
+    kl_loss_is_weight: bool = opt(False, "use_kl_loss with behaviour importance weights (use_pf_ppo or "
+                                         "async_rl): multiply each token's KL loss term by its weight pi_prox / "
+                                         "pi_behav (as pool.is_mode truncates or masks it), so that rows an older "
+                                         "version wrote estimate the current policy's KL; unweighted, a token the "
+                                         "updates since made far less likely than the reference does gives k3 = "
+                                         "exp(log pi_ref - log pi_cur) - ... (docs/async.md, KL on stale rows).")
     clip_ratio: float = opt(0.2, "PPO clip epsilon.")
     clip_ratio_low: Optional[float] = opt(None, "Lower epsilon (defaults to clip_ratio).")
     clip_ratio_high: Optional[float] = opt(None, "Upper epsilon (defaults to clip_ratio).")
@@ -794,6 +800,8 @@ class AlgorithmConfig(Section):
                              "towards the recomputed proximal policy; with the engine's log-probs as the proximal "
                              "policy each row would be clipped against its own, possibly older, snapshot instead "
                              "(untested here)"))
+        if self.kl_loss_is_weight:
+            self._check_kl_loss_is_weight(p)
         if self.async_rl.enable:
             self._check_async(p)
         if self.rollout_correction.enabled:
@@ -817,6 +825,14 @@ class AlgorithmConfig(Section):
         if self.use_pf_ppo:
             p.append(Problem("use_pf_ppo", True, "must be false with rollout_correction (the pool corrects "
                              "its own behaviour policies)"))
+
+    def _check_kl_loss_is_weight(self, p: list[Problem]) -> None:
+        if not (self.use_kl_loss and self.kl_coeff > 0):
+            p.append(Problem("kl_loss_is_weight", True, f"needs use_kl_loss true and kl_coeff > 0 (use_kl_loss = "
+                             f"{self.use_kl_loss}, kl_coeff = {self.kl_coeff:g}): it weights the KL loss term"))
+        if not (self.use_pf_ppo or self.async_rl.enable):
+            p.append(Problem("kl_loss_is_weight", True, "needs use_pf_ppo or async_rl.enable: only their rows carry "
+                             "behaviour importance weights (the current weights wrote every other run's rows)"))
 
     def _check_async(self, p: list[Problem]) -> None:
         """What async_rl.enable cannot run with (each named by its own key)."""

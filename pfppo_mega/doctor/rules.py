@@ -118,6 +118,10 @@ KL_METRIC = "kl/ref_mean"
 KL_PROBE_METRIC = "kl/probe_k1"  # on-policy KL(current || ref) of fresh samples (logging.kl_probe_size):
                                  # read first when logged. kl/ref_mean is the training batch's, whose rows
                                  # come from older snapshots too with PF-PPO: it jumps when a snapshot does
+KL_IS_METRIC = "kl/ref_mean_is"  # the training batch's KL weighted by its importance weights (PF-PPO,
+                                 # async_rl): read next. Unweighted, one token an older version wrote that
+                                 # the updates since made unlikely can be the whole step's kl/ref_mean
+                                 # (docs/async.md, "KL on stale rows")
 KL_WINDOW = 10        # baseline: median m of up to the 10 preceding values
 KL_MIN_HISTORY = 5    # no verdict on a step with fewer than 5 preceding values
 KL_SPIKE_RATIO = 3.0  # a spike: value - m > (3 - 1) x |m| (value > 3 m for a positive m) ...
@@ -145,10 +149,11 @@ def spike_indices(values: Sequence[float], *, window: int = KL_WINDOW, min_histo
 
 def kl_series(series: Mapping[str, Series]) -> tuple[str, Optional[Series]]:
     """(metric, finite series) the KL rules read: the on-policy probe when it has enough values, else
-    the training batch's KL."""
-    probe = series.get(KL_PROBE_METRIC)
-    if probe is not None and len(probe.finite()) > KL_MIN_HISTORY:
-        return KL_PROBE_METRIC, probe.finite()
+    the training batch's importance-weighted KL when it has, else the training batch's KL."""
+    for key in (KL_PROBE_METRIC, KL_IS_METRIC):
+        s = series.get(key)
+        if s is not None and len(s.finite()) > KL_MIN_HISTORY:
+            return key, s.finite()
     s = series.get(KL_METRIC)
     return KL_METRIC, (s.finite() if s is not None else None)
 
@@ -482,9 +487,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="kl_spike",
         symptom="KL to the reference jumps within a step or two; the policy then gets worse and recovers slowly",
-        metrics=(KL_PROBE_METRIC, KL_METRIC, "response/length_max", "response/repetition_rate", "policy/approx_kl"),
+        metrics=(KL_PROBE_METRIC, KL_IS_METRIC, KL_METRIC, "response/length_max", "response/repetition_rate", "policy/approx_kl"),
         detect=detect_kl_spike,
-        detects=f"`{KL_PROBE_METRIC}` (when logged; else `{KL_METRIC}`) rises over the median m of the "
+        detects=f"`{KL_PROBE_METRIC}` (when logged; else `{KL_IS_METRIC}` when logged; else `{KL_METRIC}`) rises over the median m of the "
                 f"{KL_WINDOW} steps before it by more than "
                 f"{KL_SPIKE_MIN:g}, {KL_SPIKE_RATIO - 1:g} x |m| and {KL_SPIKE_Z:g} robust standard deviations "
                 f"of those steps (judged from the {KL_MIN_HISTORY + 1}th value)",

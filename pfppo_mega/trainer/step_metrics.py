@@ -44,6 +44,7 @@ def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], ti
         "reward/scaled_mean": sb.scores.mean().item(),
         **honest_metrics(sb),
         "kl/ref_mean": ppo.masked_mean(eb.kl_ref, m).item(), "kl/ref_k1": k1, "kl/ref_k1_current": kl_cur,
+        **kl_tail(eb.kl_ref, m, eb.is_weights),
         "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
         "response/finished_frac": rb.finished.float().mean().item(),
         "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
@@ -59,6 +60,29 @@ def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], ti
         **{f"time/{k}_s": v for k, v in times.items()},
         **upd,
     }
+
+
+def kl_tail(kl_ref: torch.Tensor, mask: torch.Tensor, is_weights: Optional[torch.Tensor]) -> dict[str, float]:
+    """What kl/ref_mean hides (docs/async.md, "KL on stale rows"). kl_ref, mask, is_weights: [B, T].
+
+    kl/ref_token_max   the largest per-token KL estimate of the rows. k3 on a token is
+                       exp(log pi_ref - log pi_cur) - ... : on a row an older version wrote, a token
+                       the updates since made far less likely than the reference does is unbounded,
+                       and one such token can be the whole step's kl/ref_mean.
+    kl/ref_mean_is     with behaviour importance weights (PF-PPO, async_rl): the token mean weighted
+                       by them, self-normalised (sum w kl / sum w): the rows reweighted towards the
+                       current policy, whose KL the term is meant to estimate.
+    Tokens with mask 0 (or weight 0) take no part; a key with no token to describe is absent."""
+    out = {}
+    real = mask > 0
+    if bool(real.any()):
+        out["kl/ref_token_max"] = kl_ref.masked_fill(~real, float("-inf")).max().item()
+    if is_weights is not None:
+        w = is_weights * mask                                                          # [B, T]
+        total = w.sum()
+        if float(total) > 0:
+            out["kl/ref_mean_is"] = ((w * kl_ref).sum() / total).item()
+    return out
 
 
 def honest_metrics(sb: ScoredBatch) -> dict[str, float]:

@@ -146,8 +146,8 @@ def actor_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: 
         resp_share = model_passes.share_scale(m, micro.norm, mode=mode, like=pl.loss)
         kl_loss = logp.new_zeros(())
         if a.use_kl_loss and a.kl_coeff > 0:
-            kl_loss = ppo.agg_loss(ppo.kl_estimate(logp, eb.ref_logp[r], estimator=a.kl_estimator), m, mode=mode,
-                                   loss_scale_factor=c)
+            kl_loss = ppo.agg_loss(kl_loss_tokens(a, logp, eb.ref_logp[r], None if eb.is_weights is None
+                                                  else eb.is_weights[r]), m, mode=mode, loss_scale_factor=c)
             share = share + a.kl_coeff * kl_loss * resp_share
         ent = ppo.agg_loss(entropy, m, mode=mode, loss_scale_factor=c)
         if a.entropy_coeff > 0:
@@ -162,6 +162,19 @@ def actor_step(eb: ExperienceBatch, *, cfg: Config, models: Models, strategies: 
                                   kernels=models.kernels)
     count_skip(state, "actor", res, cfg=cfg, log=log)
     return {**res.stats, "policy/loss": res.loss, "policy/grad_norm": res.grad_norm, **_scale_metric("policy", res)}
+
+
+def kl_loss_tokens(a, logp: torch.Tensor, ref_logp: torch.Tensor,
+                   is_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """The KL loss term per token [B, T]: the configured estimate to the reference, times the rows'
+    behaviour importance weights (detached) with algorithm.kl_loss_is_weight (docs/async.md)."""
+    kl = ppo.kl_estimate(logp, ref_logp, estimator=a.kl_estimator)                 # [B, T]
+    if not a.kl_loss_is_weight:
+        return kl
+    if is_weights is None:  # the config check allows the option only where the behaviour gives weights
+        raise RuntimeError("algorithm.kl_loss_is_weight: the rows carry no behaviour importance weights "
+                           "(needs use_pf_ppo or async_rl.enable)")
+    return kl * is_weights.detach()
 
 
 def _scale_metric(prefix: str, res: "model_passes.StepResult") -> dict[str, float]:
