@@ -194,7 +194,8 @@ def test_pf_ppo_trains_with_the_vllm_engine(tmp_path):
     _in_child("_pf_ppo_vllm_run", tmp_path)
 
 
-def _compare_vllm_run(tmp_path):
+@NEEDS_VLLM
+def test_compare_runs_with_the_vllm_engine(tmp_path):
     _in_child("_compare_vllm_run", tmp_path)
 
 
@@ -242,8 +243,7 @@ def _pf_ppo_vllm_run(tmp_path):
         trainer.run.colocation.engine.generate(too_long, SamplingParams(1.0, 1.0, 3, None, seed=0))
 
 
-@NEEDS_VLLM
-def test_compare_runs_with_the_vllm_engine(tmp_path):
+def _compare_vllm_run(tmp_path):
     """(Last too: its trainers build and drop vLLM engines.) `pfppo compare` with engine: vllm, two
     seeds x plain PPO and a pool arm, two steps each: four trainers, each with its own in-process vLLM
     engine, one after the other in one process; the report is written and every run logged its steps."""
