@@ -908,6 +908,27 @@ class OverlongBufferConfig(Section):
 
 
 @dataclass
+class SandboxFusionConfig(Section):
+    """Code rewards (verl's reward_model.sandbox_fusion): a row of a code data_source (codecontests, apps,
+    codeforces, taco) is scored by running its response's code on the row's test cases through a
+    SandboxFusion service (rewards/sandbox_fusion.py): the passed fraction of its first 10 cases."""
+
+    url: Optional[str] = opt(None, "The service's run_code endpoint (http:// or https://); null = no code rewards "
+                                   "(a code row is then refused at start unless reward.default_scorer covers it).")
+    max_concurrent: int = opt(64, "Requests in flight at once (per reward function, i.e. per rank that scores).")
+    memory_limit_mb: int = opt(1024, "Memory limit of one run, in MB (the service enforces it).")
+    case_timeout_s: float = opt(10.0, "Run limit (and compile limit) of one test case, in seconds (verl: 10); a "
+                                      "program past it fails that case. The request itself waits twice this + 10 s.")
+
+    def _check(self, p: list[Problem]) -> None:
+        if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
+            p.append(Problem("url", self.url, "must be an http:// or https:// URL of the service's run_code API, or null"))
+        _range(p, "max_concurrent", self.max_concurrent, ge=1, le=C.MAX_SANDBOX_CONCURRENT)
+        _range(p, "memory_limit_mb", self.memory_limit_mb, ge=1, le=C.MAX_SANDBOX_MEMORY_MB)
+        _range(p, "case_timeout_s", self.case_timeout_s, gt=0, le=C.MAX_REWARD_TIMEOUT_S)
+
+
+@dataclass
 class RewardConfig(Section):
     """Preprocessing of the sequence-level scores before they enter GAE."""
 
@@ -925,6 +946,8 @@ class RewardConfig(Section):
     custom_function: CustomFunctionConfig = opt(
         factory=CustomFunctionConfig, doc="A user's Python reward function (replaces the "
         "rule-based scorers when path is set).")
+    sandbox_fusion: SandboxFusionConfig = opt(factory=SandboxFusionConfig, doc="Code rewards: the responses' code run "
+                                              "on the rows' test cases by a SandboxFusion service.")
     num_workers: int = opt(2, "Worker processes running the custom reward function.")
     timeout_s: float = opt(10.0, "Seconds one custom reward call may take; a hang scores 0 and is "
                                  "counted in guard/reward_timeouts.")
@@ -965,6 +988,10 @@ class RewardConfig(Section):
         elif self.model_weight == 0:
             p.append(Problem("model_weight", self.model_weight, "must be > 0 when reward.model_path is set "
                              "(unset model_path to train on the rule-based score alone)"))
+        if self.sandbox_fusion.url is not None and self.custom_function.path is not None:
+            p.append(Problem("sandbox_fusion.url", self.sandbox_fusion.url, "is read by the rule-based scorers only; "
+                             "with custom_function.path your function scores every row: run the code check there, "
+                             "or unset one of the two"))
 
 
 @dataclass

@@ -21,7 +21,8 @@ def build_reward_fn(cfg, *, log: Callable[[str], None] = print):
 
 def _scorer(cfg, log: Callable[[str], None]):
     """From the whole Config: the custom function when reward.custom_function.path is set, else
-    the built-in task's verifier (data.source = task), else the rule-based registry; wrapped in
+    the built-in task's verifier (data.source = task), else the rule-based registry (code rows run
+    through reward.sandbox_fusion when its url is set); wrapped in
     reward.shaping (rewards/shaping.py) when its kind is not none (the wrapped function's score is
     then logged apart as the honest metric: reward/honest, eval/honest_accuracy)."""
     cf = cfg.reward.custom_function
@@ -35,7 +36,7 @@ def _scorer(cfg, log: Callable[[str], None]):
         base = AdditionReward(AdditionTask.from_config(cfg.data), log=log)
     else:
         from pfppo_mega.rewards.base import RuleReward
-        base = RuleReward(default_scorer=cfg.reward.default_scorer, log=log)
+        base = RuleReward(default_scorer=cfg.reward.default_scorer, code=_code_reward(cfg.reward.sandbox_fusion), log=log)
     sh = cfg.reward.shaping
     if sh.kind == "none":
         return base
@@ -43,3 +44,12 @@ def _scorer(cfg, log: Callable[[str], None]):
     return ShapedReward(base, kind=sh.kind, length_bonus=sh.length_bonus, phrase=sh.phrase,
                         phrase_score=sh.phrase_score, flip_rate=sh.flip_rate, scale=sh.scale,
                         seed=cfg.training.seed)
+
+
+def _code_reward(sf):
+    """The code reward of reward.sandbox_fusion (rewards/sandbox_fusion.py), or None without a url."""
+    if sf.url is None:
+        return None
+    from pfppo_mega.rewards.sandbox_fusion import SandboxCodeReward, SandboxFusionClient
+    client = SandboxFusionClient(sf.url, memory_limit_mb=sf.memory_limit_mb, max_concurrent=sf.max_concurrent)
+    return SandboxCodeReward(client, case_timeout_s=sf.case_timeout_s)

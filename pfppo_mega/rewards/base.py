@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pfppo_mega.rewards.rules import DATA_SOURCE_PREFIX_SCORERS, DATA_SOURCE_SCORERS, SCORERS, scorer_name
+from pfppo_mega.rewards.rules import (CODE_DATA_SOURCES, DATA_SOURCE_PREFIX_SCORERS, DATA_SOURCE_SCORERS, SCORERS,
+                                      scorer_name)
 from pfppo_mega.rewards.worker import as_score
 from pfppo_mega.types import RewardResult, Sample
 
@@ -97,17 +98,33 @@ def result_of(calls: Sequence[tuple[str, Any]], samples: Sequence[Sample], texts
 
 class RuleReward:
     """The rule-based registry: each sample is scored by its data_source's scorer
-    (`rules.DATA_SOURCE_SCORERS`, else `default_scorer`)."""
+    (`rules.DATA_SOURCE_SCORERS`, else `default_scorer`); with `code` (reward.sandbox_fusion.url), a
+    row of a code data_source (`rules.CODE_DATA_SOURCES`) by running its response's code on its test
+    cases (rewards/sandbox_fusion.py), the batch's code rows at once."""
 
-    def __init__(self, *, default_scorer: str | None = None, log: Callable[[str], None] = print):
-        self.default_scorer = default_scorer
+    def __init__(self, *, default_scorer: str | None = None, code: Callable[..., list] | None = None,
+                 log: Callable[[str], None] = print):
+        self.default_scorer, self.code = default_scorer, code
         self.outcomes = OutcomeLog(log, "rule-based reward")
+
+    def _runs_code(self, s: Sample) -> bool:
+        return self.code is not None and s.data_source in CODE_DATA_SOURCES
 
     def check(self, samples: Sequence[Sample], where: str) -> None:
         """Refuse (naming the first row) a data_source that no scorer covers, or a ground truth a
         rule-based scorer cannot use (absent, or not a string / finite number: it would read str(gt)
-        and score every correct answer 0)."""
+        and score every correct answer 0); a code row's ground truth must hold its test cases."""
         for s in samples:
+            if self._runs_code(s):
+                from pfppo_mega.rewards.sandbox_fusion import parse_test_cases
+                try:
+                    parse_test_cases(s.ground_truth)
+                except ValueError as e:
+                    raise RewardSetupError(
+                        f"{where}: row {s.row} (data_source {s.data_source!r}): the ground truth {e}; a code row's "
+                        f"ground truth holds its test cases, {{\"inputs\": [...], \"outputs\": [...]}} (verl's code "
+                        f"datasets), read at data.ground_truth_key") from None
+                continue
             why = unusable_ground_truth(s.ground_truth)
             if why:
                 raise RewardSetupError(
@@ -115,19 +132,29 @@ class RuleReward:
                     f"scorers compare the answer with a string or a number (data.ground_truth_key names where it "
                     f"is read, default reward_model.ground_truth)")
             if scorer_name(s.data_source, self.default_scorer) is None:
+                code = (f"; a code data_source ({', '.join(CODE_DATA_SOURCES)}) is scored by running its tests "
+                        f"through reward.sandbox_fusion.url" if s.data_source in CODE_DATA_SOURCES else "")
                 raise RewardSetupError(
                     f"{where}: row {s.row} has data_source {s.data_source!r}, which no rule-based scorer "
                     f"covers (known: {sorted(DATA_SOURCE_SCORERS)} and {sorted(p + '*' for p in DATA_SOURCE_PREFIX_SCORERS)}); set reward.default_scorer (one of "
-                    f"{sorted(SCORERS)}) or reward.custom_function")
+                    f"{sorted(SCORERS)}) or reward.custom_function{code}")
 
     def __call__(self, samples: Sequence[Sample], texts: Sequence[str], finished: Sequence[bool]) -> RewardResult:
-        calls = []
+        calls: list[tuple[str, Any]] = []
         for s, text in zip(samples, texts):
             name = scorer_name(s.data_source, self.default_scorer)
-            calls.append(("raised", f"no scorer for data_source {s.data_source!r}") if name is None
-                         else call_guarded(SCORERS[name], text, s.ground_truth))
+            if self._runs_code(s):
+                calls.append(("code", None))  # filled below, the batch's code rows in one go
+            elif name is None:
+                calls.append(("raised", f"no scorer for data_source {s.data_source!r}"))
+            else:
+                calls.append(call_guarded(SCORERS[name], text, s.ground_truth))
+        code_rows = [i for i, c in enumerate(calls) if c[0] == "code"]
+        if code_rows:
+            for i, res in zip(code_rows, self.code([texts[i] for i in code_rows],
+                                                   [samples[i].ground_truth for i in code_rows])):
+                calls[i] = res
         return result_of(calls, samples, texts, self.outcomes)
 
     def close(self) -> None:
         pass
-

@@ -228,6 +228,9 @@ DATA_SOURCE_SCORERS: dict[str, str] = {
     "math_dapo": "math_dapo", "math_dapo_reasoning": "math_dapo",
     "exact_match": "exact_match",
 }
+# data_source values verl scores by running the response's code on the row's test cases (its default
+# scorer, with reward_model.sandbox_fusion.url): here through reward.sandbox_fusion (rewards/sandbox_fusion.py).
+CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 # data_source prefixes -> scorer name: verl scores every aime* source (aime, aime2024, aime_2025, ...)
 # with the "Answer:" rule.
 DATA_SOURCE_PREFIX_SCORERS: dict[str, str] = {"aime": "math_dapo"}

@@ -100,6 +100,19 @@ def _overlong_max_len(value: Any, v: View) -> Any:
     raise Ignore("equal to data.max_response_length, where our penalty ends")
 
 
+def _sandbox(target: str) -> Callable[[Any, View], Any]:
+    """A key of verl's sandbox_fusion: ours when its url is set and no custom_reward_function replaces
+    verl's default scorer (the only one that reads them)."""
+    def convert(value: Any, v: View) -> Any:
+        out = _typed(value, Optional[_native_type(target)])  # the right type even where unused: a typo is caught now
+        if v.get("reward_model.sandbox_fusion.url") is None:
+            raise Ignore("used only with reward_model.sandbox_fusion.url")
+        if v.get("custom_reward_function.path") is not None:
+            raise Ignore("verl's default scorer alone reads the sandbox; custom_reward_function.path replaces it")
+        return out
+    return convert
+
+
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- reward
     M("reward_model.enable", "reward.model_path, reward.rule_weight", _reward_model,
@@ -135,9 +148,13 @@ RULES: tuple[Rule, ...] = (
     R("reward_model.reward_loop_source", "a user's reward loop", ok=("register",)),
     R("reward_model.reward_loop_module_path", "a user's reward loop", ok=(None,)),
     R("reward_model.reward_loop_class_name", "a user's reward loop", ok=(None,)),
-    R("reward_model.sandbox_fusion.url", "code execution rewards (sandbox fusion)", ok=(None,),
-      fix="remove it and run the code check in your own custom_reward_function.path"),
-    I("reward_model.sandbox_fusion.**", "sandbox fusion only (refused)", ("max_concurrent", "memory_limit_mb")),
+    M("reward_model.sandbox_fusion.url", "reward.sandbox_fusion.url", _sandbox("reward.sandbox_fusion.url"),
+      why="code rewards of the code data_sources (codecontests, apps, codeforces, taco) through the service; "
+          "ignored with custom_reward_function.path, as verl ignores it"),
+    M("reward_model.sandbox_fusion.max_concurrent", "reward.sandbox_fusion.max_concurrent",
+      _sandbox("reward.sandbox_fusion.max_concurrent")),
+    M("reward_model.sandbox_fusion.memory_limit_mb", "reward.sandbox_fusion.memory_limit_mb",
+      _sandbox("reward.sandbox_fusion.memory_limit_mb")),
     I("reward_model.launch_reward_fn_async", SPEED),
     I("reward_model.rollout.**", "a generative reward model's server (refused with reward_model.enable)"),
     *(I(f"reward_model.{k}", "reward-model placement and batching; " + SPEED)
