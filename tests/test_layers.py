@@ -40,6 +40,8 @@ SIDEWAYS = {
     "data": {"tasks"},               # data.source = task: the built-in task's prompts
     "rewards": {"tasks"},            # ... and its verifier (rewards/task.py)
     "pool": {"rollout"},             # a snapshot is a WeightSource of buckets in the rollout layout
+    "rollout": {"rewards"},          # multi-turn tools grade answers with the reward rules and run code
+                                     # through the reward's sandbox client (rollout/tools/)
     "kernels": {"ppo"},              # the backends take the pure-torch references' arguments
     "parallel": {"compat", "constants", "watchdog"},  # megatron-core on a CPU torch; the default collective
                                                       # timeout; the heartbeat watchdog it starts
