@@ -82,10 +82,11 @@ ignored unless `resume_mode` is `resume_path` (verl reads it only then), then 11
 119 with verl's rollout correction, 121 with `over_sample_rate` read as verl 0.9.1 reads it (not at
 all), 122 with chat-template arguments, 123 with `optimal_token_baseline` and 136 with LoRA (the 13
 scripts refused only for `lora_rank`, `lora.rank` or `lora_adapter_path`). Read with the multi-turn
-config files that 16 scripts name (below), **124 of 157 (79%)** load unchanged
+config files that 16 scripts name (below), 124 loaded; with code rewards through a SandboxFusion service
+(`reward.sandbox_fusion`, below) **125 of 157 (80%)** load unchanged
 (`PYTHONPATH=. .venv/bin/python tests/test_verl_layout.py` prints the count). tests/test_verl_layout.py
 writes out every refused script with its keys, each refusal's reason and the fix it names. Issue 36's
-target, 90% (142 scripts), is not reached: the 33 scripts left need features this trainer does not
+target, 90% (142 scripts), is not reached: the 32 scripts left need features this trainer does not
 have, and refusing is the honest answer for each:
 
 | scripts | what they need | the fix the refusal names |
@@ -93,7 +94,7 @@ have, and refusing is the honest answer for each:
 | 25 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class, curriculum sampler or reward manager (sglang multi-turn, retool, collabllm, deepeyes, langgraph, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
 | 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
 | 2 | FAPO's generative reward model (a reward function that queries the model) | drop the function, or mix model and rule scores in our keys |
-| 1 each | fp8 training, multi-token prediction, sandbox-fusion rewards, an NPU | remove the fp8 override; remove it; your own reward function; `cuda` |
+| 1 each | fp8 training, multi-token prediction, an NPU | remove the fp8 override; remove it; `cuda` |
 
 The count reads each script's overrides after the keys of the config file it names with
 `--config-name` where that is not one of verl's two trainer configs: the 16 scripts that name a
@@ -101,6 +102,19 @@ multi-turn config (examples/sglang_multiturn/config/*_multiturn_*.yaml, recipe/d
 `rollout.multi_turn.enable: true` (`CONFIG_FILE_KEYS` in tests/test_verl_layout.py). Before this was
 read, 12 of them counted as loading (136 of 157); launched with their config files, they are refused.
 
+- **Code rewards** (`examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh`):
+  `reward_model.sandbox_fusion.{url,max_concurrent,memory_limit_mb}` -> `reward.sandbox_fusion.*`. As in
+  verl's default scorer, a row of data_source codecontests, apps, codeforces or taco is scored by running
+  the response's code (its last ```` ```python ```` block, else its first fenced block) on the row's test
+  cases (the ground truth `{inputs, outputs}`, also `fn_name` and `assert_case`) through the service's
+  run_code API, score = the passed fraction of the first 10 cases (verl's `continuous=True`); 10 s per
+  case (`reward.sandbox_fusion.case_timeout_s`). Differences: a service failure (unreachable, HTTP error,
+  its SandboxError, no answer in time) is counted in `guard/reward_errors` and logged, where verl scores
+  the case as failed; HTTP 502 and 503 are retried besides 504; only the 10 scored cases are run (verl
+  runs all and reads 10: the score is the same); a row whose ground truth holds no test cases is refused
+  at start. Ignored with `custom_reward_function.path`, as verl ignores it. Without a url, verl runs the
+  code locally (prime_code); here a code row is then refused at start (set the url, `reward.default_scorer`
+  or a custom function). rewards/sandbox_fusion.py; docs/multiturn_tools.md.
 - **fp16 training** (`recipe/dapo/*_fp16.sh`): `actor.megatron.dtype=float16` ->
   `model.params_dtype: float16`: megatron's Float16Module and its mixed-precision optimizer (fp32 main
   weights, gradients and Adam states) with the dynamic loss scaler (`model.loss_scale` null,
