@@ -412,3 +412,60 @@ def test_search_and_code_configs_have_verl_defaults(tmp_path):
                                                                                                          512, 4)
     s = load_tools(DATA / "search_tool_config.yaml")["search"]
     assert (s.topk, s.client.timeout_s, s.client.max_retries) == (3, 30.0, 10)  # verl: topk 3, 10 tries
+
+
+# ----------------------------------------------------------------------------- concurrency bounds and verl keys
+
+
+def _slow_counting(answer: bytes):
+    """A service that holds each request 0.15 s and records the most requests it held at once."""
+    state = {"now": 0, "most": 0}
+    lock = __import__("threading").Lock()
+
+    def handle(req):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.15)
+        with lock:
+            state["now"] -= 1
+        return 200, answer
+    return S.App(handle), state
+
+
+def test_concurrency_is_bounded(tmp_path):
+    ok = json.dumps({"status": "Success", "run_result": {"status": "Finished", "return_code": 0, "stdout": "2\n",
+                                                          "stderr": ""}}).encode()
+    app, state = _slow_counting(ok)
+    with S.serve(app) as url:
+        reward = SandboxCodeReward(SandboxFusionClient(url, max_concurrent=2))
+        got = reward([SUM] * 4, [{"inputs": ["1 1"] * 2, "outputs": ["2"] * 2}] * 4)
+    assert got == [("value", 1.0)] * 4 and len(app.requests) == 8 and state["most"] == 2
+    app, state = _slow_counting(b'{"result": [[]]}')
+    with S.serve(app, "/retrieve") as url:
+        tool = load_tools(_with_url("search_tool_config.yaml", "retrieval_service_url", url, tmp_path, rate_limit=3))[
+            "search"]
+        from concurrent.futures import ThreadPoolExecutor
+        for i in range(9):
+            tool.create(str(i))
+        with ThreadPoolExecutor(9) as pool:
+            list(pool.map(lambda i: tool.execute(str(i), {"query_list": ["q"]}), range(9)))
+    assert len(app.requests) == 9 and state["most"] == 3
+
+
+def test_verl_sandbox_fusion_keys_map_onto_ours():
+    from pfppo_mega.config import resolve_config_dict
+    base = ["actor_rollout_ref.model.path=/m", "data.train_files=t.parquet"]
+    url = "reward_model.sandbox_fusion.url=http://sf:8080/run_code"
+    res = resolve_config_dict({}, base + [url, "reward_model.sandbox_fusion.max_concurrent=128",
+                                          "reward_model.sandbox_fusion.memory_limit_mb=2048"])
+    assert res.config.reward.sandbox_fusion.url == "http://sf:8080/run_code"
+    assert (res.config.reward.sandbox_fusion.max_concurrent, res.config.reward.sandbox_fusion.memory_limit_mb) == (128, 2048)
+    outcomes = {u.key: u.outcome for u in res.verl.uses if "sandbox" in u.key}
+    assert outcomes == {"reward_model.sandbox_fusion.url": "mapped", "reward_model.sandbox_fusion.max_concurrent": "mapped",
+                        "reward_model.sandbox_fusion.memory_limit_mb": "mapped"}
+    # verl's default scorer alone reads them: no url, or a custom reward function -> ignored, ours unset
+    for extra in ([], [url, "custom_reward_function.path=r.py"]):
+        res = resolve_config_dict({}, base + extra + ["reward_model.sandbox_fusion.max_concurrent=128"])
+        assert res.config.reward.sandbox_fusion.url is None and res.config.reward.sandbox_fusion.max_concurrent == 64
+        assert {u.outcome for u in res.verl.uses if u.key.startswith("reward_model.sandbox_fusion")} == {"ignored"}
