@@ -415,6 +415,11 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
             assert key in r and r[key] == r[key], key
     assert steps[0]["async/staleness_max"] == 0  # the first batch: the initial weights
     assert any(r["async/staleness_max"] >= 1 for r in steps[1:])  # later ones: written while training
+    # the engine/trainer log-prob check: on the first batch's rows (the current weights wrote them), then
+    # logged as 0 rows where every row is an older version's, never silently absent (issue 39)
+    assert steps[0]["rollout/logp_gap_rows"] > 0 and steps[0]["rollout/logp_gap_max"] < 1e-3
+    assert all("rollout/logp_gap_rows" in r for r in steps)
+    assert all(("rollout/logp_gap_max" in r) == (r["rollout/logp_gap_rows"] > 0) for r in steps)
     assert any("async/generator_busy_frac" in r for r in steps)
     pending = tmp_path / "async_pending" / "step_00000004.json"
     assert pending.is_file() and json.loads(pending.read_text())["requests"]  # requests were in flight at the save
