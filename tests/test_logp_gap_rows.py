@@ -56,3 +56,6 @@ def test_doctor_names_a_run_whose_check_saw_nothing_after_the_first_step():
     assert rule.detect(_series([64, 0, 8, 0, 0]), None).status == "healthy"      # 1 of 4 covered
     assert rule.detect(_series([64, 0, 0]), None).status == "not_checked"         # too few steps
     assert rule.detect({}, None).status == "not_checked"                          # a run from before the key
+    checked = {**_series([64, 0, 0, 0, 0]),
+               "rollout/logp_gap_check_rows": Series([1, 2, 3, 4, 5], [0.0, 0.0, 8.0, 0.0, 0.0])}
+    assert rule.detect(checked, None).status == "healthy"                         # the periodic check ran

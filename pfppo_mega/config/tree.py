@@ -645,6 +645,14 @@ class AsyncConfig(Section):
                                "before the run stops.")
     result_timeout_s: float = opt(600.0, "Seconds the trainer waits for the generator's next result before "
                                          "it declares it hung, kills and restarts it.")
+    logp_check_interval: int = opt(
+        0, "Every this many steps the trainer keeps a host copy of the weights it publishes; when rows that "
+           "version wrote arrive (within max_staleness), up to logp_check_rows of them are scored under those "
+           "weights and compared with the engine's log-probs: rollout/logp_gap_check_* (the rollout/logp_gap_* "
+           "check covers only rows of the current weights, none after the first step here). Costs one host "
+           "copy of the actor and a forward pass over the rows. 0: off.")
+    logp_check_rows: int = opt(8, "Rows scored by each logp_check_interval check (the first of that version "
+                                  "in the batch).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"sampling": C.ASYNC_SAMPLING}
 
@@ -659,6 +667,8 @@ class AsyncConfig(Section):
         _range(p, "request_prompts", self.request_prompts, ge=1, le=C.MAX_COUNT)
         _range(p, "max_restarts", self.max_restarts, ge=0, le=C.MAX_COUNT)
         _range(p, "result_timeout_s", self.result_timeout_s, gt=0)
+        _range(p, "logp_check_interval", self.logp_check_interval, ge=0, le=C.MAX_STEPS)
+        _range(p, "logp_check_rows", self.logp_check_rows, ge=1, le=C.MAX_COUNT)
         if self.partial_rollouts and self.sampling != "newest":
             p.append(Problem("partial_rollouts", True, f"needs sampling newest (sampling = {self.sampling!r}): a "
                              f"request in flight switches to the newest version when one arrives, which a rule "

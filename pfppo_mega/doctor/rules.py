@@ -344,6 +344,7 @@ def detect_pool_inconsistency(series: Mapping[str, Series], config: Optional[Map
 # rollout/logp_gap_* compare the engine's log-probs with the trainer's on the rows the current weights
 # wrote (trainer/step_metrics.py); rollout/logp_gap_rows counts them, 0 where there were none.
 GAP_ROWS = "rollout/logp_gap_rows"
+GAP_CHECK_ROWS = "rollout/logp_gap_check_rows"  # the periodic check on an older version's rows (async_rl)
 GAP_UNCHECKED_SHARE = 0.9  # a finding when the check covered no row in >= 90% of the steps after the first
 GAP_MIN_STEPS = 3          # ... of at least 3 such steps
 
@@ -352,6 +353,9 @@ def detect_engine_gap_unchecked(series: Mapping[str, Series], config: Optional[M
     s = series.get(GAP_ROWS)
     if s is None:
         return not_checked(f"no {GAP_ROWS} (logged since issue 39's fix)")
+    older = series.get(GAP_CHECK_ROWS)
+    if older is not None and any(v > 0 for v in older.values):
+        return HEALTHY  # the periodic check scored rows of older versions (algorithm.async_rl.logp_check_interval)
     first = min(s.steps, default=0)
     later = [(st, v) for st, v in zip(s.steps, s.values) if st > first]
     if len(later) < GAP_MIN_STEPS:
@@ -598,14 +602,17 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="engine_gap_unchecked",
         symptom="the engine-vs-trainer log-prob check (rollout/logp_gap_*) is missing from most steps",
-        metrics=(GAP_ROWS, "rollout/logp_gap_max"),
+        metrics=(GAP_ROWS, GAP_CHECK_ROWS, "rollout/logp_gap_max"),
         detect=detect_engine_gap_unchecked,
         detects=f"`{GAP_ROWS}` is 0 in >= {GAP_UNCHECKED_SHARE:.0%} of the steps after the first (at least "
-                f"{GAP_MIN_STEPS} of them)",
+                f"{GAP_MIN_STEPS} of them) and `{GAP_CHECK_ROWS}` never above 0",
         cause="the gap is measured only on rows the current weights wrote; in the asynchronous mode (and with "
               "a PF-PPO pool drawn per step) the rows come from older versions, so the check sees nothing",
         remedies=(
-            Remedy("measure the gap on a few synchronous steps of the same config: rollout/logp_gap_max "
+            Remedy("asynchronous runs: check older versions' rows every few steps (their weights kept on the "
+                   "host until their rows arrive; rollout/logp_gap_check_*)", "algorithm.async_rl.logp_check_interval",
+                   _fixed(10), "10"),
+            Remedy("or measure the gap on a few synchronous steps of the same config: rollout/logp_gap_max "
                    "should stay at round-off (about 1e-5 in fp32)", "algorithm.async_rl.enable",
                    _fixed(False), "false"),
             Remedy("or let some prompt groups take the current weights (PF-PPO): draw versions per group",
