@@ -205,13 +205,11 @@ def test_verl_keys_map_to_ours():
     assert any("class_name" in str(p) for p in bad.problems)
 
 
-def test_the_trainer_draws_from_the_sampler_and_feeds_it_each_step(example, tmp_path):
-    """Two PPO steps on a tiny random Llama: the step's prompts are the sampler's, and update() gets
-    every row of each step with the scores the reward gave them."""
+@pytest.fixture(scope="module")
+def tiny_ckpt(example, tmp_path_factory):
     import transformers
-    from pfppo_mega.trainer.loop import PPOTrainer
-    paths, tok, file = example
-    ckpt = tmp_path / "ckpt"
+    paths, tok, _ = example
+    ckpt = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
     hf = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -219,26 +217,55 @@ def test_the_trainer_draws_from_the_sampler_and_feeds_it_each_step(example, tmp_
                                   bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     transformers.LlamaForCausalLM(hf).save_pretrained(ckpt)
     tok.save(ckpt)
-    cfg = load_config_dict({
+    return ckpt
+
+
+def _train_cfg(example, ckpt, out, sampler, steps):
+    paths, _, file = example
+    return load_config_dict({
         "actor_rollout": {"model_path": str(ckpt), "n_samples_per_prompt": 2},
         "data": {"source": "files", "train_files": [str(paths["train.parquet"])],
                  "val_files": [str(paths["test.parquet"])], "max_prompt_length": 128, "eval_size": 2,
-                 "sampler_path": str(file), "sampler_class": "HardFirst"},
+                 "sampler_path": str(file), "sampler_class": sampler},
         "algorithm": {"max_response_length": 4},
-        "training": {"rollout_batch_size": 3, "batch_size": 6, "total_training_steps": 2, "seed": 2,
+        "training": {"rollout_batch_size": 3, "batch_size": 6, "total_training_steps": steps, "seed": 2,
                      "num_threads": 1},
-        "logging": {"output_dir": str(tmp_path / "run"), "eval_interval": 0, "tensorboard": False,
-                    "plots": False, "progress": False},
-        "checkpoint": {"export_hf": False, "save_interval": 0}})
-    with PPOTrainer(cfg, log=lambda *_: None) as tr:
+        "logging": {"output_dir": str(out), "eval_interval": 0, "tensorboard": False, "plots": False,
+                    "progress": False},
+        "checkpoint": {"export_hf": False, "save_interval": 2}})
+
+
+def test_the_trainer_draws_from_the_sampler_feeds_it_each_step_and_resumes_it(example, tiny_ckpt, tmp_path):
+    """PPO steps on a tiny random Llama: the step's prompts are the sampler's, update() gets every row of
+    each step with the scores the reward gave them, and a resumed run draws what the run that wrote the
+    checkpoint would have drawn next (the curriculum's learnt state restored)."""
+    from pfppo_mega.trainer.loop import PPOTrainer
+    with PPOTrainer(_train_cfg(example, tiny_ckpt, tmp_path, "HardFirst", 2), log=lambda *_: None) as tr:
         src = tr.run.prompts
         drawn = []
         real_next = src.next_batch
         src.next_batch = lambda n: drawn.append(real_next(n)) or drawn[-1]
         tr.fit()
-    batches = src.sampler.batches
-    assert [b["step"] for b in batches] == [1, 2]
-    for b, rows in zip(batches, drawn):
-        assert len(b["index"]) == 6                                   # 3 prompts x 2 responses
-        assert sorted(set(b["index"].tolist())) == sorted(set(_idx(src, rows)))
-        assert b["score"].shape == (6,) and torch.isfinite(b["reward"]).all()
+        batches = src.sampler.batches
+        assert [b["step"] for b in batches] == [1, 2]
+        for b, rows in zip(batches, drawn):
+            assert len(b["index"]) == 6                                   # 3 prompts x 2 responses
+            assert sorted(set(b["index"].tolist())) == sorted(set(_idx(src, rows)))
+            assert b["score"].shape == (6,) and torch.isfinite(b["reward"]).all()
+        fails = src.sampler.fails.clone()
+        assert float(fails.sum()) > 0                                     # the tiny model fails: it learnt
+        expected = _idx(src, real_next(3))                                # what step 3 would draw
+    with PPOTrainer(_train_cfg(example, tiny_ckpt, tmp_path, "HardFirst", 3), log=lambda *_: None) as again:
+        assert again.step == 2 and torch.equal(again.run.prompts.sampler.fails, fails)
+        assert _idx(again.run.prompts, again.run.prompts.next_batch(3)) == expected
+
+
+def test_resuming_a_curriculum_without_state_is_refused_by_name(example, tiny_ckpt, tmp_path):
+    from pfppo_mega.trainer.checkpoint.store import CheckpointError
+    from pfppo_mega.trainer.loop import PPOTrainer
+    logs = []
+    with PPOTrainer(_train_cfg(example, tiny_ckpt, tmp_path, "RandomCurriculum", 2), log=logs.append) as tr:
+        tr.fit()
+    assert any("SamplerResumeError ahead" in line for line in logs)
+    with pytest.raises(CheckpointError, match="SamplerResumeError: the curriculum sampler .*RandomCurriculum"):
+        PPOTrainer(_train_cfg(example, tiny_ckpt, tmp_path, "RandomCurriculum", 3), log=lambda *_: None)
