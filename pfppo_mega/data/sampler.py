@@ -85,7 +85,7 @@ def _module(path: str, cwd: Path) -> Any:
             spec.loader.exec_module(module)
         except Exception as e:  # the user's file: any error it raises is reported with its type
             raise SamplerLoadError(f"data.sampler_path = {path!r}: running the file raised "
-                                   f"{type(e).__name__}: {e}") from e
+                                   f"{type(e).__name__}: {e}{_verl_hint(e)}") from e
         return module
     return _import(path, path)
 
@@ -95,7 +95,17 @@ def _import(name: str, given: str) -> Any:
         return importlib.import_module(name)
     except Exception as e:  # ModuleNotFoundError, or whatever the module raises on import
         raise SamplerLoadError(f"data.sampler_path = {given!r}: importing module {name!r} raised "
-                               f"{type(e).__name__}: {e} (a module on sys.path, pkg://a.b.c, or a .py file)") from e
+                               f"{type(e).__name__}: {e} (a module on sys.path, pkg://a.b.c, or a .py file)"
+                               f"{_verl_hint(e)}") from e
+
+
+def _verl_hint(e: Exception) -> str:
+    """A sampler written for verl imports verl (its AbstractSampler) and omegaconf, absent here."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in ("verl", "omegaconf"):
+        return ("; verl is not installed here: subclass torch.utils.data.Sampler instead of verl's "
+                "AbstractSampler / AbstractCurriculumSampler (the same methods: __init__(data_source, data_config), "
+                "__iter__, update(batch))")
+    return ""
 
 
 def load_sampler_class(path: str, name: str, *, cwd: Path | None = None) -> type:

@@ -73,6 +73,7 @@ def example(tmp_path_factory):
     paths = write_example(out, n_train=8, n_test=2, seed=0, vocab_size=300)
     (out / "bad_samplers.py").write_text(BAD)
     (out / "raises_on_import.py").write_text("raise ImportError('needs verl')\n")
+    (out / "verl_sampler.py").write_text("from verl.experimental.dataset.sampler import AbstractCurriculumSampler\n")
     return paths, Tokenizer.from_dir(paths["tokenizer"]), out
 
 
@@ -93,6 +94,8 @@ def _build(example, path, name):
     ("file://DIR/missing.py", "X", SamplerLoadError, "no such file"),
     ("pkg://no_such_module_here", "X", SamplerLoadError, "importing module 'no_such_module_here'.*ModuleNotFound"),
     ("DIR/raises_on_import.py", "X", SamplerLoadError, "running the file raised ImportError: needs verl"),
+    ("DIR/verl_sampler.py", "X", SamplerLoadError, "No module named 'verl'; verl is not installed here: subclass "
+                                                   "torch.utils.data.Sampler"),
     ("DIR/bad_samplers.py", "Missing", SamplerLoadError, "has no such name; its Sampler classes: .*'Refuses'"),
     ("DIR/bad_samplers.py", "NotASampler", SamplerTypeError, "not a subclass of torch.utils.data.Sampler"),
     ("DIR/bad_samplers.py", "not_a_class", SamplerTypeError, "is int 3, not a subclass"),
