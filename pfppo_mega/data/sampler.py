@@ -258,10 +258,7 @@ class SampledPrompts:
         """Prompts this rank draws in one pass (the sampler's len() when it has one, else the rows)."""
         n = len(self.samples)
         if callable(getattr(self.sampler, "__len__", None)):
-            try:
-                n = int(self._call(lambda: len(self.sampler), "__len__"))
-            except (TypeError, SamplerError):
-                n = len(self.samples)
+            n = self._call(lambda: len(self.sampler), "__len__")
         return max(1, -(-n // self.dp_size))
 
     def _start_epoch(self) -> None:
