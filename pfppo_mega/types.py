@@ -61,8 +61,13 @@ class PromptSource(Protocol):
     """Training prompts. The position is checkpoint state: a resumed run continues where it stopped."""
 
     rows_per_pass: int | None  # prompts this rank draws in one pass over the data; None: generated, no end
+    observes: bool             # wants observe() after each step (a curriculum); the trainer gathers rows only then
 
     def next_batch(self, n: int) -> list[Sample]: ...
+
+    def observe(self, rows: list[Sample], scores: torch.Tensor, rewards: torch.Tensor, step: int) -> None:
+        """After step ``step``: every rank's rows of it ([B]), the verifier's scores and the rewards trained on."""
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

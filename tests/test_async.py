@@ -415,6 +415,11 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
             assert key in r and r[key] == r[key], key
     assert steps[0]["async/staleness_max"] == 0  # the first batch: the initial weights
     assert any(r["async/staleness_max"] >= 1 for r in steps[1:])  # later ones: written while training
+    # the engine/trainer log-prob check: on the first batch's rows (the current weights wrote them), then
+    # logged as 0 rows where every row is an older version's, never silently absent (issue 39)
+    assert steps[0]["rollout/logp_gap_rows"] > 0 and steps[0]["rollout/logp_gap_max"] < 1e-3
+    assert all("rollout/logp_gap_rows" in r for r in steps)
+    assert all(("rollout/logp_gap_max" in r) == (r["rollout/logp_gap_rows"] > 0) for r in steps)
     assert any("async/generator_busy_frac" in r for r in steps)
     pending = tmp_path / "async_pending" / "step_00000004.json"
     assert pending.is_file() and json.loads(pending.read_text())["requests"]  # requests were in flight at the save
@@ -438,6 +443,40 @@ def test_async_tiny_trains_end_to_end_within_the_bound(sft_dir, tmp_path):
     with pytest.raises(SystemExit) as e:  # `pfppo train`: a run that cannot start, not a traceback
         sys.exit(main(["train", str(CONFIG), *over, "checkpoint.resume=true", "training.total_training_steps=6"]))
     assert e.value.code == 2
+
+
+def test_the_logp_check_scores_rows_of_an_older_version_under_its_weights(sft_dir, tmp_path):
+    """algorithm.async_rl.logp_check_interval: the weights published as version v are kept on the host and,
+    when v's rows arrive, the trainer scores some of them under those weights: the engine's log-probs
+    agree to fp32 round-off (the check rollout/logp_gap_* cannot make on these rows), and the actor's
+    current weights are back, bit for bit, after each check."""
+    from pfppo_mega.models.passes import forward_logp_entropy
+    from pfppo_mega.trainer.loop import PPOTrainer
+    from pfppo_mega.types import pack
+
+    over = [f"actor_rollout.model_path={sft_dir}", f"logging.output_dir={tmp_path}", "training.total_training_steps=5",
+            "checkpoint.save_interval=0", "algorithm.async_rl.logp_check_interval=1",
+            "algorithm.async_rl.logp_check_rows=4"]
+    with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as t:
+        res = t.fit()
+        check = t.run.strategies.behaviour.check
+        actor = check.actor
+        inp = pack([[1, 2, 3]], torch.tensor([[4, 5, 6]]), torch.ones(1, 3), pad_id=0)
+        before = [p.detach().clone() for p in actor.parameters()]
+        now = forward_logp_entropy(actor, inp, temperature=1.0, micro_batch_size=1)[0]
+        other = check._logp_under([torch.randn_like(p).cpu() for p in before], inp)
+        assert all(torch.equal(p, b) for p, b in zip(actor.parameters(), before))   # restored bit for bit
+        assert not torch.allclose(now, other)                                       # the other weights ran
+    steps = [json.loads(line) for line in open(res.metrics_path) if "async/staleness_max" in line]
+    checked = [r for r in steps if r.get("rollout/logp_gap_check_rows", 0) > 0]
+    assert checked, [{k: v for k, v in r.items() if "logp_gap" in k} for r in steps]
+    for r in checked:
+        assert 1 <= r["rollout/logp_gap_check_rows"] <= 4 and r["rollout/logp_gap_check_age"] >= 0
+        assert r["rollout/logp_gap_check_max"] < 1e-3, r                            # fp32 engine and trainer
+    assert any(r["rollout/logp_gap_check_age"] >= 1 for r in checked)  # rows the on-policy check never sees
+    print("logp check per step (step, rows, age, max gap):",
+          [(r["step"], r["rollout/logp_gap_check_rows"], r["rollout/logp_gap_check_age"],
+            f"{r['rollout/logp_gap_check_max']:.1e}") for r in checked])
 
 
 def test_async_tiny_trains_with_vllm_in_the_generator_process(sft_dir, tmp_path):

@@ -38,7 +38,7 @@ def healthy_records(n: int = N) -> list[dict]:
             "response/length_mean": 5.0 + wiggle, "response/length_max": 8.0,
             "response/finished_frac": 0.98, "response/repetition_rate": 0.02,
             "critic/value_loss": 0.5 / (1 + 0.2 * s) + 0.01 + wiggle / 10, "critic/grad_norm": 0.3,
-            "policy/approx_kl": 0.01,
+            "policy/approx_kl": 0.01, "rollout/logp_gap_rows": 32.0,
         })
         if s % 10 == 0:
             recs[-1].update({"eval/accuracy": 0.3 + 0.01 * s, "eval/accuracy_greedy": 0.5 + 0.005 * s})
@@ -162,11 +162,19 @@ def noisy(recs):
     return recs
 
 
+def gap_unchecked(recs):
+    """Synthetic: the engine/trainer log-prob check covered rows in step 1 only (an asynchronous run)."""
+    for r in recs:
+        if "reward/mean" in r and r["step"] > 1:
+            r["rollout/logp_gap_rows"] = 0.0
+    return recs
+
+
 SYMPTOMS = [
     ("kl_spike", kl_spike), ("reward_scale", reward_scale), ("length_collapse", length_growth),
     ("value_divergence", value_divergence), ("value_divergence", value_nan),
     ("pool_inconsistency", pool_disagree), ("pool_inconsistency", pool_corrupt),
-    ("reward_hacking", hacking), ("noisy_reward", noisy),
+    ("reward_hacking", hacking), ("noisy_reward", noisy), ("engine_gap_unchecked", gap_unchecked),
 ]
 
 
@@ -365,7 +373,7 @@ def test_short_or_plain_ppo_runs_are_not_checked_not_healthy(tmp_path, capsys):
     assert v["kl_spike"] == v["length_collapse"] == v["value_divergence"] == "not_checked"
     assert v["pool_inconsistency"] == "not_checked"  # no pool/* metrics: plain PPO
     assert main([str(tmp_path)]) == 0
-    assert "3 training steps, no finding (6 of 7 rules not checked)" in capsys.readouterr().out
+    assert "3 training steps, no finding (7 of 8 rules not checked)" in capsys.readouterr().out
 
 
 def test_remedy_keys_exist_and_suggestions_are_valid_values():

@@ -252,9 +252,9 @@ REFUSED_SCRIPTS = {
     'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/gsm8k_toolcall_shaping/run_gsm8k_grpo_toolcall_shaping.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.sampler.class_path'),
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/run_qwen0.5b_gsm8k_multiturn_curriculum.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.sampler.class_path'),
+        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh':
         ('actor_rollout_ref.rollout.multi_turn.enable',),
     'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh':

@@ -645,6 +645,14 @@ class AsyncConfig(Section):
                                "before the run stops.")
     result_timeout_s: float = opt(600.0, "Seconds the trainer waits for the generator's next result before "
                                          "it declares it hung, kills and restarts it.")
+    logp_check_interval: int = opt(
+        0, "Every this many steps the trainer keeps a host copy of the weights it publishes; when rows that "
+           "version wrote arrive (within max_staleness), up to logp_check_rows of them are scored under those "
+           "weights and compared with the engine's log-probs: rollout/logp_gap_check_* (the rollout/logp_gap_* "
+           "check covers only rows of the current weights, none after the first step here). Costs one host "
+           "copy of the actor and a forward pass over the rows. 0: off.")
+    logp_check_rows: int = opt(8, "Rows scored by each logp_check_interval check (the first of that version "
+                                  "in the batch).")
 
     CHOICES: ClassVar[dict[str, tuple]] = {"sampling": C.ASYNC_SAMPLING}
 
@@ -659,6 +667,8 @@ class AsyncConfig(Section):
         _range(p, "request_prompts", self.request_prompts, ge=1, le=C.MAX_COUNT)
         _range(p, "max_restarts", self.max_restarts, ge=0, le=C.MAX_COUNT)
         _range(p, "result_timeout_s", self.result_timeout_s, gt=0)
+        _range(p, "logp_check_interval", self.logp_check_interval, ge=0, le=C.MAX_STEPS)
+        _range(p, "logp_check_rows", self.logp_check_rows, ge=1, le=C.MAX_COUNT)
         if self.partial_rollouts and self.sampling != "newest":
             p.append(Problem("partial_rollouts", True, f"needs sampling newest (sampling = {self.sampling!r}): a "
                              f"request in flight switches to the newest version when one arrives, which a rule "
@@ -1175,6 +1185,13 @@ class DataConfig(Section):
                                           "first), middle (keep the first max_prompt_length // 2 and the last "
                                           "max_prompt_length - max_prompt_length // 2).")
     shuffle: bool = opt(True, "Shuffle the training rows each epoch (seeded by training.seed).")
+    sampler_path: str = opt("", "A user's torch Sampler deciding which training rows each step draws (verl's "
+                                "data.sampler.class_path): a module (a.b.c or pkg://a.b.c) or a .py file "
+                                "(file://x.py, relative to the working directory); with data.sampler_class. It is "
+                                "built as cls(data_source=rows, data_config=...); one with update(batch) is a "
+                                "curriculum, given each step's rows and scores (docs/verl.md). Replaces "
+                                "data.shuffle. Empty: the rows in seeded epochs.")
+    sampler_class: str = opt("", "The class's name in data.sampler_path (verl's data.sampler.class_name).")
     addition_format: str = opt(
         "plain", "How the addition task writes problems: plain (123+45= -> 168), padded (every number "
                  "zero-padded: 123+045= -> 0168; each digit at a fixed position) or reversed (padded and "
@@ -1203,6 +1220,15 @@ class DataConfig(Section):
             if not getattr(self, key) or any(not part for part in getattr(self, key).split(".")):
                 p.append(Problem(key, getattr(self, key), "must be a column name (dotted path: no empty part)"))
         self._check_template_kwargs(p)
+        if bool(self.sampler_path) != bool(self.sampler_class):
+            key = "sampler_class" if self.sampler_path else "sampler_path"
+            p.append(Problem(key, getattr(self, key), "must be set with data.sampler_path / data.sampler_class "
+                                                      "(both or neither)"))
+        elif self.sampler_path and self.source != "files":
+            p.append(Problem("sampler_path", self.sampler_path, "draws rows of data.train_files: needs data.source "
+                                                                "= files"))
+        elif self.sampler_class and not self.sampler_class.isidentifier():
+            p.append(Problem("sampler_class", self.sampler_class, "must be a class name (an identifier)"))
 
     def _check_template_kwargs(self, p: list[Problem]) -> None:
         """Each name=<JSON value>, a name once; only where a template is applied (data/chat.py reads them)."""

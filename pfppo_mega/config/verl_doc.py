@@ -91,7 +91,7 @@ have, and refusing is the honest answer for each:
 
 | scripts | what they need | the fix the refusal names |
 |---|---|---|
-| 25 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class, curriculum sampler or reward manager (sglang multi-turn, retool, collabllm, deepeyes, langgraph, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
+| 25 | multi-turn / tool-calling rollouts, agent loops, a user's dataset class or reward manager (sglang multi-turn, retool, collabllm, deepeyes, langgraph, minicpmo) | remove it for single-turn generation; write the rows in verl's columns; write the scoring as `custom_reward_function` |
 | 2 | MoE router replay | `disabled` (a MoE checkpoint is refused at start) |
 | 2 | FAPO's generative reward model (a reward function that queries the model) | drop the function, or mix model and rule scores in our keys |
 | 1 each | fp8 training, multi-token prediction, an NPU | remove the fp8 override; remove it; `cuda` |
@@ -210,7 +210,20 @@ read, 12 of them counted as loading (136 of 157); launched with their config fil
   `custom_reward_function` (verl's RewardLoopWorker scores with the discriminative model alone
   there). With a `custom_reward_function` the user's function computes the reward and may query the
   model through verl's reward router (FAPO's generative RM): refused, naming the fixes (drop the
-  function, or mix the scores in `reward.model_path` / `model_weight` / `rule_weight`)."""
+  function, or mix the scores in `reward.model_path` / `model_weight` / `rule_weight`).
+- **A user's sampler**: `data.sampler.class_path` + `class_name` -> `data.sampler_path` +
+  `data.sampler_class` (a module, `pkg://a.b.c`, or a `.py` file), built as verl builds it,
+  `cls(data_source=rows, data_config=...)`; `data_source[i]` is a dict (prompt_ids, prompt_text,
+  data_source, ground_truth, extra_info, row), `data_config` our data section plus `seed`. Its
+  indices decide the rows of each step (on every data-parallel rank the same: its global random
+  draws come from private streams seeded by `training.seed`). A curriculum's `update(batch)` gets,
+  after each step, a dict, not verl's DataProto: `index` [B] (the rows' indices in data_source),
+  `score` [B] (the verifier's), `reward` [B] (trained on), `data_source`, `row`, `step`; B is every
+  response of the step on every rank, before policy filtration. Resume is exact: its
+  `state_dict()` is checkpointed, a sampler without one is replayed from its seed, and a
+  curriculum without one is refused at resume (`SamplerResumeError`, warned at start). A bad path,
+  a class that is not a torch Sampler, an index out of range, a pass that yields nothing: named
+  errors (tests/adversarial/test_adv_sampler.py, tests/test_sampler.py)."""
 
 
 # The loss math against verl's release (written by hand: the formulas live in pfppo_mega/ppo and

@@ -3,6 +3,7 @@ task; `build_prompt_data` makes the one the config names, with its held-out set.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Callable, Sequence
 
 from pfppo_mega.data.chat import ChatTemplate, ChatTemplateError, template_kwargs
 from pfppo_mega.data.files import DataError, FilePrompts, Keys, load_samples
+from pfppo_mega.data.sampler import SampledPrompts, SamplerError, load_sampler_class
 from pfppo_mega.types import PromptSource, Sample
 
 
@@ -58,8 +60,20 @@ def build_prompt_data(cfg, tokenizer, *, model_dir: str | Path, rng: random.Rand
     else:
         val = train[: d.eval_size]
         log(f"[pfppo] data.val_files not set: evaluating on the first {len(val)} training prompts")
-    return PromptData(train=FilePrompts(train, seed=cfg.training.seed, shuffle=d.shuffle, dp_rank=dp_rank,
-                                        dp_size=dp_size), val=val, train_rows=train)
+    return PromptData(train=_train_source(cfg, train, dp_rank=dp_rank, dp_size=dp_size, log=log), val=val,
+                      train_rows=train)
 
 
-__all__ = ["DataError", "FilePrompts", "PromptData", "build_prompt_data", "chat_template_of"]
+def _train_source(cfg, train: list[Sample], *, dp_rank: int, dp_size: int, log) -> PromptSource:
+    """The rows in seeded epochs, or in the order of the user's sampler (data.sampler_path)."""
+    d = cfg.data
+    if not d.sampler_path:
+        return FilePrompts(train, seed=cfg.training.seed, shuffle=d.shuffle, dp_rank=dp_rank, dp_size=dp_size)
+    cls = load_sampler_class(d.sampler_path, d.sampler_class)
+    config = dataclasses.asdict(d) | {"seed": cfg.training.seed}  # a copy: the sampler cannot change ours
+    log(f"[pfppo] prompts drawn by {d.sampler_class} ({d.sampler_path}) over {len(train)} rows")
+    return SampledPrompts(train, cls, config=config, seed=cfg.training.seed, dp_rank=dp_rank, dp_size=dp_size,
+                          log=log)
+
+
+__all__ = ["DataError", "FilePrompts", "SampledPrompts", "SamplerError", "PromptData", "build_prompt_data", "chat_template_of"]

@@ -253,6 +253,8 @@ class FilePrompts:
     """The training rows in seeded epochs. Position = (epoch, offset into the epoch's order),
     the same on every data-parallel rank; each rank takes its own slice of each global batch."""
 
+    observes = False  # the order does not depend on the scores
+
     def __init__(self, samples: list[Sample], *, seed: int, shuffle: bool, dp_rank: int = 0, dp_size: int = 1):
         self.samples, self.seed, self.shuffle = samples, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -286,6 +288,9 @@ class FilePrompts:
         """n prompts for this rank (the global batch is n * dp_size rows, epochs wrap around)."""
         idx = self._take(n * self.dp_size)
         return [self.samples[i] for i in idx[self.dp_rank * n: (self.dp_rank + 1) * n]]
+
+    def observe(self, rows: list[Sample], scores, rewards, step: int) -> None:
+        pass
 
     def digest(self) -> str:
         """sha256 over what training reads from the rows (prompt token ids, data source, ground truth):

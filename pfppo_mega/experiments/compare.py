@@ -2,7 +2,9 @@
 
 CONFIG is one config file (one setting) or a folder of them (every *.yaml: one setting each, e.g.
 configs/experiments/, whose reward.shaping makes plain PPO go wrong). Each setting x arm x seed is
-a full `pfppo train` run (same SFT checkpoint, same number of steps, same data order seed). The
+a full `pfppo train` run (same SFT checkpoint, same number of steps, same data order seed), each in
+a process of its own (spawned; nothing of one run stays in memory for the next, and a run that fails
+is named in the report with its exit code and traceback while the others go on). The
 report states for each claim of the PF-PPO article what the numbers show, whichever way it goes:
 with the pool KL rises more gently and spikes less, reward is smoother, early reward lags and then
 catches up, length collapse and reward hacking are suppressed, the honest metric is not lower.
@@ -18,7 +20,6 @@ Arms (`--arms`, comma-separated; the pool arms differ from `ppo` only in algorit
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import statistics
@@ -360,7 +361,7 @@ def timing_section(stats: list[RunStats], curves: dict[str, list[list[dict]]]) -
 
 
 def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out: Path, *,
-                 title: str, settings: str) -> Path:
+                 title: str, settings: str, failures: list["RunFailure"] = ()) -> Path:
     arms = list(dict.fromkeys(s.arm for s in stats))
     lines = [f"# {title}", "", settings, ""]
     if "ppo" in arms:
@@ -386,6 +387,7 @@ def write_report(stats: list[RunStats], curves: dict[str, list[list[dict]]], out
         (out / "timing.json").write_text(json.dumps(timing, indent=1))
     png = _plot(curves, out / "compare.png")
     lines += ["", f"![curves]({png.name})", ""]
+    lines += failure_section(list(failures))
     md = out / "report.md"
     md.write_text("\n".join(lines))
     (out / "runs.json").write_text(json.dumps([asdict(s) for s in stats], indent=2))
@@ -453,6 +455,83 @@ def doctor_table(found: dict[tuple[str, str], list[list[str]]]) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------- one run, in its own process
+
+CHILD_RESULT = "compare_result.json"  # in the run's directory: the child's pid and wall time
+CHILD_ERROR = "compare_error.txt"     # ... or the traceback of its failure
+
+
+@dataclass
+class RunFailure:
+    """A run that did not finish: its name, the child's exit code, the end of its traceback."""
+
+    label: str                  # "<setting> <arm> seed <seed>"
+    exit_code: int              # negative: killed by that signal (no traceback)
+    error: str                  # the traceback's last line, or why there is none
+    traceback_file: str         # where the whole traceback is ("" when the child left none)
+
+    def line(self) -> str:
+        return f"{self.label}: exit code {self.exit_code}: {self.error}"
+
+
+def failure_section(failures: list[RunFailure]) -> list[str]:
+    """Markdown: the runs that failed (nothing when none did), each named with its exit code."""
+    if not failures:
+        return []
+    lines = ["", "## Runs that failed (left out of every table above)", "", "| run | exit code | error | traceback |",
+             "|---|---|---|---|"]
+    lines += [f"| {r.label} | {r.exit_code} | {r.error.replace('|', '/')} | {r.traceback_file or '-'} |"
+              for r in failures]
+    return lines + [""]
+
+
+def _train_child(config_file: str, overrides: list[str], run_dir: str) -> None:
+    """The body of a run's process: build, train, write the pid and wall time, or the traceback."""
+    import os
+    import traceback
+
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        from pfppo_mega.config import load_config
+        from pfppo_mega.trainer.loop import PPOTrainer
+
+        t0 = time.monotonic()
+        with PPOTrainer(load_config(config_file, overrides), log=lambda *_: None) as trainer:
+            trainer.fit()  # its reward workers and generator processes end with it
+        (out / CHILD_RESULT).write_text(json.dumps({"pid": os.getpid(), "wall_s": time.monotonic() - t0}))
+    except BaseException:
+        (out / CHILD_ERROR).write_text(traceback.format_exc())
+        raise  # the process exits with 1 and prints it too
+
+
+def run_in_child(config_file: str, overrides: list[str], run_dir: Path, *, label: str,
+                 target=_train_child) -> float | RunFailure:
+    """One `pfppo train` run in a fresh spawned process: what a run allocates (an in-process vLLM engine,
+    its process groups, the allocator's caches) goes with the process, so runs neither grow this
+    process's memory nor meet the state of the runs before them. Its wall time, or how it failed."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=target, name=f"compare {label}",
+                                                        args=(config_file, list(overrides), str(run_dir)))
+    proc.start()
+    try:
+        proc.join()
+    finally:
+        if proc.is_alive():  # this process is being interrupted: the run goes with it
+            proc.terminate()
+            proc.join()
+    result, error = run_dir / CHILD_RESULT, run_dir / CHILD_ERROR
+    if proc.exitcode == 0 and result.is_file():
+        return float(json.loads(result.read_text())["wall_s"])
+    if error.is_file():
+        last = [ln for ln in error.read_text().splitlines() if ln.strip()]
+        return RunFailure(label, proc.exitcode, last[-1] if last else "empty traceback", str(error))
+    why = (f"killed by signal {-proc.exitcode}, no traceback" if proc.exitcode and proc.exitcode < 0 else
+           "exited without a result or a traceback")
+    return RunFailure(label, proc.exitcode if proc.exitcode is not None else -1, why, "")
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -468,7 +547,6 @@ def setting_files(path: str) -> list[Path]:
 
 def main(argv: list[str]) -> int:
     from pfppo_mega.config import load_config, load_config_cli
-    from pfppo_mega.trainer.loop import PPOTrainer
     from pfppo_mega.trainer.metrics import read_jsonl
 
     ap = argparse.ArgumentParser(prog="pfppo compare", description=__doc__,
@@ -515,37 +593,35 @@ def main(argv: list[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     per_setting: dict[str, list[RunStats]] = {}
     found: dict[tuple[str, str], list[list[str]]] = {}
+    failed: list[RunFailure] = []
     for f in files:
         name, base = f.stem, bases[f.stem]
         out = root / name if folder else root
         out.mkdir(parents=True, exist_ok=True)
-        stats, curves = [], {arm: [] for arm in arms}
+        stats, curves, failures = [], {arm: [] for arm in arms}, []
         for seed in range(args.seed_start, args.seed_start + args.seeds):
             for arm in arms:
                 run_dir = out / arm / f"seed{seed}"
                 metrics = run_dir / "metrics.jsonl"
-                t0 = time.monotonic()
                 if args.reuse and (run_dir / "summary.json").is_file() and metrics.is_file():
                     wall = json.loads((run_dir / "summary.json").read_text()).get("wall_s", 0.0)
                     print(f"[compare] {name} {arm} seed {seed}: reusing {run_dir}", flush=True)
                 else:
-                    cfg = load_config(str(f), [*args.overrides, f"training.seed={seed}", *ARMS[arm],
-                                               *arm_sets.get(arm, ()),
-                                               f"logging.output_dir={run_dir}", "checkpoint.resume=false",
-                                               f"logging.kl_probe_size={args.kl_probe}",
-                                               "checkpoint.export_hf=false", "logging.progress=false"])
-                    for stale in (metrics, run_dir / "summary.json"):
+                    overrides = [*args.overrides, f"training.seed={seed}", *ARMS[arm], *arm_sets.get(arm, ()),
+                                 f"logging.output_dir={run_dir}", "checkpoint.resume=false",
+                                 f"logging.kl_probe_size={args.kl_probe}", "checkpoint.export_hf=false",
+                                 "logging.progress=false"]
+                    load_config(str(f), overrides)  # refused here, before a process starts, if bad
+                    for stale in (metrics, run_dir / "summary.json", run_dir / CHILD_RESULT, run_dir / CHILD_ERROR):
                         if stale.exists():
                             stale.unlink()
                     print(f"[compare] {name} {arm} seed {seed} -> {run_dir}", flush=True)
-                    with PPOTrainer(cfg, log=lambda *_: None) as trainer:  # its reward workers end with it
-                        trainer.fit()
-                    # Free this run (its in-process engine tears down process groups) before the next
-                    # one builds; `trainer` would otherwise live until the next run's construction, and
-                    # what a reference cycle holds until the collector runs: collected here, now.
-                    del trainer
-                    gc.collect()
-                    wall = time.monotonic() - t0
+                    done = run_in_child(str(f), overrides, run_dir, label=f"{name} {arm} seed {seed}")
+                    if isinstance(done, RunFailure):
+                        failures.append(done)
+                        print(f"[compare]   FAILED: {done.line()}", flush=True)
+                        continue
+                    wall = done
                 recs = read_jsonl(metrics)
                 stats.append(run_stats(arm, seed, recs, early=args.early, threshold=args.threshold,
                                        wall_s=wall, setting=name))
@@ -563,10 +639,12 @@ def main(argv: list[str]) -> int:
                 f"{args.seed_start + args.seeds - 1}; arms: " + "; ".join(f"{a}: {' '.join((*ARMS[a], *arm_sets.get(a, ())))}" for a in arms)
                 + f". 'First steps' = {args.early}; reward threshold {args.threshold}; the config's own pool "
                   f"(pool_size {p.pool_size}, is_mode {p.is_mode}, is_clip {p.is_clip}) fills what an arm leaves.")
-        md = write_report(stats, curves, out, title=f"PPO vs PF-PPO pool arms: {name}", settings=desc)
+        md = write_report(stats, curves, out, title=f"PPO vs PF-PPO pool arms: {name}", settings=desc,
+                          failures=failures)
         print(md.read_text())
         print(f"[compare] report: {md}")
         per_setting[name] = stats
+        failed += failures
     if folder:
         lines = ["# PPO vs PF-PPO over the settings", "", f"`pfppo compare {args.config} --seeds {args.seeds} "
                  f"--arms {','.join(arms)}`; per setting: {root}/<setting>/report.md", "",
@@ -574,7 +652,11 @@ def main(argv: list[str]) -> int:
         lines += [f"- **{n}**: {failure_summary(st)}" for n, st in per_setting.items()]
         lines += ["", "## Claims (each pool arm vs ppo)", ""] + summary_table(per_setting, arms)
         lines += ["", "## pfppo doctor on every run", ""] + doctor_table(found)
+        lines += failure_section(failed)
         (root / "summary.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         print(f"[compare] summary: {root / 'summary.md'}")
+    if failed:
+        print(f"[compare] {len(failed)} run(s) failed: " + "; ".join(r.line() for r in failed), flush=True)
+        return 1
     return 0

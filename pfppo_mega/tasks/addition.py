@@ -169,6 +169,7 @@ class AdditionPrompts:
     state_dict holds nothing more."""
 
     rows_per_pass = None  # generated: no pass over the data ends
+    observes = False      # the draws do not depend on the scores
 
     def __init__(self, task: AdditionTask, tokenizer, rng: random.Random, *, dp_rank: int = 0, dp_size: int = 1):
         self.task, self.tokenizer, self.rng = task, tokenizer, rng
@@ -178,6 +179,9 @@ class AdditionPrompts:
         """n prompts for this replica: rows [dp_rank * n, (dp_rank + 1) * n) of the global n * dp_size."""
         drawn = self.task.train_prompts(n * self.dp_size, self.rng)
         return [to_sample(p, self.tokenizer, self.task) for p in drawn[self.dp_rank * n: (self.dp_rank + 1) * n]]
+
+    def observe(self, rows: list[Sample], scores, rewards, step: int) -> None:
+        pass
 
     def eval_samples(self, n: int) -> list[Sample]:
         return [to_sample(p, self.tokenizer, self.task) for p in self.task.eval_prompts(n)]

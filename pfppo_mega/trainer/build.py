@@ -337,7 +337,7 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
         behaviour, collector = build_async(cfg, sync=gen.sync, model_dir=model_dir, hf_cfg=hf_cfg,
                                            next_batch=prompts.next_batch, state=state, rng=state.rng,
                                            tokenizer=tokenizer, device=par.device, log=log, dp_rank=par.dp_rank,
-                                           dp_group=dp.group)
+                                           dp_group=dp.group, kernels=kernels)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
                                    name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Strategies(behaviour=behaviour, collector=collector, filtration=choose_filtration(a.filtration,

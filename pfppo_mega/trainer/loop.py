@@ -138,7 +138,8 @@ class PPOTrainer:
         with timer("sync"):
             strat.behaviour.after_update(st.step)
         step_s = time.perf_counter() - t0
-        # log
+        # log (a curriculum sampler learns from the step first)
+        phases.feed_back(scored, prompts=run.prompts, dp=run.dp, step=st.step)
         probe = {"kl/probe_k1": self.kl_probe()} if run.cfg.logging.kl_probe_size else {}
         metrics = step_metrics(scored, eb, upd, timer.seconds, step_s, guards=st.guards, dp=run.dp,
                                observes_in_update=strat.proximal.observes_in_update, seen=seen)

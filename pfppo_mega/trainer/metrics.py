@@ -169,13 +169,13 @@ def _rule(key: str) -> str:
     """How one metric combines over data-parallel ranks (each rank saw its own part of the batch).
 
     max:  maxima and the slowest rank's times        (*_max, */max, time/*, perf/step_s, perf/step_end_s)
-    sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count)
+    sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count, rollout/logp_gap_*rows)
     same: counters that are already global            (guard/*: every rank holds the total; max)
     mean: everything else (means over equal-sized per-rank shares)
     """
     if key in ("perf/step_s", "perf/step_end_s") or key.startswith("time/") or key.endswith(("_max", "/max")):
         return "max"
-    if key == "perf/tokens_per_s" or key.endswith("/count"):
+    if key in ("perf/tokens_per_s", "rollout/logp_gap_rows", "rollout/logp_gap_check_rows") or key.endswith("/count"):
         return "sum"
     if key.startswith("guard/"):
         return "same"

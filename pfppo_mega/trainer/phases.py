@@ -24,7 +24,7 @@ from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.passes import policy_logp, reference_logp
 from pfppo_mega.trainer.update import TrainingHalted
-from pfppo_mega.types import RewardFn, Sample
+from pfppo_mega.types import PromptSource, RewardFn, Sample
 
 
 def rollout(samples: list[Sample], *, colocation: Colocation, strategies: Strategies,
@@ -178,3 +178,16 @@ def advantages(sb: ScoredBatch, prep: PreparedBatch, *, algorithm, strategies: S
                          pg_mask=pg_mask, is_weights=is_weights, on_policy=on_policy, is_stats=is_stats)
     devicecheck.expect("advantages: experience batch", device, experience=eb)
     return eb
+
+
+def feed_back(scored: ScoredBatch, *, prompts: PromptSource, dp: DataParallel, step: int) -> None:
+    """Phase `log`'s first part: a prompt source that observes (a curriculum sampler) gets every rank's rows
+    of the step and their scores, in rank order, so each rank's copy of it learns the same thing. A
+    host round trip of the rows' names and scores, only when the source observes."""
+    if not prompts.observes:
+        return
+    mine = ([s for s in scored.rollout.samples], scored.raw_scores.detach().float().cpu(),
+            scored.scores.detach().float().cpu())
+    everyone = parallel.dp_gather_objects(mine, dp.group)
+    rows = [s for r, _, _ in everyone for s in r]
+    prompts.observe(rows, torch.cat([s for _, s, _ in everyone]), torch.cat([w for _, _, w in everyone]), step)

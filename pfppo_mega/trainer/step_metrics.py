@@ -50,7 +50,7 @@ def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], ti
         "response/repetition_rate": sum(repetition_rate(r[: int(l)].tolist())
                                         for r, l in zip(rb.responses, lengths)) / len(lengths),
         **entropy_first10(eb, seen, first10),
-        **(logp_gap(eb, seen) if seen is not None or not observes_in_update else {}),
+        **(logp_gap(eb, seen) if seen is not None or not observes_in_update else {GAP_ROWS: 0.0}),
         **critic,
         "critic/return_mean": ppo.masked_mean(eb.returns, m).item(),
         **{f"guard/{k}": float(guards[k]) for k in ("bad_rewards", "reward_errors", "reward_timeouts",
@@ -103,19 +103,26 @@ def entropy_first10(eb: ExperienceBatch, seen: Optional[Observed], first10: torc
     return {} if entropy is None else {"policy/entropy_first10": ppo.masked_mean(entropy, first10).item()}
 
 
+GAP_ROWS = "rollout/logp_gap_rows"  # summed over the data-parallel ranks (trainer/metrics.py)
+
+
 def logp_gap(eb: ExperienceBatch, seen: Optional[Observed] = None) -> dict[str, float]:
     """|engine log-prob - trainer log-prob| per token over the on-policy rows only (the same
-    weights on both sides, so it measures engine/trainer numerics; under PF-PPO the other rows
-    come from older snapshots and differ by design). The trainer's side is the recomputed
-    proximal log-prob, or without one (``seen``) the update's first mini-batch's, before its
-    optimizer step. No such rows: no record."""
+    weights on both sides, so it measures engine/trainer numerics; under PF-PPO and in the
+    asynchronous mode the other rows come from older versions and differ by design). The trainer's
+    side is the recomputed proximal log-prob, or without one (``seen``) the update's first
+    mini-batch's, before its optimizer step. rollout/logp_gap_rows counts the rows it covered, in
+    every record: 0 says the check saw nothing this step (every row an older version's: the
+    asynchronous mode after its first step), where the gap keys are absent (`pfppo doctor`'s
+    engine_gap_unchecked reads it)."""
     rows = eb.on_policy if seen is None else eb.on_policy & seen.fresh
     trainer = eb.old_logp if seen is None else seen.logp
     m = eb.inputs.response_mask * rows[:, None]                                    # [B, T]
+    covered = {GAP_ROWS: float((m.sum(1) > 0).sum())}
     if not bool(m.any()):
-        return {}
+        return covered
     gap = (eb.behav_logp - trainer).abs()
-    return {"rollout/logp_gap_max": float(torch.where(m.bool(), gap, 0.0).max()),
+    return {**covered, "rollout/logp_gap_max": float(torch.where(m.bool(), gap, 0.0).max()),
             "rollout/logp_gap_mean": ppo.masked_mean(gap, m).item()}
 
 

@@ -36,6 +36,8 @@ REFUSED = [
     (["algorithm.async_rl.sampling_temperature=.nan"], "algorithm.async_rl.sampling_temperature", "finite"),
     (["algorithm.async_rl.request_prompts=0"], "algorithm.async_rl.request_prompts", ">= 1"),
     (["algorithm.async_rl.max_restarts=-1"], "algorithm.async_rl.max_restarts", ">= 0"),
+    (["algorithm.async_rl.logp_check_interval=-1"], "algorithm.async_rl.logp_check_interval", ">= 0"),
+    (["algorithm.async_rl.logp_check_rows=0"], "algorithm.async_rl.logp_check_rows", ">= 1"),
     (["algorithm.async_rl.result_timeout_s=0"], "algorithm.async_rl.result_timeout_s", "> 0"),
     (["algorithm.async_rl.result_timeout_s=.inf"], "algorithm.async_rl.result_timeout_s", "finite"),
     (["algorithm.async_rl.enable=maybe"], "algorithm.async_rl.enable", "bool"),

@@ -57,6 +57,18 @@ def _gen_batch(value: Any, v: View) -> Any:
     return gen
 
 
+def _sampler(value: Any, v: View) -> Any:
+    path = _typed(value, Optional[str])
+    if not path:
+        raise Ignore("no sampler: the rows in seeded epochs")
+    name = v.typed("data.sampler.class_name", Optional[str])
+    if not name:
+        raise Bad("needs data.sampler.class_name, the class in that module or file")
+    return Out({"data.sampler_path": path, "data.sampler_class": name},
+               f"{name} from {path} draws the rows (built as verl builds it); a curriculum's update(batch) gets a "
+               "dict of the step's rows and scores (index, score, reward, data_source, row, step), not a DataProto")
+
+
 KWARGS = "data.apply_chat_template_kwargs"
 
 
@@ -113,9 +125,10 @@ RULES: tuple[Rule, ...] = (
     R("data.custom_cls.path", "a user's dataset class", ok=(None,),
       fix="write the rows as parquet or jsonl in verl's columns (prompt, data_source, reward_model.ground_truth) "
           "and remove data.custom_cls"), I("data.custom_cls.name", "custom_cls.path only"),
-    R("data.sampler.class_path", "a user's curriculum sampler", ok=(None,),
-      fix="remove it to draw the prompts in the data loader's order, without a curriculum"),
-    I("data.sampler.class_name", "sampler.class_path only"),
+    M("data.sampler.class_path", "data.sampler_path, data.sampler_class", _sampler,
+      why="the user's sampler draws the rows; a curriculum's update(batch) gets a dict of the step's rows and "
+          "scores, not verl's DataProto"),
+    I("data.sampler.class_name", "read with data.sampler.class_path"),
     R("data.datagen.path", "a user's data generator", ok=(None,)), I("data.datagen.name", "datagen.path only"),
     M("data.apply_chat_template_kwargs", "data.chat_template_kwargs", _template_kwargs,
       why="each name and value as name=<JSON value>"),

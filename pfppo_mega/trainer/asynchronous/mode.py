@@ -26,6 +26,7 @@ from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import oldest_versions
 from pfppo_mega.trainer.asynchronous import pending as pending_file
+from pfppo_mega.trainer.asynchronous.logp_check import VersionLogpCheck
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     token_staleness_metrics, version_window
 from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
@@ -295,8 +296,8 @@ class AsyncCollector:
 class AsyncBehaviour(BehaviourPolicy):
     """Decoupled PPO over the generator's versions (see the module docstring)."""
 
-    def __init__(self, collector: AsyncCollector, pool_cfg) -> None:
-        self.collector, self.pool_cfg = collector, pool_cfg
+    def __init__(self, collector: AsyncCollector, pool_cfg, check: Optional[VersionLogpCheck] = None) -> None:
+        self.collector, self.pool_cfg, self.check = collector, pool_cfg, check
 
     def rollout(self, samples, step):
         raise RuntimeError("algorithm.async_rl: rows come from the generator process (AsyncCollector), "
@@ -310,19 +311,27 @@ class AsyncBehaviour(BehaviourPolicy):
                                            reduce_sum=reduce_sum, reduce_max=reduce_max)
 
     def after_update(self, step: int) -> None:
+        if self.check is not None:
+            self.check.keep(step)  # the weights about to be published as version `step`
         if self.collector.started:
             self.collector.push(step)
 
     def metrics(self, scored, sb, eb, step: int) -> dict[str, float]:
+        # `step` has just finished: this batch was trained at version step - 1 (its on-policy rows')
+        checked = {} if self.check is None else self.check.measure(eb.inputs, eb.behav_logp, sb.rollout.versions,
+                                                                  step - 1)
         s = eb.is_stats
         if s is None:
-            return {}
+            return checked
         return {"is/mean": s.mean, "is/max": s.max, "is/frac_truncated": s.frac_truncated, "is/ess": s.ess,
-                "async/ess": s.ess}
+                "async/ess": s.ess, **checked}
+
+    def host_bytes(self) -> int:
+        return 0 if self.check is None else self.check.host_bytes
 
 
 def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, tokenizer, device,
-                log, dp_rank: int = 0, dp_group=None) -> tuple[AsyncBehaviour, AsyncCollector]:
+                log, dp_rank: int = 0, dp_group=None, kernels=None) -> tuple[AsyncBehaviour, AsyncCollector]:
     ac = cfg.algorithm.async_rl
     spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=tokenizer.pad_id,
                       window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
@@ -333,4 +342,7 @@ def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, t
     log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
         f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request"
         + (", partial rollouts (new weights between decode steps)" if ac.partial_rollouts else ""))
-    return AsyncBehaviour(collector, cfg.algorithm.pool), collector
+    check = None if not ac.logp_check_interval else VersionLogpCheck(
+        sync.actor, interval=ac.logp_check_interval, rows=ac.logp_check_rows, max_age=ac.max_staleness,
+        temperature=cfg.actor_rollout.temperature, kernels=kernels)
+    return AsyncBehaviour(collector, cfg.algorithm.pool, check), collector

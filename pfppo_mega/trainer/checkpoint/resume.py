@@ -1059,7 +1059,7 @@ def _install_streams(run: Run, c: _Checked) -> None:
     try:  # the data position (prompt files: epoch and offset; the built-in task: in `rng`)
         run.prompts.load_state_dict(s["data"])
     except (ValueError, KeyError, TypeError) as e:
-        need(False, f"state data (the data position) refused: {e}")
+        need(False, f"state data (the data position) refused: {type(e).__name__}: {e}")
 
 
 def _content_of(run: Run, key: str) -> str:
