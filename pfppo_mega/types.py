@@ -23,6 +23,8 @@ class Sample:
     extra_info: dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""              # the rendered prompt, for logs
     row: str = ""                      # "file:row" (or a task's name for the item), for error messages
+    messages: tuple = ()               # the prompt's chat messages ({role, content}) when it had some: a
+    #                                    multi-turn rollout's conversation starts from them
 
 
 # Guard outcomes of one reward call; each non-"ok" outcome is counted in guard/<outcome>.

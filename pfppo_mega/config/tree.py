@@ -391,6 +391,56 @@ class ParallelConfig(Section):
 
 
 @dataclass
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts with tool calls and a simulated user (verl's rollout.multi_turn;
+    pfppo_mega/rollout/multiturn.py): the policy writes a turn, its tool calls are run and their
+    answers appended (trained on with mask 0), and it writes the next turn, until it answers without a
+    call, a limit below is met, or the response budget (algorithm.max_response_length, tool tokens
+    included) runs out."""
+
+    enable: bool = opt(False, "Run multi-turn rollouts (tools from tool_config_path, a simulated user from "
+                              "interaction_config_path); false: one generation per row.")
+    max_assistant_turns: Optional[int] = opt(None, "Most policy turns per row; null: no limit but the response "
+                                                   "budget.")
+    max_user_turns: Optional[int] = opt(None, "Most tool or user turns per row; null: no limit but the response "
+                                              "budget.")
+    tool_config_path: Optional[str] = opt(None, "verl's tool config YAML (tools: [{class_name, config, "
+                                                "tool_schema}]); null: no tools.")
+    interaction_config_path: Optional[str] = opt(None, "verl's interaction config YAML (interaction: [{name, "
+                                                       "class_name, config}]); null: no simulated user.")
+    max_parallel_calls: int = opt(1, "Tool calls of one turn run at once (a thread pool); the calls past it "
+                                     "in a turn are answered with an error message.")
+    max_tool_response_length: int = opt(256, "Longest tool answer in tokens (its template tokens excluded); "
+                                             "longer ones are cut on tool_response_truncate_side.")
+    tool_response_truncate_side: str = opt("middle", "Which part of a long tool answer is kept: left (the first "
+                                                     "tokens), right (the last), middle (the first and the last "
+                                                     "halves, '...' between).")
+    tokenization_sanity_check_mode: str = opt(
+        "strict", "After each row: re-tokenizing the whole conversation's text must give the token ids built turn "
+                  "by turn (strict), or the same after stripping whitespace (ignore_strippable); a mismatch is "
+                  "counted in rollout/tokenization_mismatches and its first occurrence logged. disable: no check.")
+    format: str = opt("hermes", "How the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, the "
+                                "Qwen2.5 / Qwen3 templates).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"tool_response_truncate_side": C.TOOL_TRUNCATE_SIDES,
+                                           "tokenization_sanity_check_mode": C.TOKENIZATION_CHECK_MODES,
+                                           "format": C.TOOL_CALL_FORMATS}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "max_assistant_turns", self.max_assistant_turns, ge=1, le=C.MAX_COUNT, optional=True)
+        _range(p, "max_user_turns", self.max_user_turns, ge=0, le=C.MAX_COUNT, optional=True)
+        _range(p, "max_parallel_calls", self.max_parallel_calls, ge=1, le=C.MAX_COUNT)
+        _range(p, "max_tool_response_length", self.max_tool_response_length, ge=1, le=C.MAX_TOKENS)
+        for key in ("tool_config_path", "interaction_config_path"):
+            value = getattr(self, key)
+            if value is not None and not str(value).strip():
+                p.append(Problem(key, value, "must name a file or be null"))
+        if self.enable and self.tool_config_path is None and self.interaction_config_path is None:
+            p.append(Problem("enable", True, "needs tool_config_path or interaction_config_path: with neither, "
+                                             "every row is one turn (set enable false)"))
+
+
+@dataclass
 class ActorRolloutConfig(Section):
     """The policy checkpoint and how rollouts are sampled from it."""
 
@@ -431,6 +481,8 @@ class ActorRolloutConfig(Section):
         "refit, the weight version and the bucket reached: a rank that died or stalled mid-refit never hangs the "
         "job for the process group's 30-minute default. Raise it if a rank can legitimately lag that long."
     )
+    multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig, doc="Multi-turn rollouts with tools and a "
+                                                                   "simulated user.")
 
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
