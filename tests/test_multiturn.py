@@ -279,3 +279,107 @@ def test_a_long_tool_answer_reaches_the_policy_cut(tok, template):
     res, _ = _run(tok, template, [s], [[CALL, "ok"]], tools={"calc": Long()},
                   limits=TurnLimits(max_tool_response_length=6, truncate_side="left"))
     assert "<tool_response>123456...(truncated)</tool_response>" in res.texts[0]
+
+
+# ----------------------------------------------------------------------------- downstream of a gapped mask
+
+def _gapped(B=4, T=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, T)
+    mask[0, :3], mask[0, 6:9] = 1, 1          # turn, tool tokens, turn, padding
+    mask[1, :T] = 1                           # one turn filling the row
+    mask[2, :2], mask[2, 4:5], mask[2, 7:10] = 1, 1, 1  # three turns
+    mask[3, :5] = 1                           # single-turn (a prefix)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return rewards, values, mask
+
+
+def _gae_reference(rewards, values, mask, gamma, lam):
+    """GAE over each row's mask-1 tokens only, one token at a time: the tokens the policy did not
+    write are removed, the rest is the textbook recursion (what verl 0.9.1's gap-skipping computes)."""
+    B, T = mask.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        idx = [t for t in range(T) if mask[b, t] > 0]
+        nxt_v, nxt_a = 0.0, 0.0
+        for t in reversed(idx):
+            delta = float(rewards[b, t]) + gamma * nxt_v - float(values[b, t])
+            a = delta + gamma * lam * nxt_a
+            adv[b, t] = a
+            nxt_v, nxt_a = float(values[b, t]), a
+    return adv, (adv + values) * mask
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0)])
+def test_gae_skips_the_tool_tokens_as_verl_does(gamma, lam):
+    from pfppo_mega.ppo import compute_gae
+
+    rewards, values, mask = _gapped()
+    adv, ret = compute_gae(rewards, values, mask.double(), gamma=gamma, lam=lam)
+    ref_adv, ref_ret = _gae_reference(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, ref_ret, rtol=0, atol=1e-12)
+    # the gaps matter: cutting the rows at the gap (the old recursion) gives other advantages
+    cut = mask.clone()
+    cut[0, 6:] = 0
+    assert not torch.allclose(compute_gae(rewards, values, cut.double(), gamma=gamma, lam=lam)[0][0, :3], adv[0, :3])
+
+
+def test_the_fused_gae_takes_the_reference_on_a_gapped_mask():
+    from pfppo_mega.kernels.backends import FusedBackend, fused_available
+
+    if not fused_available("cpu"):
+        print("SKIP reason: the fused CPU kernels are not built here (pfppo_mega/_C)")
+        pytest.skip("fused CPU kernels not built")
+    rewards, values, mask = _gapped()
+    fused = FusedBackend()
+    for whiten in (False, True):
+        adv, ret = fused.gae(rewards.float(), values.float(), mask, gamma=1.0, lam=0.95, whiten=whiten)
+        ref_adv, ref_ret = _gae_reference(rewards, values, mask, 1.0, 0.95)
+        if whiten:
+            from pfppo_mega.ppo import masked_whiten
+            ref_adv = masked_whiten(ref_adv, mask.double())
+        torch.testing.assert_close(adv.double(), ref_adv * mask, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ret.double(), ref_ret, rtol=1e-4, atol=1e-4)
+    # a prefix mask still runs the kernel (same result as the reference there)
+    prefix = torch.zeros_like(mask)
+    prefix[:, :5] = 1
+    adv, _ = fused.gae(rewards.float(), values.float(), prefix, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(adv.double(), _gae_reference(rewards, values, prefix, 1.0, 0.95)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_extent_and_pack_keep_the_tool_tokens_inside_a_row():
+    from pfppo_mega.types import pack, response_extent
+
+    _, _, mask = _gapped()
+    assert response_extent(mask).tolist() == [9, 12, 10, 5]
+    responses = torch.arange(48).reshape(4, 12) + 100
+    inp = pack([[1, 2], [3], [4, 5, 6], [7]], responses, mask, pad_id=0)
+    assert inp.input_ids[0, :11].tolist() == [1, 2] + list(range(100, 109))     # tool tokens in the context
+    assert int(inp.attention_mask[0].sum()) == 11
+    assert inp.labels[0, 3:6].tolist() == [0, 0, 0]                             # ... but never a label
+    assert inp.resp_pos[0, 6].item() == 2 - 1 + 6                                # turn 2's logits position
+
+
+def test_the_policy_loss_gives_tool_tokens_no_gradient():
+    """The loss on a gapped mask equals the loss over the policy's tokens alone (a reference written
+    token by token), and its gradient is 0 on the tool tokens."""
+    from pfppo_mega.ppo import policy_loss
+
+    g = torch.Generator().manual_seed(1)
+    _, _, mask = _gapped()
+    B, T = mask.shape
+    logp = (torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.05
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    out = policy_loss(logp, old, adv, mask.double(), clip_ratio_low=0.2, clip_ratio_high=0.2)
+    out.loss.backward()
+    assert torch.all(logp.grad[mask == 0] == 0) and torch.all(logp.grad[mask == 1] != 0)
+    terms = []
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                ratio = torch.exp(logp[b, t].detach() - old[b, t])
+                terms.append(torch.maximum(-adv[b, t] * ratio, -adv[b, t] * ratio.clamp(0.8, 1.2)))
+    torch.testing.assert_close(out.loss.detach(), torch.stack(terms).mean(), rtol=1e-10, atol=1e-12)

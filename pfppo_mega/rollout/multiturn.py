@@ -321,9 +321,10 @@ class MultiTurnRollout:
         return version
 
     def _end(self, row: _Row, *, finished: bool) -> None:
-        if row.turn:
+        if row.turn:  # a turn the budget cut still counts (verl counts every generation)
             row.texts.append(self.tokenizer.decode(row.turn))
             row.turn = []
+            row.assistant_turns += 1
         row.finished, row.done = finished, True
 
     def _after_turn(self, row: _Row) -> None:
