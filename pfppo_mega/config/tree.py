@@ -408,10 +408,10 @@ class MultiTurnConfig(Section):
                                                 "tool_schema}]); null: no tools.")
     interaction_config_path: Optional[str] = opt(None, "verl's interaction config YAML (interaction: [{name, "
                                                        "class_name, config}]); null: no simulated user.")
-    max_parallel_calls: int = opt(1, "Tool calls of one turn run at once (a thread pool); the calls past it "
-                                     "in a turn are answered with an error message.")
-    max_tool_response_length: int = opt(256, "Longest tool answer in tokens (its template tokens excluded); "
-                                             "longer ones are cut on tool_response_truncate_side.")
+    max_parallel_calls: int = opt(1, "Tool calls of one turn that run (at once, in a thread pool); the calls "
+                                     "past it in a turn are not run, as in verl (rollout/tool_calls_dropped).")
+    max_tool_response_length: int = opt(256, "Longest tool answer in characters, as verl 0.9.1 counts it; longer "
+                                             "ones are cut on tool_response_truncate_side.")
     tool_response_truncate_side: str = opt("middle", "Which part of a long tool answer is kept: left (the first "
                                                      "tokens), right (the last), middle (the first and the last "
                                                      "halves, '...' between).")
@@ -435,9 +435,6 @@ class MultiTurnConfig(Section):
             value = getattr(self, key)
             if value is not None and not str(value).strip():
                 p.append(Problem(key, value, "must name a file or be null"))
-        if self.enable and self.tool_config_path is None and self.interaction_config_path is None:
-            p.append(Problem("enable", True, "needs tool_config_path or interaction_config_path: with neither, "
-                                             "every row is one turn (set enable false)"))
 
 
 @dataclass
@@ -1411,6 +1408,7 @@ class Config(Section):
             p.append(Problem("sft.carry_digit", self.sft.carry_digit,
                              f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
                              f"(no carry reaches a higher digit)"))
+        self._check_multi_turn(p)
         ar = self.algorithm.async_rl
         if ar.enable and ar.partial_rollouts and self.actor_rollout.engine not in C.PARTIAL_ROLLOUT_ENGINES:
             p.append(Problem("algorithm.async_rl.partial_rollouts", True,
@@ -1419,3 +1417,22 @@ class Config(Section):
                              f"of a request (docs/async.md, Partial rollouts)"))
         if self.sft.warmup_steps >= self.sft.steps >= 1:
             p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))
+
+    def _check_multi_turn(self, p: list[Problem]) -> None:
+        """What actor_rollout.multi_turn.enable cannot run with (each named by its own key)."""
+        if not self.actor_rollout.multi_turn.enable:
+            return
+        if self.algorithm.async_rl.enable:
+            p.append(Problem("algorithm.async_rl.enable", True, "must be false with actor_rollout.multi_turn.enable: "
+                             "the asynchronous generator runs one generation per request (no tool calls); "
+                             "multi-turn rollouts run in the colocated (synchronous) mode"))
+        if self.algorithm.adv_estimator == "remax":
+            p.append(Problem("algorithm.adv_estimator", "remax", "not with actor_rollout.multi_turn.enable: ReMax's "
+                             "greedy baseline is one single-turn response per prompt, not a conversation with the "
+                             "tools; use grpo or rloo for a baseline over each prompt's multi-turn samples"))
+        if self.data.source != "files" or not self.data.apply_chat_template:
+            key, value = ("data.source", self.data.source) if self.data.source != "files" else \
+                ("data.apply_chat_template", False)
+            p.append(Problem(key, value, "actor_rollout.multi_turn.enable needs prompt files rendered with the "
+                             "checkpoint's chat template (data.source files, data.apply_chat_template true): tool "
+                             "and user turns are written with that template"))

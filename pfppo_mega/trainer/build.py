@@ -355,7 +355,10 @@ def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None], eva
     for i, s in enumerate(rows):
         row_kwargs(s.extra_info or {}, turns.toolset, f"data row {s.row or i}")
     log(f"[pfppo] multi-turn rollouts: tools {sorted(turns.toolset.tools) or 'none'}, interactions "
-        f"{sorted(turns.toolset.interactions) or 'none'}")
+        f"{sorted(turns.toolset.interactions) or 'none'}"
+        + ("" if turns.toolset.tools or turns.toolset.interactions else
+           " (neither actor_rollout.multi_turn.tool_config_path nor interaction_config_path is set: every row is "
+           "one turn, as in verl)"))
     if eval_interval:
         log("[pfppo] note: multi-turn rollouts train; evaluation (logging.eval_interval) generates one turn per "
             "prompt, without tools")
