@@ -383,3 +383,23 @@ def test_the_policy_loss_gives_tool_tokens_no_gradient():
                 ratio = torch.exp(logp[b, t].detach() - old[b, t])
                 terms.append(torch.maximum(-adv[b, t] * ratio, -adv[b, t] * ratio.clamp(0.8, 1.2)))
     torch.testing.assert_close(out.loss.detach(), torch.stack(terms).mean(), rtol=1e-10, atol=1e-12)
+
+
+def test_verl_multi_turn_keys_map_to_ours():
+    from pfppo_mega.config import resolve_config_dict
+
+    r = "actor_rollout_ref.rollout.multi_turn"
+    cfg = resolve_config_dict({}, [f"{r}.enable=True", f"{r}.max_assistant_turns=5", f"{r}.max_user_turns=0",
+                                   f"{r}.tool_config_path=tools.yaml", f"{r}.interaction_config_path=inter.yaml",
+                                   f"{r}.max_parallel_calls=2", f"{r}.max_tool_response_length=100",
+                                   f"{r}.tool_response_truncate_side=left",
+                                   f"{r}.tokenization_sanity_check_mode=disable", f"{r}.format=hermes",
+                                   f"{r}.num_repeat_rollouts=3", f"{r}.use_inference_chat_template=False",
+                                   "data.tool_config_path=tools.yaml", "data.train_files=[a.parquet]",
+                                   "actor_rollout_ref.model.path=/m"]).config
+    mt = cfg.actor_rollout.multi_turn
+    assert (mt.enable, mt.max_assistant_turns, mt.max_user_turns, mt.tool_config_path, mt.interaction_config_path,
+            mt.max_parallel_calls, mt.max_tool_response_length, mt.tool_response_truncate_side,
+            mt.tokenization_sanity_check_mode, mt.format) == (True, 5, None, "tools.yaml", "inter.yaml", 2, 100,
+                                                               "left", "disable", "hermes")
+    assert TurnLimits.from_config(mt) == TurnLimits(5, None, 2, 100, "left", "disable")

@@ -66,14 +66,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_two_ppo_steps_with_a_tool(setup, tmp_path):
+@pytest.mark.parametrize("pf_ppo", [False, True])
+def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
+    """PPO, and PF-PPO (each prompt group generated with a snapshot of the pool, a multi-turn rollout
+    per snapshot used)."""
     paths, ckpt, tok = setup
     (tmp_path / "reward.py").write_text(REWARD)
     cfg = load_config_dict({
         "actor_rollout": {"model_path": str(ckpt), "n_samples_per_prompt": 2},
         "data": {"source": "files", "train_files": [str(paths["train.parquet"])],
                  "val_files": [str(paths["test.parquet"])], "max_prompt_length": 160, "eval_size": 2},
-        "algorithm": {"max_response_length": 96},
+        "algorithm": {"max_response_length": 96, "use_pf_ppo": pf_ppo,
+                      "pool": {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}},
         "training": {"rollout_batch_size": 2, "batch_size": 4, "lr": 1e-3, "total_training_steps": 2, "seed": 3,
                      "num_threads": 1},
         "logging": {"output_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False, "plots": False,
