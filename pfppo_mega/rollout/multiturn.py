@@ -216,14 +216,15 @@ class MultiTurnRollout:
     def __init__(self, *, generate: Callable[[list[list[int]], SamplingParams], RolloutOutput],
                  tokenizer, turn_tokens: TurnTokens, toolset: ToolSet, limits: TurnLimits,
                  max_response_length: int, max_context: int,
-                 any_active: Callable[[bool], bool] = lambda mine: mine,
+                 agree: Callable[[int, int, int], tuple[int, int, int]] = lambda *mine: mine,
                  log: Callable[[str], None] = print) -> None:
         self.generate, self.tokenizer, self.turn_tokens = generate, tokenizer, turn_tokens
         self.toolset, self.limits, self.log = toolset, limits, log
         self.budget, self.max_context = max_response_length, max_context
-        # any_active(this rank has rows left) -> whether any rank has: with a rollout split, an engine
-        # call is a job-wide collective, so every rank makes the same number of calls (an empty one too)
-        self.any_active = any_active
+        # agree(rows generating, most budget left, least context room) -> the job's (max, max, min): with a
+        # rollout split an engine call is a job-wide collective and an engine generates other ranks' rows
+        # with its own params, so every rank makes the same calls (an empty one too) with one max_new_tokens
+        self.agree = agree
         self.counts: Counter = Counter()
         self.logged: set[str] = set()
 
@@ -279,9 +280,13 @@ class MultiTurnRollout:
             call = 0
             while True:
                 active = [r for r in rows if not r.done]
-                if not self.any_active(bool(active)):
+                remaining = max((self.budget - len(r.tokens) for r in active), default=0)
+                room = min((self.max_context - len(r.context) for r in active), default=self.max_context)
+                n_active, remaining, room = self.agree(len(active), remaining, room)
+                if not n_active:
                     break
-                version = self._turn(active, params, call, version)
+                want = max(1, min(remaining, room))  # the job's call: >= 1 (every row has room for its budget)
+                version = self._turn(active, params, call, version, want)
                 call += 1
         except BaseException:
             try:  # the tools are released; the first error is the one raised
@@ -292,11 +297,10 @@ class MultiTurnRollout:
         self._release(rows)
         return self._result(rows, version)
 
-    def _turn(self, active: list[_Row], params: SamplingParams, call: int, version: int) -> int:
-        """One engine call over ``active`` (possibly none: the other ranks' call), then each row's turn."""
+    def _turn(self, active: list[_Row], params: SamplingParams, call: int, version: int, want: int) -> int:
+        """One engine call over ``active`` (possibly none: the other ranks' call) asking ``want`` tokens,
+        then each row's turn."""
         remaining = [self.budget - len(r.tokens) for r in active]
-        room = [self.max_context - len(r.context) for r in active]
-        want = max(1, min(max(remaining, default=1), min(room, default=1)))
         seed = None if params.seed is None else (params.seed * 7919 + call) % (2 ** 31)
         out = self.generate([r.context for r in active], dataclasses.replace(params, max_new_tokens=want, seed=seed))
         if not active:

@@ -417,7 +417,7 @@ class Generation:
     def _multi_turn(self, samples: list[Sample], params: SamplingParams, *,
                     step: int) -> tuple[RolloutOutput, list[str], list[Sample]]:
         """The rows as multi-turn conversations (rollout/multiturn.py), one run_engine call per turn; every
-        rank makes the same calls (see _any_active). The samples come back with their extra_info copied
+        rank makes the same calls (see _agree). The samples come back with their extra_info copied
         and extended (tool_rewards, interaction_scores, turns, tool_calls) for the reward function."""
         cfg, turns = self.cfg, self.turns
         loop = MultiTurnRollout(
@@ -425,23 +425,26 @@ class Generation:
             tokenizer=self.tokenizer, turn_tokens=turns.tokens, toolset=turns.toolset, limits=turns.limits,
             max_response_length=cfg.algorithm.max_response_length,
             max_context=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,
-            any_active=self._any_active, log=self.log)
+            agree=self._agree, log=self.log)
         result = loop.run(samples, params)
         self.turn_stats.add(result.stats)
         rows = [dataclasses.replace(s, extra_info={**(s.extra_info or {}), **extra})
                 for s, extra in zip(samples, result.extra)]
         return result.output, result.texts, rows
 
-    def _any_active(self, mine: bool) -> bool:
-        """Whether any rank still has rows generating. With a rollout split an engine call is collective
-        (the rows are exchanged between the engines), so every rank makes the same number of calls: a
-        rank whose rows are done calls with none while the others finish theirs."""
+    def _agree(self, active: int, remaining: int, room: int) -> tuple[int, int, int]:
+        """The job's (rows still generating, most budget left, least context room) over every rank. With a
+        rollout split an engine call is collective (the rows are exchanged between the engines, and an
+        engine generates other ranks' rows with its own params), so every rank makes the same number of
+        calls with the same max_new_tokens: a rank whose rows are done calls with none while the others
+        finish theirs."""
         if self.split is None:
-            return mine
+            return active, remaining, room
         group = self.sync.world
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=comm_device(group))
+        flag = torch.tensor([active, remaining, -room], dtype=torch.int64, device=comm_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        n, most, least = flag.tolist()
+        return int(n), int(most), -int(least)
 
     def take_turn_metrics(self) -> dict[str, float]:
         """The multi-turn metrics of the rollouts since the last take (this rank's rows); {} when off."""
