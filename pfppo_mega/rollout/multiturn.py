@@ -163,7 +163,6 @@ class _Row:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_reward: float = 0.0
-    has_tool_reward: bool = False
     interaction_scores: list[float] = field(default_factory=list)
     finished: bool = True
     done: bool = False
@@ -412,7 +411,6 @@ class MultiTurnRollout:
         self.counts[f"tool/{call.name}/calls"] += 1
         if res.reward is not None:
             row.tool_reward += float(res.reward)
-            row.has_tool_reward = True
         for k, v in res.metrics.items():
             self.counts[f"tool/{call.name}/{k}"] += float(v)
         return res.text
