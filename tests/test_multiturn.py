@@ -431,3 +431,28 @@ def test_multi_turn_with_the_rollout_split_on_two_ranks():
     # engine 1: rank 1's second); turn 2: rank 1's first row alone, which engine 0 generates
     assert r0["engine_calls"] == [1, 1, 1] and r1["engine_calls"] == [1]
     assert 0.0 in r1["masks"][0] and r1["metrics"]["tool/calc/calls"] == 1
+
+
+@pytest.mark.parametrize("mode, counted", [("strict", 1), ("ignore_strippable", 1), ("disable", 0)])
+def test_a_response_that_tokenizes_otherwise_as_one_text_is_counted(tok, template, mode, counted):
+    """The policy may sample a token sequence that is not the tokenizer's own encoding of its text
+    (here "The answer" spelt one character per token): re-tokenizing the conversation then differs."""
+    s = _sample(tok, template, "What is 2+3?")
+    engine = Scripted(tok, [s.prompt_ids], [["The answer is 5."]])
+    spelt = [t for ch in "The answer is 5." for t in tok.encode(ch, add_bos=False)]
+    assert spelt != tok.encode("The answer is 5.", add_bos=False)  # the case exists in this vocabulary
+
+    def generate(prompts, params):
+        out = engine(prompts, params)
+        ids = spelt + [tok.eos_id]
+        out.responses = torch.tensor([ids]); out.lengths = torch.tensor([len(ids)])
+        out.response_mask = torch.ones(1, len(ids)); out.logprobs = torch.zeros(1, len(ids))
+        return out
+
+    logs = []
+    loop = MultiTurnRollout(generate=generate, tokenizer=tok, turn_tokens=TurnTokens(template, tok), toolset=ToolSet(),
+                            limits=TurnLimits(sanity_check=mode), max_response_length=80, max_context=200,
+                            log=logs.append)
+    res = loop.run([s], PARAMS)
+    assert res.stats.metrics()["rollout/tokenization_mismatches"] == counted and len(logs) == counted
+    assert res.texts == ["The answer is 5."]
