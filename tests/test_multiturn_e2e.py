@@ -80,7 +80,7 @@ def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
                       "pool": {"pool_size": 2, "snapshot_interval": 1, "sampling": "uniform"}},
         "training": {"rollout_batch_size": 2, "batch_size": 4, "lr": 1e-3, "total_training_steps": 2, "seed": 3,
                      "num_threads": 1},
-        "logging": {"output_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False, "plots": False,
+        "logging": {"output_dir": str(tmp_path), "eval_interval": 2, "tensorboard": False, "plots": False,
                     "progress": False},
         "checkpoint": {"export_hf": False, "save_interval": 0},
         "reward": {"custom_function": {"path": str(tmp_path / "reward.py")}}})
@@ -109,6 +109,7 @@ def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
         return out
 
     engine.generate = scripted
+    originals.update(tuple(s.prompt_ids) for s in tr.run.eval_samples)  # the evaluation calls the tool too
     seen_rb, seen_eb = [], []
     rollout, update = tr.rollout, tr.update
 
@@ -128,8 +129,11 @@ def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
 
     # (a) the tool ran, every instance released, the metrics say so
     assert len(calc.calls) >= 2 and calc.calls[0] == {"expr": "2+3"}
-    assert sorted(calc.created) == sorted(calc.released) and len(calc.created) == 2 * 4
     recs = [json.loads(line) for line in open(res.metrics_path)]
+    evals = [r for r in recs if "eval/accuracy" in r]
+    # 2 steps x 4 rows, and each evaluation (before training, at step 2): 2 held-out rows, sampled and greedy
+    assert len(evals) == 2 and evals[-1]["eval/accuracy"] > 0.2  # the held-out rows' tool rewards reached it
+    assert sorted(calc.created) == sorted(calc.released) and len(calc.created) == 2 * 4 + len(evals) * 2 * 2
     steps = [r for r in recs if "reward/mean" in r]
     assert len(steps) == 2 and all(r["reward/mean"] > 0.2 and r["guard/reward_errors"] == 0 for r in steps)
     assert all(r["rollout/tool_calls_mean"] > 0 and r["rollout/turns_max"] >= 2 and r["tool/calc/calls"] >= 1

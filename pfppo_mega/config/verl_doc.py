@@ -118,7 +118,7 @@ multi-turn rollouts were built; now 14 of the 16 load (two name a curriculum sam
   and releases an instance per call); an interaction's final (terminating) reply is not appended;
   `format` other than hermes and `use_inference_chat_template: true` are refused; `num_repeat_rollouts`
   is ignored (verl 0.9.1 reads it nowhere); `data.tool_config_path` must name the rollout's file or be
-  unset. Evaluation generates one turn per prompt (a note at start). Refused with it at load:
+  unset. Evaluation runs the held-out rows as conversations with the same tools. Refused with it at load:
   `algorithm.async_rl.enable`, `adv_estimator: remax`, the built-in task (prompt files with a chat
   template are needed).
 

@@ -349,9 +349,9 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
                       policy_loss_params=policy_loss_params(cfg, kernels))
 
 
-def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None], eval_interval: int) -> None:
+def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None]) -> None:
     """Every row's extra_info.tools_kwargs / interaction_kwargs against the configured tools (named errors
-    at start, not at the step that draws the row); a note that evaluation generates single-turn."""
+    at start, not at the step that draws the row)."""
     for i, s in enumerate(rows):
         row_kwargs(s.extra_info or {}, turns.toolset, f"data row {s.row or i}")
     log(f"[pfppo] multi-turn rollouts: tools {sorted(turns.toolset.tools) or 'none'}, interactions "
@@ -359,9 +359,6 @@ def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None], eva
         + ("" if turns.toolset.tools or turns.toolset.interactions else
            " (neither actor_rollout.multi_turn.tool_config_path nor interaction_config_path is set: every row is "
            "one turn, as in verl)"))
-    if eval_interval:
-        log("[pfppo] note: multi-turn rollouts train; evaluation (logging.eval_interval) generates one turn per "
-            "prompt, without tools")
 
 
 def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
@@ -414,7 +411,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
                                  log=log, tools=toolset.schemas or None)
         turns = build_turns(cfg, tokenizer, data.template, toolset)
         if turns is not None:
-            check_turn_rows(turns, data.train_rows + data.val, log=log, eval_interval=cfg.logging.eval_interval)
+            check_turn_rows(turns, data.train_rows + data.val, log=log)
     except (TurnsSetupError, ToolSetupError, TurnRenderError) as e:
         raise SetupError(str(e)) from e
     reward_fn: RewardFn = build_reward_fn(cfg, log=log)

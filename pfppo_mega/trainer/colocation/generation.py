@@ -406,7 +406,7 @@ class Generation:
                 out = self.run_engine(prompt_ids, params, step=step, what=f"rollout at step {step}")
                 texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
             else:
-                out, texts, samples = self._multi_turn(samples, params, step=step)
+                out, texts, samples = self.conversations(samples, params, step=step, what=f"rollout at step {step}")
         devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {step}")  # every engine, same version and checksum
         return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
@@ -414,20 +414,24 @@ class Generation:
                             versions=torch.full((len(samples),), out.weight_version), texts=texts,
                             group_ids=group_ids).to(self.device)
 
-    def _multi_turn(self, samples: list[Sample], params: SamplingParams, *,
-                    step: int) -> tuple[RolloutOutput, list[str], list[Sample]]:
-        """The rows as multi-turn conversations (rollout/multiturn.py), one run_engine call per turn; every
-        rank makes the same calls (see _agree). The samples come back with their extra_info copied
-        and extended (tool_rewards, interaction_scores, turns, tool_calls) for the reward function."""
+    def conversations(self, samples: list[Sample], params: SamplingParams, *, step: int, what: str,
+                      replicated: bool = False, record: bool = True) -> tuple[RolloutOutput, list[str], list[Sample]]:
+        """The rows as multi-turn conversations (rollout/multiturn.py), one run_engine call per turn
+        (``replicated``: every rank asks for the same rows, the evaluation); every rank makes the same
+        calls (see _agree). The samples come back with their extra_info copied and extended
+        (tool_rewards, interaction_scores, turns, tool_calls) for the reward function. ``record``: count
+        the rows in the step's multi-turn metrics (take_turn_metrics)."""
         cfg, turns = self.cfg, self.turns
         loop = MultiTurnRollout(
-            generate=lambda p, prm: self.run_engine(p, prm, step=step, what=f"rollout at step {step} (multi-turn)"),
+            generate=lambda p, prm: self.run_engine(p, prm, step=step, what=f"{what} (multi-turn)",
+                                                    replicated=replicated),
             tokenizer=self.tokenizer, turn_tokens=turns.tokens, toolset=turns.toolset, limits=turns.limits,
             max_response_length=cfg.algorithm.max_response_length,
             max_context=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,
             agree=self._agree, log=self.log)
         result = loop.run(samples, params)
-        self.turn_stats.add(result.stats)
+        if record:
+            self.turn_stats.add(result.stats)
         rows = [dataclasses.replace(s, extra_info={**(s.extra_info or {}), **extra})
                 for s, extra in zip(samples, result.extra)]
         return result.output, result.texts, rows
