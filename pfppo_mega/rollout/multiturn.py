@@ -216,6 +216,7 @@ class MultiTurnRollout:
                  tokenizer, turn_tokens: TurnTokens, toolset: ToolSet, limits: TurnLimits,
                  max_response_length: int, max_context: int,
                  agree: Callable[[int, int, int], tuple[int, int, int]] = lambda *mine: mine,
+                 share: Optional[Callable[[Any], Any]] = None, runs_tools: bool = True,
                  log: Callable[[str], None] = print) -> None:
         self.generate, self.tokenizer, self.turn_tokens = generate, tokenizer, turn_tokens
         self.toolset, self.limits, self.log = toolset, limits, log
@@ -224,6 +225,10 @@ class MultiTurnRollout:
         # rollout split an engine call is a job-wide collective and an engine generates other ranks' rows
         # with its own params, so every rank makes the same calls (an empty one too) with one max_new_tokens
         self.agree = agree
+        # share(payload) -> the replica leader's payload, on every rank (a collective every rank calls); with
+        # it only the leader (runs_tools) creates, calls and releases the tools, and the other ranks of its
+        # replica take the rows' state from it after each turn (a tool runs once per row, as in verl)
+        self.share, self.runs_tools = share, runs_tools
         self.counts: Counter = Counter()
         self.logged: set[str] = set()
 
@@ -275,7 +280,7 @@ class MultiTurnRollout:
                      [{"role": "user", "content": s.prompt_text}])) for i, s in enumerate(samples)]
         version = -1
         try:
-            self._start(rows, samples)
+            self._shared(lambda: self._start(rows, samples) if self.runs_tools else None, None)
             call = 0
             while True:
                 active = [r for r in rows if not r.done]
@@ -302,9 +307,38 @@ class MultiTurnRollout:
         remaining = [self.budget - len(r.tokens) for r in active]
         seed = None if params.seed is None else (params.seed * 7919 + call) % (2 ** 31)
         out = self.generate([r.context for r in active], dataclasses.replace(params, max_new_tokens=want, seed=seed))
-        if not active:
-            return version
-        version = out.weight_version
+        if active:
+            version = out.weight_version
+        self._shared(lambda: self._rows_turn(active, remaining, out) if self.runs_tools else None, active)
+        return version
+
+    def _shared(self, work: Callable[[], None], active: Optional[list[_Row]]) -> None:
+        """``work`` on this rank (the leader's part), then, with ``share``, the leader's outcome on every
+        rank of its replica: the other ranks take the ``active`` rows' state and the counts from it, and
+        raise with it when it failed (no rank is left waiting in the next collective)."""
+        error: Optional[BaseException] = None
+        try:
+            work()
+        except Exception as e:
+            error = e
+        if self.share is not None:
+            mine = {"error": None if error is None else f"{type(error).__name__}: {error}"}
+            if self.runs_tools and active is not None:
+                mine["rows"] = [{k: v for k, v in vars(r).items() if k not in ("interaction", "tool_ids")}
+                                for r in active]
+                mine["counts"] = dict(self.counts)
+            got = self.share(mine)
+            if not self.runs_tools and got["error"] is None and active is not None:
+                for row, state in zip(active, got["rows"]):
+                    vars(row).update(state)
+                self.counts = Counter(got["counts"])
+            if got["error"] is not None and error is None:
+                raise ToolSetupError(f"multi-turn: the rank that runs this replica's tools stopped: {got['error']}")
+        if error is not None:
+            raise error
+
+    def _rows_turn(self, active: list[_Row], remaining: list[int], out: RolloutOutput) -> None:
+        """Each row's new tokens, then its turn's end: its tools, its simulated user, or its end."""
         eos = self.tokenizer.eos_id
         for b, (row, rem) in enumerate(zip(active, remaining)):
             n = int(out.lengths[b])
@@ -321,7 +355,6 @@ class MultiTurnRollout:
             elif len(row.tokens) >= self.budget:
                 self._end(row, finished=False)
             # else: the call's cap (another row's context) stopped this turn early: it goes on next call
-        return version
 
     def _end(self, row: _Row, *, finished: bool) -> None:
         if row.turn:  # a turn the budget cut still counts (verl counts every generation)

@@ -71,6 +71,11 @@ def generation(tok, template, script, split, calc):
     return gen, engine
 
 
+def serial_of(tok, template, script, samples):
+    gen, _ = generation(tok, template, script, None, Calc())
+    return gen.generate(samples, 1, step=3)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -94,6 +99,17 @@ def main() -> None:
     out = {"rank": rank, "engine_calls": engine.calls, "rows": len(rb.samples), "same_as_serial": bool(same),
            "turns": [s.extra_info["turns"] for s in rb.samples], "tool_calls": len(calc.calls),
            "masks": [rb.response_mask[i].tolist() for i in range(len(rb.samples))], "metrics": metrics}
+    # one replica of two ranks (as its TP ranks): the same rows on both, two engines share them, and only
+    # the replica's leader (rank 0) creates and calls the tools; rank 1 takes the rows' state from it
+    replica = SplitLayout(world=2, rank=rank, rollout_tp=1, dp_rank=0, replica_leader=rank == 0)
+    calc2 = Calc()
+    gen2, engine2 = generation(tok, template, script, replica, calc2)
+    rb2 = gen2.generate(rows[1], 1, step=3)
+    same2 = torch.equal(rb2.responses, serial_of(tok, template, script, rows[1]).responses)
+    out["replica"] = {"same_as_serial": bool(same2), "tool_calls": len(calc2.calls), "created": len(calc2.created),
+                      "turns": [s.extra_info["turns"] for s in rb2.samples],
+                      "tool_rewards": [s.extra_info["tool_rewards"] for s in rb2.samples],
+                      "metrics": gen2.take_turn_metrics(), "engine_calls": engine2.calls}
     everyone_out = [None, None]
     dist.all_gather_object(everyone_out, out)
     if rank == 0:

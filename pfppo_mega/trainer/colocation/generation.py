@@ -428,7 +428,8 @@ class Generation:
             tokenizer=self.tokenizer, turn_tokens=turns.tokens, toolset=turns.toolset, limits=turns.limits,
             max_response_length=cfg.algorithm.max_response_length,
             max_context=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,
-            agree=self._agree, log=self.log)
+            agree=self._agree, share=self._share_of(replicated), runs_tools=self._runs_tools(replicated),
+            log=self.log)
         result = loop.run(samples, params)
         if record:
             self.turn_stats.add(result.stats)
@@ -449,6 +450,31 @@ class Generation:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         n, most, least = flag.tolist()
         return int(n), int(most), -int(least)
+
+    def _runs_tools(self, replicated: bool) -> bool:
+        """Whether this rank runs its rows' tools: the replica's leader (``replicated``: every rank has the
+        same rows, rank 0 runs them for all)."""
+        if self.split is None:
+            return True
+        return self.split.rank == 0 if replicated else self.split.replica_leader
+
+    def _share_of(self, replicated: bool) -> Optional[Callable[[Any], Any]]:
+        """share(payload) -> the payload of the rank that runs this rank's tools (every rank calls it, a
+        world all-gather): the other ranks of a replica (its TP / PP ranks) take its rows' state, so a
+        tool runs once per row, not once per rank."""
+        if self.split is None:
+            return None
+        key = 0 if replicated else self.split.dp_rank
+        leader = self._runs_tools(replicated)
+
+        def share(payload: Any) -> Any:
+            everyone: list = [None] * dist.get_world_size(self.sync.world)
+            dist.all_gather_object(everyone, (key, leader, payload), group=self.sync.world)
+            found = [p for k, lead, p in everyone if lead and k == key]
+            if len(found) != 1:
+                raise RuntimeError(f"multi-turn: {len(found)} ranks run the tools of replica {key} (expected 1)")
+            return found[0]
+        return share
 
     def take_turn_metrics(self) -> dict[str, float]:
         """The multi-turn metrics of the rollouts since the last take (this rank's rows); {} when off."""
