@@ -32,8 +32,8 @@ Bad calls are the policy's: malformed JSON, an unknown tool name, a tool that ra
 with something that is not a ToolResult of text -- each answers the policy with an error message
 and is counted (``rollout/tool_call_errors``). Setup faults stop the run with the row named: a
 row's ``tools_kwargs`` naming a tool that is not configured, an interaction name that is not
-configured, a tool whose ``create`` raises. Every row's tool instances are released at its end,
-also when the loop raises.
+configured, a tool whose ``create`` raises. Every row's tool instances are released when the row
+ends, and every one left when the loop raises.
 """
 
 from __future__ import annotations
@@ -362,6 +362,7 @@ class MultiTurnRollout:
             row.turn = []
             row.assistant_turns += 1
         row.finished, row.done = finished, True
+        self._release([row])  # its tools and user go as soon as it ends (the rest: at the end of the batch)
 
     def _after_turn(self, row: _Row) -> None:
         text = self.tokenizer.decode(row.turn)  # stops at EOS, drops special tokens
