@@ -19,6 +19,9 @@ KERNEL_MODES = ("auto", "torch", "fused")  # kernels
 TASKS = ("addition",)  # data.task
 ADDITION_FORMATS = ("plain", "padded", "reversed")  # data.addition_format (tasks/addition.py)
 DATA_SOURCES = ("task", "files")  # data.source: the built-in task, or JSONL / Parquet prompt files
+TOOL_TRUNCATE_SIDES = ("left", "middle", "right")  # actor_rollout.multi_turn.tool_response_truncate_side
+TOKENIZATION_CHECK_MODES = ("strict", "ignore_strippable", "disable")  # multi_turn.tokenization_sanity_check_mode
+TOOL_CALL_FORMATS = ("hermes",)  # actor_rollout.multi_turn.format
 OVERLONG_PROMPTS = ("filter", "error", "left", "right", "middle")  # data.overlong_prompts: drop (counted), refuse
 # at start, or cut to max_prompt_length as verl's data.truncation does (left: keep the end; right: keep the start;
 # middle: keep both ends)

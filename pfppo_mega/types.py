@@ -23,6 +23,8 @@ class Sample:
     extra_info: dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""              # the rendered prompt, for logs
     row: str = ""                      # "file:row" (or a task's name for the item), for error messages
+    messages: tuple = ()               # the prompt's chat messages ({role, content}) when it had some: a
+    #                                    multi-turn rollout's conversation starts from them
 
 
 # Guard outcomes of one reward call; each non-"ok" outcome is counted in guard/<outcome>.
@@ -102,6 +104,16 @@ class PackedInputs:
     response_mask: torch.Tensor        # [B, T]
 
 
+def response_extent(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] mask -> [B] long: each row's tokens up to its last mask-1 token (0 for none). A single-turn
+    row's mask is a prefix, so this is its mask's sum; a multi-turn row's mask has gaps (tool and user
+    tokens, mask 0, inside the response), and the extent counts them too."""
+    T = response_mask.shape[1]
+    positions = torch.arange(1, T + 1, device=response_mask.device)                      # [T] 1-based
+    return (response_mask.bool() * positions).amax(dim=1).long() if T else \
+        torch.zeros(response_mask.shape[0], dtype=torch.long, device=response_mask.device)
+
+
 def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor,
          *, pad_id: int, device: torch.device | None = None, multiple_of: int = 1) -> PackedInputs:
     """Concatenate prompt_i + response_i (its real tokens) and right-pad to the longest row,
@@ -115,7 +127,7 @@ def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: to
     B, T = responses.shape
     if device is None and responses.device.type != "cpu":
         device = responses.device
-    lengths = response_mask.sum(1).long().tolist()
+    lengths = response_extent(response_mask).tolist()  # tool tokens inside a multi-turn response included
     responses, response_mask = responses.cpu(), response_mask.cpu()
     rows = [p + responses[i, : lengths[i]].tolist() for i, p in enumerate(prompt_ids)]
     S = -(-max(len(r) for r in rows) // multiple_of) * multiple_of

@@ -212,11 +212,10 @@ EXPECTED_REFUSED = {
                                                                          "remove the key or set it to False"),
     "actor_rollout_ref.actor.router_replay.mode": ("MoE settings", "remove the key or set it to 'disabled'"),
     "actor_rollout_ref.model.mtp.enable": ("multi-token prediction", "remove the key or set it to False"),
-    "actor_rollout_ref.rollout.multi_turn.enable": ("multi-turn / tool-calling rollouts",
-                                                    "remove it for single-turn generation"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("tool-call format 'gpt-oss'",
+                                                    "set it to hermes with a model whose template writes that"),
     "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("agent loops", "remove the key to run without it"),
     "data.custom_cls.path": ("a user's dataset class", "write the rows as parquet or jsonl"),
-    "data.sampler.class_path": ("curriculum sampler", "remove it to draw the prompts"),
     "reward_model.enable": ("a reward function here cannot query the model",  # FAPO's generative RM
                             "Drop custom_reward_function"),
     "reward_model.reward_manager": ("reward manager 'collabllm'", "write the scoring as custom_reward_function"),
@@ -233,7 +232,10 @@ EXPECTED_REFUSED = {
 # optimal_token_baseline 123; LoRA (model.lora: the 13 scripts refused only for lora_rank / lora.rank /
 # lora_adapter_path) 136; the
 # multi-turn config files 16 scripts name read (CONFIG_FILE_KEYS: 12 of them had counted as loading) 124;
-# code rewards through reward.sandbox_fusion (run_deepseek7b_llm_sandbox_fusion.sh) 125.
+# code rewards through reward.sandbox_fusion (run_deepseek7b_llm_sandbox_fusion.sh) 125;
+# multi-turn rollouts (actor_rollout.multi_turn: the 15 scripts refused only for multi_turn.enable; the two
+# gpt-oss ones are now refused for multi_turn.format instead) 140; a user's sampler (data.sampler_path: the
+# two sglang multi-turn curriculum scripts) 142.
 REFUSED_SCRIPTS = {
     'examples/grpo_trainer/run_minicpmo2_6.sh':
         ('data.custom_cls.path',),
@@ -245,62 +247,28 @@ REFUSED_SCRIPTS = {
         ('actor_rollout_ref.actor.router_replay.mode',),
     'examples/router_replay/run_qwen30_a3b_megatron_vllm.sh':
         ('actor_rollout_ref.actor.router_replay.mode',),
-    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_geo3k_multiturn_4xgpu.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/gsm8k_toolcall_shaping/run_gsm8k_grpo_toolcall_shaping.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen0.5b_gsm8k_multiturn_curriculum.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_server.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen2.5-3b_megatron_gsm8k_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen3-4b_gsm8k_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/run_qwen3_4b_dapo_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
-    'examples/sglang_multiturn/search_r1_like/run_qwen2.5-3b_instruct_search_multiturn.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'recipe/collabllm/train_rl_collabllm.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'reward_model.reward_kwargs.llm_judge_kwargs.max_tokens', 'reward_model.reward_kwargs.llm_judge_kwargs.model', 'reward_model.reward_kwargs.llm_judge_kwargs.temperature', 'reward_model.reward_kwargs.metric_weights.accuracy', 'reward_model.reward_kwargs.metric_weights.interactivity', 'reward_model.reward_kwargs.metric_weights.token_amount', 'reward_model.reward_manager'),
+        ('reward_model.reward_kwargs.llm_judge_kwargs.max_tokens', 'reward_model.reward_kwargs.llm_judge_kwargs.model', 'reward_model.reward_kwargs.llm_judge_kwargs.temperature', 'reward_model.reward_kwargs.metric_weights.accuracy', 'reward_model.reward_kwargs.metric_weights.interactivity', 'reward_model.reward_kwargs.metric_weights.token_amount', 'reward_model.reward_manager'),
     'recipe/dapo/test_dapo_8b_megatron_fp8train.sh':
         ('actor_rollout_ref.actor.megatron.override_transformer_config.fp8',),
-    'recipe/deepeyes/run_deepeyes_grpo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable',),
     'recipe/fapo/run_fapo_32b.sh':
         ('reward_model.enable',),
     'recipe/fapo/run_fapo_7b.sh':
         ('reward_model.enable',),
     'recipe/langgraph_agent/example/run_gpt_oss_20b_bf16.sh':
-        ('actor_rollout_ref.rollout.agent.agent_loop_config_path',),
+        ('actor_rollout_ref.rollout.agent.agent_loop_config_path', 'actor_rollout_ref.rollout.multi_turn.format'),
     'recipe/langgraph_agent/example/run_qwen2.5_3b.sh':
         ('actor_rollout_ref.rollout.agent.agent_loop_config_path',),
     'recipe/retool/run_gpt_oss_ppo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
+        ('actor_rollout_ref.rollout.multi_turn.format', 'data.custom_cls.path'),
     'recipe/retool/run_qwen2-32b_dapo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
+        ('data.custom_cls.path',),
     'recipe/retool/run_qwen2-32b_ppo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
+        ('data.custom_cls.path',),
     'recipe/retool/run_qwen2_7b_dapo.sh':
-        ('actor_rollout_ref.rollout.multi_turn.enable', 'data.custom_cls.path'),
+        ('data.custom_cls.path',),
 }
-LOADED = 157 - len(REFUSED_SCRIPTS)  # 125
+LOADED = 157 - len(REFUSED_SCRIPTS)  # 142
 
 
 def survey():
@@ -333,7 +301,7 @@ def test_every_verl_script_loads_or_fails_only_on_keys_refused_by_name():
         for path in paths:
             by_script[path].add(key)
     assert {p: tuple(sorted(k)) for p, k in by_script.items()} == REFUSED_SCRIPTS
-    assert len(loaded) == LOADED == 125 and len(SCRIPTS["scripts"]) == 157
+    assert len(loaded) == LOADED == 142 and len(SCRIPTS["scripts"]) == 157
 
 
 def test_each_refusal_gives_its_reason():

@@ -391,6 +391,53 @@ class ParallelConfig(Section):
 
 
 @dataclass
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts with tool calls and a simulated user (verl's rollout.multi_turn;
+    pfppo_mega/rollout/multiturn.py): the policy writes a turn, its tool calls are run and their
+    answers appended (trained on with mask 0), and it writes the next turn, until it answers without a
+    call, a limit below is met, or the response budget (algorithm.max_response_length, tool tokens
+    included) runs out."""
+
+    enable: bool = opt(False, "Run multi-turn rollouts (tools from tool_config_path, a simulated user from "
+                              "interaction_config_path); false: one generation per row.")
+    max_assistant_turns: Optional[int] = opt(None, "Most policy turns per row; null: no limit but the response "
+                                                   "budget.")
+    max_user_turns: Optional[int] = opt(None, "Most tool or user turns per row; null: no limit but the response "
+                                              "budget.")
+    tool_config_path: Optional[str] = opt(None, "verl's tool config YAML (tools: [{class_name, config, "
+                                                "tool_schema}]); null: no tools.")
+    interaction_config_path: Optional[str] = opt(None, "verl's interaction config YAML (interaction: [{name, "
+                                                       "class_name, config}]); null: no simulated user.")
+    max_parallel_calls: int = opt(1, "Tool calls of one turn that run (at once, in a thread pool); the calls "
+                                     "past it in a turn are not run, as in verl (rollout/tool_calls_dropped).")
+    max_tool_response_length: int = opt(256, "Longest tool answer in characters, as verl 0.9.1 counts it; longer "
+                                             "ones are cut on tool_response_truncate_side.")
+    tool_response_truncate_side: str = opt("middle", "Which part of a long tool answer is kept: left (the first "
+                                                     "tokens), right (the last), middle (the first and the last "
+                                                     "halves, '...' between).")
+    tokenization_sanity_check_mode: str = opt(
+        "strict", "After each row: re-tokenizing the whole conversation's text must give the token ids built turn "
+                  "by turn (strict), or the same after stripping whitespace (ignore_strippable); a mismatch is "
+                  "counted in rollout/tokenization_mismatches and its first occurrence logged. disable: no check.")
+    format: str = opt("hermes", "How the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, the "
+                                "Qwen2.5 / Qwen3 templates).")
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"tool_response_truncate_side": C.TOOL_TRUNCATE_SIDES,
+                                           "tokenization_sanity_check_mode": C.TOKENIZATION_CHECK_MODES,
+                                           "format": C.TOOL_CALL_FORMATS}
+
+    def _check(self, p: list[Problem]) -> None:
+        _range(p, "max_assistant_turns", self.max_assistant_turns, ge=1, le=C.MAX_COUNT, optional=True)
+        _range(p, "max_user_turns", self.max_user_turns, ge=0, le=C.MAX_COUNT, optional=True)
+        _range(p, "max_parallel_calls", self.max_parallel_calls, ge=1, le=C.MAX_COUNT)
+        _range(p, "max_tool_response_length", self.max_tool_response_length, ge=1, le=C.MAX_TOKENS)
+        for key in ("tool_config_path", "interaction_config_path"):
+            value = getattr(self, key)
+            if value is not None and not str(value).strip():
+                p.append(Problem(key, value, "must name a file or be null"))
+
+
+@dataclass
 class ActorRolloutConfig(Section):
     """The policy checkpoint and how rollouts are sampled from it."""
 
@@ -431,6 +478,8 @@ class ActorRolloutConfig(Section):
         "refit, the weight version and the bucket reached: a rank that died or stalled mid-refit never hangs the "
         "job for the process group's 30-minute default. Raise it if a rank can legitimately lag that long."
     )
+    multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig, doc="Multi-turn rollouts with tools and a "
+                                                                   "simulated user.")
 
     ALIASES: ClassVar[dict[str, str]] = {"n": "n_samples_per_prompt", "rollout.n": "n_samples_per_prompt",
                                          "rollout.temperature": "temperature", "rollout.top_p": "top_p",
@@ -1412,6 +1461,7 @@ class Config(Section):
             p.append(Problem("sft.carry_digit", self.sft.carry_digit,
                              f"must be at most data.num_digits ({self.data.num_digits}) when sft.carry_drop > 0 "
                              f"(no carry reaches a higher digit)"))
+        self._check_multi_turn(p)
         ar = self.algorithm.async_rl
         if ar.enable and ar.partial_rollouts and self.actor_rollout.engine not in C.PARTIAL_ROLLOUT_ENGINES:
             p.append(Problem("algorithm.async_rl.partial_rollouts", True,
@@ -1420,3 +1470,22 @@ class Config(Section):
                              f"of a request (docs/async.md, Partial rollouts)"))
         if self.sft.warmup_steps >= self.sft.steps >= 1:
             p.append(Problem("sft.warmup_steps", self.sft.warmup_steps, f"must be less than sft.steps ({self.sft.steps})"))
+
+    def _check_multi_turn(self, p: list[Problem]) -> None:
+        """What actor_rollout.multi_turn.enable cannot run with (each named by its own key)."""
+        if not self.actor_rollout.multi_turn.enable:
+            return
+        if self.algorithm.async_rl.enable:
+            p.append(Problem("algorithm.async_rl.enable", True, "must be false with actor_rollout.multi_turn.enable: "
+                             "the asynchronous generator runs one generation per request (no tool calls); "
+                             "multi-turn rollouts run in the colocated (synchronous) mode"))
+        if self.algorithm.adv_estimator == "remax":
+            p.append(Problem("algorithm.adv_estimator", "remax", "not with actor_rollout.multi_turn.enable: ReMax's "
+                             "greedy baseline is one single-turn response per prompt, not a conversation with the "
+                             "tools; use grpo or rloo for a baseline over each prompt's multi-turn samples"))
+        if self.data.source != "files" or not self.data.apply_chat_template:
+            key, value = ("data.source", self.data.source) if self.data.source != "files" else \
+                ("data.apply_chat_template", False)
+            p.append(Problem(key, value, "actor_rollout.multi_turn.enable needs prompt files rendered with the "
+                             "checkpoint's chat template (data.source files, data.apply_chat_template true): tool "
+                             "and user turns are written with that template"))

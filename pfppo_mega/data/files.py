@@ -219,7 +219,8 @@ def encode_rows(rows: list[dict[str, Any]], *, key: str, file: str, keys: Keys, 
         out.append(Sample(prompt_ids=tuple(ids), data_source="" if source is _MISSING else str(source),
                           ground_truth=None if gt is _MISSING else gt,
                           extra_info={} if extra is _MISSING or extra is None else extra,
-                          prompt_text=text, row=f"{file}:{i}"))
+                          prompt_text=text, row=f"{file}:{i}",
+                          messages=tuple(dict(m) for m in messages) if messages is not None else ()))
     return Encoded(out, dropped, longest, truncated)
 
 

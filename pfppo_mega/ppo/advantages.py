@@ -23,6 +23,12 @@ def compute_gae(
     after the last real token is 0: the episode ends at EOS or the length limit. Both outputs
     are [B, T] and 0 at masked positions; padding of rewards/values is never read.
 
+    A mask with gaps (a multi-turn response: tool and user tokens, mask 0, between the policy's
+    turns) is skipped over as verl 0.9.1's compute_gae_advantage_return skips it: inside a gap the
+    next value and the running advantage are carried unchanged, so "t+1" above is the next
+    mask-1 token (the tokens the policy did not write are not steps of its episode). Right padding
+    is the gap at the end (carries the initial 0), so a prefix mask gives the formula above.
+
     Reference implementation: vectorised over B, a Python loop over T in reverse. Pass detached
     tensors (the loop is autograd-transparent but nothing upstream should need its gradient).
     """
@@ -45,8 +51,15 @@ def compute_gae(
         delta = r[:, t] + gamma * next_value - v[:, t]
         adv = (delta + gamma * lam * next_adv) * m[:, t]
         advs_reversed.append(adv)
-        next_value = v[:, t]  # already 0 where m_t == 0
-        next_adv = adv  # already 0 where m_t == 0
+        real = m[:, t].bool()  # a gap (m_t = 0) carries the next real token's value and advantage
+        next_value = torch.where(real, v[:, t], next_value)
+        next_adv = torch.where(real, adv, next_adv)
     advantages = torch.stack(advs_reversed[::-1], dim=1)  # [B, T]
     returns = (advantages + v) * m
     return advantages, returns
+
+
+def has_gaps(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> 0-dim bool: some row has a mask-0 token before a mask-1 token (not a prefix mask)."""
+    m = mask.bool()
+    return (m[:, 1:] & ~m[:, :-1]).any() if m.shape[1] > 1 else torch.zeros((), dtype=torch.bool)

@@ -77,7 +77,8 @@ class CurrentPolicy(BehaviourPolicy):
         self.gen, self.n = gen, n
 
     def rollout(self, samples: list[Sample], step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        return self.gen.generate(samples, self.n, step=step), {}
+        rb = self.gen.generate(samples, self.n, step=step)
+        return rb, self.gen.take_turn_metrics()
 
     def after_update(self, step: int) -> None:
         """Nothing here: the next generation (rollout, evaluation, probe) refits to ``step`` in its
@@ -133,6 +134,7 @@ class SnapshotPolicy(BehaviourPolicy):
                  "pool/size": float(len(self.pool))}
         for k, c in enumerate(cands):
             stats[f"pool/slot{k}/prob"] = float(probs[k])
+        stats.update(self.gen.take_turn_metrics())
         return concat_rollouts(parts, order, pad_id=self.gen.tokenizer.pad_id), stats
 
     def _load(self, cand: "pfpool.Candidate", step: int) -> None:

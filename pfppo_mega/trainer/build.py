@@ -32,11 +32,14 @@ from pfppo_mega.parallel import ParallelInfo, init_parallel
 from pfppo_mega.registry import ADV_ESTIMATORS
 from pfppo_mega.rewards import build_reward_fn
 from pfppo_mega.rollout.base import EngineSetupError, RolloutEngine
+from pfppo_mega.rollout.multiturn import ToolSet, TurnRenderError, row_kwargs
+from pfppo_mega.rollout.tools.base import ToolSetupError
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.behaviour import BehaviourPolicy, CurrentPolicy, SnapshotPolicy
 from pfppo_mega.trainer.collect import Collector, build_collector
 from pfppo_mega.trainer.colocation.engine_sync import EngineSync, build_engine, check_engine_config
-from pfppo_mega.trainer.colocation.generation import Generation, MemoryRecorder, build_engine_colocated
+from pfppo_mega.trainer.colocation.generation import (Generation, MemoryRecorder, Turns, TurnsSetupError,
+                                                       build_engine_colocated, build_turns, load_toolset)
 from pfppo_mega.trainer.colocation.offload import TrainerOffload, module_tensors, offload_enabled, optimizer_tensors
 from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
 from pfppo_mega.trainer.estimators import AdvantageEstimator
@@ -346,6 +349,18 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
                       policy_loss_params=policy_loss_params(cfg, kernels))
 
 
+def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None]) -> None:
+    """Every row's extra_info.tools_kwargs / interaction_kwargs against the configured tools (named errors
+    at start, not at the step that draws the row)."""
+    for i, s in enumerate(rows):
+        row_kwargs(s.extra_info or {}, turns.toolset, f"data row {s.row or i}")
+    log(f"[pfppo] multi-turn rollouts: tools {sorted(turns.toolset.tools) or 'none'}, interactions "
+        f"{sorted(turns.toolset.interactions) or 'none'}"
+        + ("" if turns.toolset.tools or turns.toolset.interactions else
+           " (neither actor_rollout.multi_turn.tool_config_path nor interaction_config_path is set: every row is "
+           "one turn, as in verl)"))
+
+
 def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     torch.set_num_threads(cfg.training.num_threads)
     seed_everything(cfg.training.seed)
@@ -390,8 +405,15 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     rng = random.Random(stream_seed("prompts", cfg.training.seed))
     # --- prompts and rewards: the implementations the config names (data.source, reward.*);
     # bad files / rows / data sources / reward functions are refused here, before any model
-    data = build_prompt_data(cfg, tokenizer, model_dir=model_dir, rng=rng, dp_rank=par.dp_rank, dp_size=par.dp,
-                             log=log)
+    try:  # multi-turn: the tools' schemas go into the prompts; every row's tool / interaction kwargs checked
+        toolset = load_toolset(cfg.actor_rollout.multi_turn) if cfg.actor_rollout.multi_turn.enable else ToolSet()
+        data = build_prompt_data(cfg, tokenizer, model_dir=model_dir, rng=rng, dp_rank=par.dp_rank, dp_size=par.dp,
+                                 log=log, tools=toolset.schemas or None)
+        turns = build_turns(cfg, tokenizer, data.template, toolset)
+        if turns is not None:
+            check_turn_rows(turns, data.train_rows + data.val, log=log)
+    except (TurnsSetupError, ToolSetupError, TurnRenderError) as e:
+        raise SetupError(str(e)) from e
     reward_fn: RewardFn = build_reward_fn(cfg, log=log)
     reward_fn.check(data.train_rows + data.val, "data")
 
@@ -423,7 +445,7 @@ def build_run(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
         world=par.world_size, rank=par.rank, rollout_tp=cfg.actor_rollout.tensor_model_parallel_size,
         dp_rank=par.dp_rank, replica_leader=par.tp_rank == 0 and par.pp_rank == 0)
     gen = Generation(cfg, engine=engine, sync=sync, offload=offload, tokenizer=tokenizer, rng=rng, device=device,
-                     guards=state.guards, split=split, log=log, memory=memory)
+                     guards=state.guards, split=split, log=log, memory=memory, turns=turns)
     models = Models(model_cfg=model_cfg, arch=arch, features=features, actor=actor, ref=ref, critic=critic,
                     actor_opt=actor_opt, critic_opt=critic_opt, kernels=kernels)
     strategies = build_strategies(cfg, gen=gen, state=state, par=par, dp=dp, estimator=estimator, kernels=kernels,

@@ -32,12 +32,17 @@ def evaluate(samples: list[Sample], *, cfg: Config, gen: Generation, tokenizer: 
             params = SamplingParams(temperature=ar.temperature, top_p=ar.top_p, greedy=greedy,
                                     max_new_tokens=cfg.algorithm.max_response_length,
                                     eos_token_id=tokenizer.eos_id, seed=stream_seed("eval", cfg.training.seed))
-            gens[key] = gen.run_engine(prompts, params, step=step, what=f"evaluation at step {step}", replicated=True)
-    for key, out_k in gens.items():
+            what = f"evaluation at step {step}"
+            if gen.turns is not None:  # multi-turn: the held-out rows as conversations with the tools too
+                gens[key] = gen.conversations(samples, params, step=step, what=what, replicated=True, record=False)
+            else:
+                o = gen.run_engine(prompts, params, step=step, what=what, replicated=True)
+                gens[key] = (o, [tokenizer.decode(r[: int(n)].tolist()) for r, n in zip(o.responses, o.lengths)],
+                             samples)
+    for key, (out_k, texts, rows) in gens.items():
         # Same guard as training: a bad reward scores 0 and is counted (every rank evaluates the
         # same prompts, so the counts are already global).
-        texts = [tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out_k.responses, out_k.lengths)]
-        guarded = reward_fn(samples, texts, out_k.finished.tolist())
+        guarded = reward_fn(rows, texts, out_k.finished.tolist())
         guards["bad_rewards"] += guarded.nonfinite
         guards["reward_errors"] += guarded.errors
         guards["reward_timeouts"] += guarded.timeouts

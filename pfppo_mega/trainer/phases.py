@@ -24,7 +24,7 @@ from pfppo_mega.trainer.estimators import AdvantageInputs, EstimatorContext
 from pfppo_mega.trainer.instruments import devicecheck
 from pfppo_mega.trainer.passes import policy_logp, reference_logp
 from pfppo_mega.trainer.update import TrainingHalted
-from pfppo_mega.types import PromptSource, RewardFn, Sample
+from pfppo_mega.types import PromptSource, RewardFn, Sample, response_extent
 
 
 def rollout(samples: list[Sample], *, colocation: Colocation, strategies: Strategies,
@@ -49,7 +49,7 @@ def score(rb: RolloutBatch, *, cfg: Config, reward_fn: RewardFn, state: TrainSta
     halt_if_no_reward(rows=len(rb.samples), errors=guarded.errors, group=dp.group, step=state.step)
     devicecheck.mark_host(guarded.scores, guarded.honest, guarded.hacked)
     raw = guarded.scores.to(device)                                                # [B] finite
-    lengths = rb.response_mask.sum(1)
+    lengths = response_extent(rb.response_mask)  # a multi-turn row's tool tokens count, as verl's response length
     scores = raw
     if r.length_penalty:
         scores = ppo.length_penalty(scores, lengths, coef=r.length_penalty,

@@ -14,6 +14,7 @@ from pfppo_mega.trainer.batch import ExperienceBatch, ScoredBatch
 from pfppo_mega.trainer.build import DataParallel
 from pfppo_mega.trainer.metrics import aggregate_rank_metrics, quantiles, repetition_rate
 from pfppo_mega.trainer.update import Observed
+from pfppo_mega.types import response_extent
 
 
 def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], times: dict[str, float],
@@ -25,12 +26,12 @@ def step_metrics(sb: ScoredBatch, eb: ExperienceBatch, upd: dict[str, float], ti
     update's first epoch's (`seen`), and absent in a step whose actor did not train
     (``observes_in_update``: the proximal strategy's declaration). ``guards``: the run's counters."""
     rb, m = sb.rollout, eb.inputs.response_mask
-    lengths = rb.response_mask.sum(1)                                               # [B] generated
+    lengths = response_extent(rb.response_mask).float()  # [B] response tokens (a multi-turn row's tool tokens too)
     # std and quantiles of the global batch (every DP rank's rewards), not a mean of the ranks'
     raw = sb.raw_scores if dp.gather is None else dp.gather(sb.raw_scores)  # [B * dp]
     first10 = m.clone()
     first10[:, 10:] = 0
-    gen_tokens = float(lengths.sum())
+    gen_tokens = float(rb.response_mask.sum())          # generated: the policy's tokens
     k1 = ppo.masked_mean(eb.old_logp - eb.ref_logp, m).item()
     # KL(current || ref) per token on the current policy's own distribution: under PF-PPO the
     # samples come from older snapshots, so weight each sequence by pi_cur(y)/pi_behav(y)
@@ -153,7 +154,7 @@ def dump_worst(sb: ScoredBatch, *, step: int, per_kind: int, out_dir: Path) -> N
     """The step's longest, most repetitive and highest-reward samples (``per_kind`` of each:
     logging.worst_samples) -> out_dir/samples_worst.jsonl (trainer/worst_samples.py; rank 0's rows)."""
     rb = sb.rollout
-    lengths = [int(v) for v in rb.response_mask.sum(1).tolist()]
+    lengths = [int(v) for v in response_extent(rb.response_mask).tolist()]
     rep = [repetition_rate(r[:n].tolist()) for r, n in zip(rb.responses, lengths)]
     rewards = sb.raw_scores.tolist()
     honest = None if sb.honest is None else sb.honest.tolist()

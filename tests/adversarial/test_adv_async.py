@@ -246,6 +246,8 @@ def _mutate(body, how):
         del r["samples"][0]["data_source"]
     elif how == "sample_ids":
         r["samples"][0]["prompt_ids"] = ["x"]
+    elif how == "sample_messages":
+        r["samples"][0]["messages"] = "hello"
     elif how == "extra_key":
         r["extra"] = 1
     elif how == "requests":
@@ -253,9 +255,23 @@ def _mutate(body, how):
     return body
 
 
+def test_a_pending_file_written_before_samples_had_messages_reads_back(tmp_path):
+    import json
+
+    from pfppo_mega.trainer.asynchronous import pending
+
+    path = _good(tmp_path)
+    body = json.loads(path.read_text())
+    for r in body["requests"]:
+        for smp in r["samples"]:
+            del smp["messages"]
+    path.write_text(json.dumps(body))
+    assert pending.read(tmp_path, 3)[0] == 2
+
+
 @pytest.mark.parametrize("how", ["format", "step", "next_key", "seed", "seed_bool", "keys_beyond", "keys_dup",
                                  "pending_empty", "pending_foreign", "samples_short", "sample_fields", "sample_ids",
-                                 "extra_key", "requests"])
+                                 "sample_messages", "extra_key", "requests"])
 def test_a_malformed_pending_file_is_refused_by_name(tmp_path, how):
     import json
 

@@ -92,6 +92,15 @@ def _json_ok(value: Any) -> bool:
     return True
 
 
+def _same_tools(value: Any, v: View) -> Any:
+    """data.tool_config_path: the rollout's tools, or none (verl reads both files; one file here)."""
+    rollout = v.get("actor_rollout_ref.rollout.multi_turn.tool_config_path")
+    if value is not None and rollout is not None and value != rollout:
+        raise Bad(f"differs from actor_rollout_ref.rollout.multi_turn.tool_config_path ({rollout!r}): here the prompts "
+                  f"are rendered with the rollout's tools; set both to one file")
+    return value
+
+
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- data
     M("data.train_files", "data.train_files, data.source", _files("data.train_files"), why='data.source = files'),
@@ -121,7 +130,9 @@ RULES: tuple[Rule, ...] = (
     I("data.validation_shuffle", "validation order"),
     *(I(f"data.{k}", MULTIMODAL) for k in ("image_key", "video_key", "image_patch_size",
                                            "return_multi_modal_inputs")),
-    I("data.tool_config_path", "multi-turn tools only (multi_turn.enable=True is refused)"),
+    I("data.tool_config_path", "verl's dataset renders the prompts with these tools' schemas (for its length "
+      "filter); here the prompts are rendered with the tools of actor_rollout_ref.rollout.multi_turn."
+      "tool_config_path", check=_same_tools),
     R("data.custom_cls.path", "a user's dataset class", ok=(None,),
       fix="write the rows as parquet or jsonl in verl's columns (prompt, data_source, reward_model.ground_truth) "
           "and remove data.custom_cls"), I("data.custom_cls.name", "custom_cls.path only"),

@@ -1,6 +1,6 @@
 """Rows for verl's actor_rollout_ref.rollout: the engine, sampling and lengths mapped; serving-engine
-settings ignored (speed or memory only); what changes the samples (greedy, over-sampling, multi-turn,
-agent loops, quantisation) refused.
+settings ignored (speed or memory only); multi-turn / tool-calling rollouts mapped (Hermes calls); what else
+changes the samples (greedy, agent loops, quantisation) refused.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from pfppo_mega.config.verl.keys import R_
-from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SINGLE_TURN, SPEED
+from pfppo_mega.config.verl.reasons import FORWARD_MICRO, SPEED
 from pfppo_mega.config.verl.rule import Bad, I, Ignore, M, Out, R, Refuse, Rule, View, _typed, positive_int
 
 
@@ -49,6 +49,20 @@ def _rate(value: Any, v: View) -> Any:
     return rate
 
 
+def _turn_limit(value: Any, v: View) -> Any:
+    """verl stops at the limit only when it is truthy: null and 0 both mean no limit."""
+    n = _typed(value, Optional[int])
+    return None if not n else n
+
+
+def _tool_format(value: Any, v: View) -> Any:
+    name = _typed(value, str)
+    if name != "hermes":
+        raise Refuse(f"tool-call format {name!r}: only hermes (<tool_call>{{json}}</tool_call>, the Qwen2.5 / Qwen3 "
+                     f"templates) is parsed here; set it to hermes with a model whose template writes that")
+    return name
+
+
 def _rollout_dtype(value: Any, v: View) -> Any:
     name = _typed(value, str)
     names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "auto": "auto",
@@ -81,12 +95,23 @@ RULES: tuple[Rule, ...] = (
     R(f"{R_}.skip_rollout", "replaying dumped rollouts", ok=(False,)),
     R(f"{R_}.quantization", "quantised rollouts", ok=(None,)),
     R(f"{R_}.quantization_config_file", "quantised rollouts", ok=(None,)),
-    R(f"{R_}.multi_turn.enable", "multi-turn / tool-calling rollouts: not implemented here", ok=(False,),
-      fix=SINGLE_TURN),
-    I(f"{R_}.multi_turn.**", "multi-turn only (multi_turn.enable=True is refused)",
-      ("format", "interaction_config_path", "max_assistant_turns", "max_parallel_calls", "max_tool_response_length",
-       "max_user_turns", "num_repeat_rollouts", "tokenization_sanity_check_mode", "tool_config_path",
-       "tool_response_truncate_side", "use_inference_chat_template")),
+    M(f"{R_}.multi_turn.enable", "actor_rollout.multi_turn.enable"),
+    M(f"{R_}.multi_turn.max_assistant_turns", "actor_rollout.multi_turn.max_assistant_turns", _turn_limit,
+      why="null or 0 (verl: no limit) -> null"),
+    M(f"{R_}.multi_turn.max_user_turns", "actor_rollout.multi_turn.max_user_turns", _turn_limit,
+      why="null or 0 (verl: no limit) -> null"),
+    M(f"{R_}.multi_turn.tool_config_path", "actor_rollout.multi_turn.tool_config_path"),
+    M(f"{R_}.multi_turn.interaction_config_path", "actor_rollout.multi_turn.interaction_config_path"),
+    M(f"{R_}.multi_turn.max_parallel_calls", "actor_rollout.multi_turn.max_parallel_calls"),
+    M(f"{R_}.multi_turn.max_tool_response_length", "actor_rollout.multi_turn.max_tool_response_length"),
+    M(f"{R_}.multi_turn.tool_response_truncate_side", "actor_rollout.multi_turn.tool_response_truncate_side"),
+    M(f"{R_}.multi_turn.tokenization_sanity_check_mode", "actor_rollout.multi_turn.tokenization_sanity_check_mode"),
+    M(f"{R_}.multi_turn.format", "actor_rollout.multi_turn.format", _tool_format,
+      why="hermes; verl's other parsers (gpt-oss, llama3_json, ...) refused"),
+    R(f"{R_}.multi_turn.use_inference_chat_template", "re-rendering each turn's conversation with the inference chat "
+      "template (dropping e.g. reasoning content): here the token ids the policy wrote are trained on", ok=(False,)),
+    I(f"{R_}.multi_turn.num_repeat_rollouts", "declared in verl 0.9.1's MultiTurnConfig, read by no code of its "
+      "agent loop: it changes nothing there", check=positive_int),
     R(f"{R_}.agent.default_agent_loop", "agent loops: single-turn generation only here", ok=("single_turn_agent",)),
     R(f"{R_}.agent.agent_loop_config_path", "agent loops: single-turn generation only here", ok=(None,)),
     R(f"{R_}.agent.custom_async_server.path", "a custom rollout server", ok=(None,)),

@@ -112,9 +112,14 @@ def _int(x: Any) -> bool:
 def _sample(d: Any, path: Path, i: int) -> Sample:
     fields = {f.name for f in dataclasses.fields(Sample)}
     ids = d.get("prompt_ids") if isinstance(d, dict) else None
-    if not (isinstance(d, dict) and set(d) == fields and isinstance(ids, list) and ids
+    # "messages" came later (multi-turn rollouts): a file written before has none
+    if not (isinstance(d, dict) and set(d) in (fields, fields - {"messages"}) and isinstance(ids, list) and ids
             and all(_int(t) and t >= 0 for t in ids) and isinstance(d["data_source"], str)
             and isinstance(d["extra_info"], dict)):
         raise PendingFileError(f"{path}: request {i}: a sample must have exactly {sorted(fields)}, prompt_ids a "
                                f"non-empty list of token ids")
-    return Sample(**{**d, "prompt_ids": tuple(ids)})
+    messages = d.get("messages", ())
+    if not (isinstance(messages, list | tuple) and all(isinstance(m, dict) for m in messages)):
+        raise PendingFileError(f"{path}: request {i}: a sample's messages must be a list of {{role, content}} "
+                               f"mappings, got {str(messages)[:80]}")
+    return Sample(**{**d, "prompt_ids": tuple(ids), "messages": tuple(messages)})

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pfppo_mega.parallel import comm_device
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import RolloutOutput
+from pfppo_mega.rollout.multiturn import MultiTurnRollout, ToolSet, TurnLimits, TurnStats, TurnTokens
 from pfppo_mega.rollout.refit import held_slot_bytes
 from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.instruments import devicecheck
@@ -252,12 +253,55 @@ def build_engine_colocated(build: Callable[[], Any], *, offload: TrainerOffload,
     return engine
 
 
+class TurnsSetupError(ValueError):
+    """actor_rollout.multi_turn cannot run with this checkpoint or these files; the message names the key."""
+
+
+@dataclass
+class Turns:
+    """What a multi-turn rollout needs besides the engine (actor_rollout.multi_turn.enable)."""
+
+    toolset: ToolSet
+    tokens: TurnTokens
+    limits: TurnLimits
+
+
+def load_toolset(mt) -> ToolSet:
+    """The tools and interactions the config's files define (verl's tool_config / interaction_config
+    YAML, read by pfppo_mega.rollout.tools.registry)."""
+    if mt.tool_config_path is None and mt.interaction_config_path is None:
+        return ToolSet()
+    try:
+        from pfppo_mega.rollout.tools.registry import load_interactions, load_tools
+    except ModuleNotFoundError as e:
+        raise TurnsSetupError(f"actor_rollout.multi_turn: the tool / interaction config loader "
+                              f"(pfppo_mega.rollout.tools.registry) is not installed here ({e})") from None
+    tools = load_tools(mt.tool_config_path) if mt.tool_config_path is not None else {}
+    inter = load_interactions(mt.interaction_config_path) if mt.interaction_config_path is not None else {}
+    return ToolSet(dict(tools), dict(inter))
+
+
+def build_turns(cfg, tokenizer: Tokenizer, template, toolset: ToolSet) -> Optional[Turns]:
+    """The run's Turns (None: multi-turn off). ``template``: the checkpoint's chat template (tool and user
+    turns are rendered with it; required)."""
+    mt = cfg.actor_rollout.multi_turn
+    if not mt.enable:
+        return None
+    if template is None:
+        raise TurnsSetupError("actor_rollout.multi_turn.enable = true: tool and user turns are rendered with the "
+                              "checkpoint's chat template, and there is none (data.source files with "
+                              "data.apply_chat_template true and a checkpoint with chat_template)")
+    return Turns(toolset, TurnTokens(template, tokenizer), TurnLimits.from_config(mt))
+
+
 class Generation:
     def __init__(self, cfg, *, engine, sync: EngineSync, offload: TrainerOffload, tokenizer: Tokenizer,
                  rng: random.Random, device: torch.device, guards: dict[str, int],
                  split: Optional[SplitLayout], log: Callable[[str], None],
-                 memory: Optional[MemoryRecorder] = None) -> None:
+                 memory: Optional[MemoryRecorder] = None, turns: Optional[Turns] = None) -> None:
         self.cfg, self.engine, self.sync, self.offload = cfg, engine, sync, offload
+        self.turns = turns  # multi-turn rollouts (None: one generation per row)
+        self.turn_stats = TurnStats()  # since the last take_turn_metrics()
         self.memory = memory  # the device-memory ledger (None: not recorded)
         self.tokenizer, self.rng, self.device, self.guards, self.log = tokenizer, rng, device, guards, log
         self.split = split  # None: one rank, nothing to split
@@ -358,14 +402,87 @@ class Generation:
                                 max_new_tokens=cfg.algorithm.max_response_length,
                                 eos_token_id=self.tokenizer.eos_id, seed=self.rng.randrange(1 << 31))
         with devicecheck.paused():  # the engine's own device world; its rows are host until moved
-            out = self.run_engine(prompt_ids, params, step=step, what=f"rollout at step {step}")
+            if self.turns is None:
+                out = self.run_engine(prompt_ids, params, step=step, what=f"rollout at step {step}")
+                texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
+            else:
+                out, texts, samples = self.conversations(samples, params, step=step, what=f"rollout at step {step}")
         devicecheck.mark_host(out.responses, out.response_mask, out.logprobs, out.finished)
         self.sync.check_versions(f"rollout at step {step}")  # every engine, same version and checksum
-        texts = [self.tokenizer.decode(r[: int(l)].tolist()) for r, l in zip(out.responses, out.lengths)]
         return RolloutBatch(samples=samples, prompt_ids=prompt_ids, responses=out.responses,
                             response_mask=out.response_mask, behav_logp=out.logprobs, finished=out.finished,
                             versions=torch.full((len(samples),), out.weight_version), texts=texts,
                             group_ids=group_ids).to(self.device)
+
+    def conversations(self, samples: list[Sample], params: SamplingParams, *, step: int, what: str,
+                      replicated: bool = False, record: bool = True) -> tuple[RolloutOutput, list[str], list[Sample]]:
+        """The rows as multi-turn conversations (rollout/multiturn.py), one run_engine call per turn
+        (``replicated``: every rank asks for the same rows, the evaluation); every rank makes the same
+        calls (see _agree). The samples come back with their extra_info copied and extended
+        (tool_rewards, interaction_scores, turns, tool_calls) for the reward function. ``record``: count
+        the rows in the step's multi-turn metrics (take_turn_metrics)."""
+        cfg, turns = self.cfg, self.turns
+        loop = MultiTurnRollout(
+            generate=lambda p, prm: self.run_engine(p, prm, step=step, what=f"{what} (multi-turn)",
+                                                    replicated=replicated),
+            tokenizer=self.tokenizer, turn_tokens=turns.tokens, toolset=turns.toolset, limits=turns.limits,
+            max_response_length=cfg.algorithm.max_response_length,
+            max_context=cfg.data.max_prompt_length + cfg.algorithm.max_response_length,
+            agree=self._agree, share=self._share_of(replicated), runs_tools=self._runs_tools(replicated),
+            log=self.log)
+        result = loop.run(samples, params)
+        if record:
+            self.turn_stats.add(result.stats)
+        rows = [dataclasses.replace(s, extra_info={**(s.extra_info or {}), **extra})
+                for s, extra in zip(samples, result.extra)]
+        return result.output, result.texts, rows
+
+    def _agree(self, active: int, remaining: int, room: int) -> tuple[int, int, int]:
+        """The job's (rows still generating, most budget left, least context room) over every rank. With a
+        rollout split an engine call is collective (the rows are exchanged between the engines, and an
+        engine generates other ranks' rows with its own params), so every rank makes the same number of
+        calls with the same max_new_tokens: a rank whose rows are done calls with none while the others
+        finish theirs."""
+        if self.split is None:
+            return active, remaining, room
+        group = self.sync.world
+        flag = torch.tensor([active, remaining, -room], dtype=torch.int64, device=comm_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        n, most, least = flag.tolist()
+        return int(n), int(most), -int(least)
+
+    def _runs_tools(self, replicated: bool) -> bool:
+        """Whether this rank runs its rows' tools: the replica's leader (``replicated``: every rank has the
+        same rows, rank 0 runs them for all)."""
+        if self.split is None:
+            return True
+        return self.split.rank == 0 if replicated else self.split.replica_leader
+
+    def _share_of(self, replicated: bool) -> Optional[Callable[[Any], Any]]:
+        """share(payload) -> the payload of the rank that runs this rank's tools (every rank calls it, a
+        world all-gather): the other ranks of a replica (its TP / PP ranks) take its rows' state, so a
+        tool runs once per row, not once per rank."""
+        if self.split is None:
+            return None
+        key = 0 if replicated else self.split.dp_rank
+        leader = self._runs_tools(replicated)
+
+        def share(payload: Any) -> Any:
+            everyone: list = [None] * dist.get_world_size(self.sync.world)
+            dist.all_gather_object(everyone, (key, leader, payload), group=self.sync.world)
+            found = [p for k, lead, p in everyone if lead and k == key]
+            if len(found) != 1:
+                raise RuntimeError(f"multi-turn: {len(found)} ranks run the tools of replica {key} (expected 1)")
+            return found[0]
+        return share
+
+    def take_turn_metrics(self) -> dict[str, float]:
+        """The multi-turn metrics of the rollouts since the last take (this rank's rows); {} when off."""
+        if self.turns is None:
+            return {}
+        out = self.turn_stats.metrics()
+        self.turn_stats = TurnStats()
+        return out
 
     def greedy_baseline(self, rb: RolloutBatch, samples: list[Sample], *, step: int) -> RolloutBatch:
         """``rb`` with the greedy response to each of ``samples`` (rb.group_ids index them), one per

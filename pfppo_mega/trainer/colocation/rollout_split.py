@@ -171,6 +171,12 @@ def assemble(layout: SplitLayout, share: Share, outputs: list[RolloutOutput], pr
             raise RolloutMismatchError(f"{what}: the engines generated replica {d}'s rows with different weights "
                                        f"{sorted(versions)}")
     rows = sorted((piece for piece in pieces if piece[0] == layout.dp_rank), key=lambda piece: piece[1])
+    if not prompts:  # a replica with no rows this call (a multi-turn step whose rows here are done)
+        version, checksum = (pieces[0][7], pieces[0][8]) if pieces else (-1, "")
+        empty = torch.zeros(0, 0)
+        return RolloutOutput(prompts=[], responses=empty.long(), response_mask=empty, logprobs=empty,
+                             lengths=torch.zeros(0, dtype=torch.long), finished=torch.zeros(0, dtype=torch.bool),
+                             weight_version=version, weight_checksum=checksum)
     if not rows:
         raise RolloutMismatchError(f"{what}: no engine generated rows of replica {layout.dp_rank}")
     version, checksum = rows[0][7], rows[0][8]
