@@ -6,6 +6,7 @@ engine's first turn of every other row is replaced by a call (the rest is the po
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from pfppo_mega.tokenizer import Tokenizer
 from pfppo_mega.trainer.colocation.generation import Turns
 from pfppo_mega.trainer.loop import PPOTrainer
 
+ROOT = Path(__file__).resolve().parents[1]
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
 
 
@@ -40,6 +42,17 @@ class Calc:
 
     def release(self, instance_id):
         self.released.append(instance_id)
+
+
+def write_turn(out, b: int, ids: list[int], pad_id: int) -> None:
+    """Row b of an engine's output replaced by the turn ``ids`` (ended by EOS; log-probs 0: not the policy's)."""
+    n = len(ids)
+    out.responses[b] = pad_id
+    out.responses[b, :n] = torch.tensor(ids)
+    out.response_mask[b] = 0
+    out.response_mask[b, :n] = 1
+    out.logprobs[b] = 0
+    out.lengths[b], out.finished[b] = n, True
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +112,7 @@ def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
         out = real(prompts, params)
         for b, p in enumerate(prompts):
             if tuple(p) in originals and b % 2 == 0 and params.max_new_tokens >= len(call_ids):
-                n = len(call_ids)  # turn 1 of every other row: a call (log-probs 0: not the policy's)
-                out.responses[b] = tok.pad_id
-                out.responses[b, :n] = torch.tensor(call_ids)
-                out.response_mask[b] = 0
-                out.response_mask[b, :n] = 1
-                out.logprobs[b] = 0
-                out.lengths[b], out.finished[b] = n, True
+                write_turn(out, b, call_ids, tok.pad_id)  # turn 1 of every other row: a call
         return out
 
     engine.generate = scripted
@@ -158,3 +165,61 @@ def test_two_ppo_steps_with_a_tool(setup, tmp_path, pf_ppo):
     # (c) the weights moved
     moved = [n for n, p in tr.run.models.actor.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert moved
+
+
+def test_tools_from_verl_config_files(setup, tmp_path):
+    """The config's tool and interaction files (verl's layout) reach the rollout: verl's gsm8k tool graded
+    each row's call against the row's own create_kwargs (tool reward 1.0 for the right answer, 0.0 for a
+    wrong one), and the gsm8k interaction asked again after a turn without a call."""
+    import dataclasses
+
+    from pfppo_mega.rollout.tools.answers import Gsm8kInteraction, Gsm8kTool
+
+    paths, ckpt, tok = setup
+    data = ROOT / "tests" / "data" / "tools"
+    cfg = load_config_dict({
+        "actor_rollout": {"model_path": str(ckpt), "n_samples_per_prompt": 1,
+                          "multi_turn": {"enable": True, "max_assistant_turns": 3,
+                                         "tool_config_path": str(data / "gsm8k_tool_config.yaml"),
+                                         "interaction_config_path": str(data / "gsm8k_interaction_config.yaml")}},
+        "data": {"source": "files", "train_files": [str(paths["train.parquet"])],
+                 "val_files": [str(paths["test.parquet"])], "max_prompt_length": 160, "eval_size": 2},
+        "algorithm": {"max_response_length": 320},
+        "training": {"rollout_batch_size": 2, "batch_size": 2, "total_training_steps": 1, "seed": 3,
+                     "num_threads": 1},
+        "logging": {"output_dir": str(tmp_path), "tensorboard": False, "plots": False, "progress": False},
+        "checkpoint": {"export_hf": False, "save_interval": 0}})
+    tr = PPOTrainer(cfg, log=lambda *_: None)
+    gen = tr.run.colocation.gen
+    toolset = gen.turns.toolset
+    assert isinstance(toolset.tools["calc_gsm8k_reward"], Gsm8kTool)
+    assert isinstance(toolset.interactions["gsm8k"], Gsm8kInteraction)
+
+    call = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "5"}}</tool_call>'
+    call_ids = tok.encode(call, add_bos=False) + [tok.eos_id]
+    base = tr.run.eval_samples[0]
+    samples = [dataclasses.replace(base, extra_info={
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": gt}}},
+        "interaction_kwargs": {"name": "gsm8k", "ground_truth": gt}}) for gt in ("5", "7")]
+    real, firsts = gen.engine.generate, {tuple(s.prompt_ids) for s in samples}
+
+    answer_ids = tok.encode("#### 3", add_bos=False) + [tok.eos_id]
+
+    def scripted(prompts, params):  # turn 1 of each row: the call; turn 2: a wrong final answer, no call
+        out = real(prompts, params)
+        for b, p in enumerate(prompts):
+            first = tuple(p) in firsts
+            if first or any(tuple(p[:len(f)]) == f for f in firsts):
+                write_turn(out, b, call_ids if first else answer_ids, tok.pad_id)
+        return out
+
+    gen.engine.generate = scripted
+    with gen.colocated(0, refit=False):
+        rb = gen.generate(samples, 1, step=0)
+    # verl's step reward: 0.0 for a call that improves on the row's best score, -0.05 for one that does not
+    assert [s.extra_info["tool_rewards"] for s in rb.samples] == [0.0, -0.05]
+    for b, want in enumerate(("reward=1.0", "reward=0.0")):
+        assert want in rb.texts[b], rb.texts[b]
+    # turn 2 (no call, "#### 3") was graded by the interaction, which asked again
+    from pfppo_mega.rollout.tools.answers import INCORRECT
+    assert all(INCORRECT in text for text in rb.texts), rb.texts

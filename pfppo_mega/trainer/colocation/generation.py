@@ -271,11 +271,7 @@ def load_toolset(mt) -> ToolSet:
     YAML, read by pfppo_mega.rollout.tools.registry)."""
     if mt.tool_config_path is None and mt.interaction_config_path is None:
         return ToolSet()
-    try:
-        from pfppo_mega.rollout.tools.registry import load_interactions, load_tools
-    except ModuleNotFoundError as e:
-        raise TurnsSetupError(f"actor_rollout.multi_turn: the tool / interaction config loader "
-                              f"(pfppo_mega.rollout.tools.registry) is not installed here ({e})") from None
+    from pfppo_mega.rollout.tools.registry import load_interactions, load_tools
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path is not None else {}
     inter = load_interactions(mt.interaction_config_path) if mt.interaction_config_path is not None else {}
     return ToolSet(dict(tools), dict(inter))
