@@ -151,6 +151,7 @@ class VLLMEngine(RolloutEngine):
         self.start_s = time.perf_counter() - start
         self._restore_threads = threads
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
+        self._calls = 0  # generate_partial calls, for request ids of our own
 
     # ----------------------------------------------------------------- weights
     def weight_layout(self) -> WeightLayout:
@@ -294,8 +295,6 @@ class VLLMEngine(RolloutEngine):
         request's generator): a switch to the same weights changes no token. Tokens are tagged with
         the version held when the step that drew them ran (``token_versions``, -1 on padding)."""
         self._check_request(prompts, params)
-        from vllm.inputs import TokensPrompt
-
         engine = self.llm.llm_engine
         if engine.vllm_config.scheduler_config.async_scheduling:
             raise RuntimeError("generate_partial() with vLLM's async scheduling on: the step after the one read would "
@@ -303,7 +302,9 @@ class VLLMEngine(RolloutEngine):
                                "(the trainer does when algorithm.async_rl.partial_rollouts is true)")
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_partial() while the vLLM engine has requests of another call in flight")
-        self._calls = getattr(self, "_calls", 0) + 1
+        from vllm.inputs import TokensPrompt
+
+        self._calls += 1
         ids = [f"pfppo-partial-{self._calls}-{b}" for b in range(len(prompts))]
         row_of = {rid: b for b, rid in enumerate(ids)}
         last: list = [None] * len(prompts)              # each row's CompletionOutput so far (cumulative)
