@@ -93,6 +93,19 @@ def _recomputed_logp(weights: dict, prompt: list[int], response: list[int], temp
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
+def _kept_cache_logp(old: dict, new: dict, prompt: list[int], response: list[int], at: int,
+                     temperature: float) -> torch.Tensor:
+    """What tokens at..T would get from ``new`` on top of keys and values kept from ``old`` (the prompt
+    and tokens < at - 1 computed by ``old``; token at - 1 fed after the switch) -> [T - at], fp64."""
+    m_old, m_new = _hf(1).double(), _hf(1).double()
+    m_old.load_state_dict(old)
+    m_new.load_state_dict(new)
+    with torch.no_grad():
+        cache = m_old(torch.tensor([prompt + response[:at - 1]]), use_cache=True).past_key_values
+        logits = m_new(torch.tensor([response[at - 1:-1]]), past_key_values=cache).logits[0]     # [T - at, V]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response[at:])[:, None])[:, 0]
+
+
 def _switch_at(eng, at: int, weights: dict, version: int, calls: list):
     def switch(t: int) -> bool:
         calls.append(t)
@@ -116,10 +129,14 @@ def _check_two_versions(eng, versions: dict) -> None:
     worst = gap_to_each_version(out, versions, _recomputed_logp, TEMP)
     moved = max((out.logprobs[b, AT:].double() - _recomputed_logp(versions[1], p, out.responses[b].tolist(), TEMP)[AT:])
                 .abs().max().item() for b, p in enumerate(PROMPTS))
-    print(f"two versions in one request: max |vLLM - fp64 recomputation per version| {worst:.2e}; "
-          f"after the switch version 1 alone would differ by up to {moved:.2f}")
+    kept = max((out.logprobs[b, AT:].double() - _kept_cache_logp(versions[1], versions[2], p, out.responses[b].tolist(),
+                                                                AT, TEMP)).abs().max().item()
+               for b, p in enumerate(PROMPTS))
+    print(f"two versions in one request: max |vLLM - fp64 recomputation per version| {worst:.2e}; after the "
+          f"switch version 1 alone would differ by up to {moved:.2f}, version 2 on version 1's kept cache by {kept:.2f}")
     assert worst < 1e-4, worst
     assert moved > 1e-2  # the switch really changed the policy
+    assert kept > 1e-2  # and the prefix was recomputed with it
 
 
 def _check_generator(eng, versions: dict, tmp: Path) -> None:
