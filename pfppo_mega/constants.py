@@ -41,7 +41,7 @@ ALGORITHMS = ("ppo",)  # algorithm.name
 # Snapshot choice of the PF-PPO pool (algorithm.pool.sampling, pool/sampling.py).
 POOL_SAMPLING = ("uniform", "recency", "kl", "reward")
 ASYNC_SAMPLING = ("newest", "uniform", "recency")  # algorithm.async_rl.sampling
-PARTIAL_ROLLOUT_ENGINES = ("builtin",)  # actor_rollout.engine values that take weights inside a request
+PARTIAL_ROLLOUT_ENGINES = ("builtin", "vllm")  # actor_rollout.engine values that take weights inside a request
 # Behaviour importance weight (algorithm.pool.is_mode, pool/correction.py).
 IS_MODES = ("truncate", "mask", "tis")
 # Which score feeds a snapshot's mean reward (algorithm.pool.reward_signal).

@@ -78,18 +78,26 @@ def test_a_request_spanning_a_switch_carries_both_versions_and_each_versions_log
     assert (tv[first, :at] == 1).all() and (tv[first, at:] == 2).all()  # two versions, at the right index
     assert (tv[rest] == 2).all()  # a later chunk of the request: the new version from its start
     assert out.versions.tolist() == [1] * chunk + [2] * (len(PROMPTS) - chunk) and out.weight_version == 2
-    worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
-        resp = out.responses[b].tolist()
-        want = torch.empty(N, dtype=torch.float64)
-        for v in (1, 2):
-            sel = tv[b] == v
-            want[sel] = _recomputed_logp(two_versions[v], prompt, resp, temp)[sel]
-        worst = max(worst, (out.logprobs[b].double() - want).abs().max().item())
+    worst = gap_to_each_version(out, two_versions, _recomputed_logp, temp)
     assert worst < 1e-4, f"behaviour log-probs differ from each version's recomputation by {worst:.2e}"
     # and they are not what one version alone would give: the switch really changed the policy
     only1 = _recomputed_logp(two_versions[1], PROMPTS[0], out.responses[0].tolist(), temp)
     assert (out.logprobs[0, at:].double() - only1[at:]).abs().max() > 1e-2
+
+
+def gap_to_each_version(out, versions: dict, recomputed_logp, temp: float) -> float:
+    """max |behaviour log-prob - recomputation with the version that drew the token| over the rows of
+    ``out`` (a generate_partial of PROMPTS); ``recomputed_logp(weights, prompt, response, temp)`` -> [T]."""
+    worst = 0.0
+    for b, prompt in enumerate(PROMPTS):
+        resp, tv = out.responses[b].tolist(), out.token_versions[b]
+        want = torch.zeros(len(resp), dtype=torch.float64)
+        for v in versions:
+            sel = tv == v
+            if sel.any():
+                want[sel] = recomputed_logp(versions[v], prompt, resp, temp)[sel]
+        worst = max(worst, (out.logprobs[b].double() - want).abs().max().item())
+    return worst
 
 
 def test_without_a_switch_partial_generation_is_ordinary_generation(two_versions):
@@ -106,14 +114,19 @@ def test_without_a_switch_partial_generation_is_ordinary_generation(two_versions
 
 
 def test_the_generator_loads_a_version_arriving_mid_request_at_the_next_token(two_versions, tmp_path):
+    generator_takes_a_version_mid_request(_engine(), two_versions, tmp_path, _recomputed_logp)
+
+
+def generator_takes_a_version_mid_request(eng, two_versions, tmp_path, recomputed_logp) -> None:
     """worker.serve with partial: version 2's file is announced while token `at` is due; the request
-    finishes with it, its result tagged per token, its log-probs each version's."""
+    finishes with it, its result tagged per token, its log-probs each version's (``recomputed_logp``:
+    (weights, prompt, response, temperature) -> [T], as each engine's test recomputes them). Shared
+    with the vLLM engine's test (tests/test_vllm_partial.py)."""
     from pfppo_mega.rollout.source import NamedTensorSource
     from pfppo_mega.trainer.asynchronous import weightfile
     from pfppo_mega.trainer.asynchronous.worker import Request, serve
 
     at, N, temp = 2, 5, 1.0
-    eng = _engine()
     paths = {}
     for v in (1, 2):
         src = NamedTensorSource(two_versions[v].items(), v, layout=eng.weight_layout())
@@ -136,14 +149,17 @@ def test_the_generator_loads_a_version_arriving_mid_request_at_the_next_token(tw
     messages.put(("weights", 1, paths[1]))
     messages.put(("request", Request(0, [PROMPTS[0], PROMPTS[1]], 2, params)))
     spec = SimpleNamespace(window=0, rule="newest", temperature=1.0, partial=True)
-    serve(eng, messages, outbox, spec)
+    try:
+        serve(eng, messages, outbox, spec)
+    finally:
+        del eng.generate_partial  # the engine's own method again
     (kind, r), = sent
     assert kind == "result" and r.version == 1 and r.switches == 1 and eng.weight_version == 2
     assert (r.token_versions[:, :at] == 1).all() and (r.token_versions[:, at:] == 2).all()
     for b, prompt in enumerate([PROMPTS[0]] * 2 + [PROMPTS[1]] * 2):
         resp = r.responses[b].tolist()
-        want = torch.cat([_recomputed_logp(two_versions[1], prompt, resp, temp)[:at],
-                          _recomputed_logp(two_versions[2], prompt, resp, temp)[at:]])
+        want = torch.cat([recomputed_logp(two_versions[1], prompt, resp, temp)[:at],
+                          recomputed_logp(two_versions[2], prompt, resp, temp)[at:]])
         assert (r.logprobs[b].double() - want).abs().max() < 1e-4
 
 

@@ -299,6 +299,38 @@ def test_seed_reproducibility(make_engine, hf_untied):
     assert not torch.equal(a.responses, c.responses)
 
 
+def test_partial_generation_is_generate_without_a_switch_and_across_a_switch_to_the_same_weights(make_engine,
+                                                                                                  hf_untied):
+    """generate_partial (partial rollouts, docs/async.md), on every engine that declares it: with no
+    switch it is generate(), every token tagged with the engine's version; with the same weights
+    loaded again as a new version before token 4, no token changes (each row's seeded stream runs on
+    across the switch; the prefix recomputed with equal weights gives equal log-probs) and the tokens
+    from 4 on carry the new version. An engine that does not declare it refuses by name."""
+    engine = make_engine(hf_untied)
+    params = SamplingParams(0.9, 1.0, 10, None, seed=5)
+    if not engine.partial_rollouts:
+        with pytest.raises(NotImplementedError, match="cannot take new weights inside a request"):
+            engine.generate_partial(PROMPTS, params, lambda t: False)
+        return
+    plain = engine.generate(PROMPTS, params)
+    v = engine.weight_version
+    none = engine.generate_partial(PROMPTS, params, lambda t: False)
+    assert torch.equal(none.responses, plain.responses) and torch.equal(none.logprobs, plain.logprobs)
+    assert torch.equal(none.token_versions, torch.where(none.response_mask.bool(), v, -1))
+
+    def switch(t: int) -> bool:
+        if t == 4 and engine.weight_version == v:
+            engine.load_weights(hf_untied.state_dict().items(), version=v + 1)
+            return True
+        return False
+
+    same = engine.generate_partial(PROMPTS, params, switch)
+    assert rows(same) == rows(plain)
+    assert (same.logprobs - plain.logprobs).abs().max() < 1e-5
+    assert (same.token_versions[:, :4] == v).all() and (same.token_versions[:, 4:] == v + 1).all()
+    assert same.versions.tolist() == [v] * len(PROMPTS) and engine.weight_version == v + 1
+
+
 # ----------------------------------------------------------------- sampling math
 def test_top_p_filter_matches_bruteforce():
     g = torch.Generator().manual_seed(0)

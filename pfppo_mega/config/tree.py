@@ -688,7 +688,7 @@ class AsyncConfig(Section):
     request_prompts: int = opt(4, "Prompts per generator request; new weights enter between requests "
                                   "(and, with partial_rollouts, between two decode steps of one).")
     partial_rollouts: bool = opt(False, "New weights enter requests in flight at a token boundary (engine "
-                                        "builtin; sampling newest): each token tagged with the version that drew "
+                                        "builtin or vllm; sampling newest): each token tagged with the version that drew "
                                         "it, the staleness bound counts a row's oldest token.")
     max_restarts: int = opt(3, "Generator process deaths tolerated (each restarted, its requests redone) "
                                "before the run stops.")

@@ -15,6 +15,12 @@ extra. Facts this module is built on (docs/refit.md, ../shared/PLATFORM.md):
   pfppo_mega.rollout.base (raw log-probs would be at T = 1);
 - sleep mode is not supported on CPU, and ``LLM.sleep()`` without it frees nothing and makes the
   next generate() hang: sleep()/wake_up() are logged no-ops there;
+- partial rollouts (generate_partial) drive the engine one step at a time (``llm_engine.add_request``
+  / ``step`` / ``abort_request``); new weights enter between two steps, and the prefix-cache reset
+  that follows them preempts the running rows (``reset_prefix_cache(reset_running_requests=True)``):
+  vLLM recomputes each row's prompt + tokens so far with the new weights and samples on from the
+  row's own generator. A plain reset with rows running is refused by vLLM (it returns False); the
+  answer is checked;
 - an in-process ``LLM()`` changes the process: torch.set_num_threads stops working,
   LOCAL_WORLD_SIZE is set to 1, and the engine's own linear parameters are repacked (read weights
   from the trainer's copy, never from the engine).
@@ -33,7 +39,8 @@ import torch
 
 from pfppo_mega.families import DecoderShape, ModelDirError
 from pfppo_mega.rollout.base import (DEFAULT_BUCKET_BYTES, EngineSetupError, EngineSpec, RolloutEngine, RolloutOutput,
-                                     SamplingParams, WAKE_TAGS, check_prompts, engine_dtype, row_seed)
+                                     SamplingParams, WAKE_TAGS, check_prompts, engine_dtype, oldest_versions,
+                                     row_seed)
 from pfppo_mega.rollout.weights import WeightLayout
 
 # The KV block size (tokens) set on a CPU. vLLM's CPU default of 128 leaves a chat prompt of ~45 tokens
@@ -85,6 +92,8 @@ class VLLMEngine(RolloutEngine):
     the engine together (external launcher). max_model_len: the longest prompt + response the engine
     serves (the trainer passes data.max_prompt_length + algorithm.max_response_length; None: the
     model's max_position_embeddings); it bounds vLLM's scheduler and, on CPU, the KV cache.
+    async_scheduling: passed to vLLM when not None (False for generate_partial, which reads each
+    step's tokens before the next step runs; vLLM turns it off on CPU whatever is asked).
     """
 
     top_p_logprobs = "nucleus"  # vLLM's processed log-probs are taken after the top-p mask
@@ -93,7 +102,7 @@ class VLLMEngine(RolloutEngine):
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, gpu_memory_utilization: float = 0.85,
                  max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None, sleep_level: int = 2,
-                 log: Callable[[str], None] = print) -> None:
+                 async_scheduling: Optional[bool] = None, log: Callable[[str], None] = print) -> None:
         why = unavailable_reason()
         if why:
             raise RuntimeError(f"actor_rollout.engine = 'vllm': {why}")
@@ -123,6 +132,8 @@ class VLLMEngine(RolloutEngine):
         )
         if tensor_parallel_size > 1:
             kw["distributed_executor_backend"] = "external_launcher"
+        if async_scheduling is not None:  # None: vLLM's choice (off on CPU; generate_partial needs it off)
+            kw["async_scheduling"] = async_scheduling
         if on_gpu:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             kw["enable_sleep_mode"] = True
@@ -140,6 +151,7 @@ class VLLMEngine(RolloutEngine):
         self.start_s = time.perf_counter() - start
         self._restore_threads = threads
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back
+        self._calls = 0  # generate_partial calls, for request ids of our own
 
     # ----------------------------------------------------------------- weights
     def weight_layout(self) -> WeightLayout:
@@ -191,10 +203,21 @@ class VLLMEngine(RolloutEngine):
             head.quant_method.process_weights_after_loading(head)
 
     def _commit(self) -> None:
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
 
     def _abort_update(self) -> None:
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop every cached key and value computed with the weights before. Requests running
+        (generate_partial between two steps) are preempted first: vLLM moves them back to its waiting
+        queue, and when scheduled again it recomputes their prompt + tokens so far with the new
+        weights (its preemption by recompute) and samples on from the same per-request generator.
+        Without running requests this is the plain reset (vLLM refuses a plain reset while blocks
+        are in use; its answer is checked, never ignored)."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update: cached keys and "
+                               "values of the previous weights would be reused")
 
     # ----------------------------------------------------------------- memory
     @property
@@ -219,8 +242,11 @@ class VLLMEngine(RolloutEngine):
             self._asleep -= set(pending)
 
     # -------------------------------------------------------------- generation
-    def _sampling(self, params: SamplingParams, row: int):
+    partial_rollouts = True
+
+    def _sampling(self, params: SamplingParams, row: int, *, cumulative: bool = False):
         from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
 
         seed = None if params.seed is None else row_seed(params.seed, params.row_offset + row)
         return VSP(
@@ -229,10 +255,11 @@ class VLLMEngine(RolloutEngine):
             top_p=1.0 if params.greedy else params.top_p,
             ignore_eos=True,  # the checkpoint's own EOS never stops a row; only params.eos_token_id does
             stop_token_ids=[] if params.eos_token_id is None else [params.eos_token_id],
+            # generate_partial reads every row's tokens so far after each step
+            output_kind=RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
         )
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
         self._require_weights()
         if self._asleep:
             raise RuntimeError(f"generate() while the vLLM engine's {sorted(self._asleep)} sleep: call wake_up() first")
@@ -243,27 +270,90 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"a prompt of {longest - params.max_new_tokens} tokens + max_new_tokens "
                              f"({params.max_new_tokens}) = {longest} > the engine's max_model_len ({self.max_model_len} "
                              f"= data.max_prompt_length + algorithm.max_response_length in the trainer)")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self._check_request(prompts, params)
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outs = self.llm.generate(requests, [self._sampling(params, b) for b in range(len(prompts))],
                                  use_tqdm=False)
+        return self._output(prompts, [o.outputs[0] for o in outs])
+
+    @torch.no_grad()
+    def generate_partial(self, prompts: list[list[int]], params: SamplingParams,
+                         switch: Callable[[int], bool]) -> RolloutOutput:
+        """generate(), driving vLLM's engine one step at a time and calling ``switch(t)`` after every
+        step while rows are still running (t >= 1: the most tokens a running row has drawn; every row
+        has drawn t when the request's rows are scheduled together, as in the trainer's requests of
+        at most max_num_seqs rows). A switch that loaded new weights (update_weights, whose prefix
+        cache reset preempts the running rows: _reset_prefix_cache) returns True; vLLM then
+        recomputes each running row's prompt + tokens so far with the new weights and samples on, so
+        every later token is drawn from, and its log-prob is, the new version's distribution given
+        the whole prefix. A row's seeded generator runs on across the switch (vLLM keeps a preempted
+        request's generator): a switch to the same weights changes no token. Tokens are tagged with
+        the version held when the step that drew them ran (``token_versions``, -1 on padding)."""
+        self._check_request(prompts, params)
+        engine = self.llm.llm_engine
+        if engine.vllm_config.scheduler_config.async_scheduling:
+            raise RuntimeError("generate_partial() with vLLM's async scheduling on: the step after the one read would "
+                               "already run when new weights are loaded; build the engine with async_scheduling=False "
+                               "(the trainer does when algorithm.async_rl.partial_rollouts is true)")
+        if engine.has_unfinished_requests():
+            raise RuntimeError("generate_partial() while the vLLM engine has requests of another call in flight")
+        from vllm.inputs import TokensPrompt
+
+        self._calls += 1
+        ids = [f"pfppo-partial-{self._calls}-{b}" for b in range(len(prompts))]
+        row_of = {rid: b for b, rid in enumerate(ids)}
+        last: list = [None] * len(prompts)              # each row's CompletionOutput so far (cumulative)
+        versions: list[list[int]] = [[] for _ in prompts]  # each row's tokens' versions
+        running = set(ids)
+        try:
+            for b, (rid, p) in enumerate(zip(ids, prompts)):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)),
+                                   self._sampling(params, b, cumulative=True))
+            while running:
+                for out in engine.step():
+                    b = row_of[out.request_id]
+                    last[b] = out.outputs[0]
+                    versions[b] += [self._version] * (len(last[b].token_ids) - len(versions[b]))
+                    if out.finished:
+                        running.discard(out.request_id)
+                t = max((len(versions[row_of[r]]) for r in running), default=0)
+                if running and t >= 1:
+                    switch(t)  # True: new weights are in and the running rows were preempted (recomputed next step)
+                    self._require_weights()
+        finally:
+            if running:  # an error or a stop taken at a boundary: leave vLLM without our rows
+                engine.abort_request(sorted(running))
+        return self._output(prompts, last, versions)
+
+    def _output(self, prompts: list[list[int]], completions: list,
+                versions: Optional[list[list[int]]] = None) -> RolloutOutput:
+        """vLLM's CompletionOutputs (row b answers prompts[b]) -> RolloutOutput; ``versions``: each
+        row's tokens' versions (generate_partial), None when every token is this engine's version."""
         B = len(prompts)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        tokens = [list(c.token_ids) for c in completions]
         T = max(len(t) for t in tokens)
         responses = torch.full((B, T), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(B, T, dtype=torch.float32)
         finished = torch.zeros(B, dtype=torch.bool)
-        for b, (o, toks) in enumerate(zip(outs, tokens)):
+        token_versions = None if versions is None else torch.full((B, T), -1, dtype=torch.long)  # [B, T]
+        for b, (c, toks) in enumerate(zip(completions, tokens)):
             responses[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-            lp = o.outputs[0].logprobs
-            logprobs[b, :len(toks)] = torch.tensor([step[t].logprob for step, t in zip(lp, toks)])
-            finished[b] = o.outputs[0].finish_reason == "stop"
+            logprobs[b, :len(toks)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, toks)])
+            finished[b] = c.finish_reason == "stop"
+            if token_versions is not None:
+                token_versions[b, :len(toks)] = torch.tensor(versions[b], dtype=torch.long)
         lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
         mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
         return RolloutOutput(prompts=[list(p) for p in prompts], responses=responses, response_mask=mask,
                              logprobs=logprobs, lengths=lengths, finished=finished,
-                             weight_version=self._version, weight_checksum=self._checksum)
+                             weight_version=self._version, weight_checksum=self._checksum,
+                             versions=None if token_versions is None else oldest_versions(token_versions, self._version),
+                             token_versions=token_versions)
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -305,7 +395,14 @@ def _build(cfg, model_dir, hf_cfg: dict, *, pad_token_id: int, bucket_bytes: int
     return VLLMEngine(model_dir, pad_token_id=pad_token_id, dtype=engine_dtype(cfg),
                       tensor_parallel_size=ar.tensor_model_parallel_size, max_num_seqs=ar.max_num_seqs,
                       seed=cfg.training.seed, bucket_bytes=bucket_bytes, gpu_memory_utilization=ar.gpu_memory_utilization,
-                      max_model_len=max_model_len, enforce_eager=ar.enforce_eager, sleep_level=ar.sleep_level, log=log)
+                      max_model_len=max_model_len, enforce_eager=ar.enforce_eager, sleep_level=ar.sleep_level,
+                      async_scheduling=False if _partial(cfg) else None, log=log)
+
+
+def _partial(cfg) -> bool:
+    """Whether this run takes new weights inside requests (generate_partial)."""
+    ac = cfg.algorithm.async_rl
+    return ac.enable and ac.partial_rollouts
 
 
 # actor_rollout.engine: vllm (pfppo_mega.registry)

@@ -52,8 +52,6 @@ REFUSED = [
     (["algorithm.async_rl.partial_rollouts=yes please"], "algorithm.async_rl.partial_rollouts", "bool"),
     (["algorithm.async_rl.partial_rollouts=true", "algorithm.async_rl.sampling=uniform"],
      "algorithm.async_rl.partial_rollouts", "needs sampling newest"),
-    (["algorithm.async_rl.partial_rollouts=true", "actor_rollout.engine=vllm"],
-     "algorithm.async_rl.partial_rollouts", "needs actor_rollout.engine in ('builtin',)"),
 ]
 
 
@@ -66,6 +64,19 @@ def test_bad_async_values_are_refused_by_key(overrides, key, rule):
     assert key in keys, str(e.value)
     assert rule in str(e.value), str(e.value)
     assert time.monotonic() - t0 < 5
+
+
+def test_partial_rollouts_need_an_engine_that_takes_weights_inside_a_request(monkeypatch):
+    """Both engines take them (vLLM since its generate_partial); an engine outside
+    PARTIAL_ROLLOUT_ENGINES (one registered by a user) is refused by name."""
+    from pfppo_mega import constants
+
+    over = ["algorithm.async_rl.partial_rollouts=true", "actor_rollout.engine=vllm"]
+    assert load_config(CONFIG, over).actor_rollout.engine == "vllm"
+    monkeypatch.setattr(constants, "PARTIAL_ROLLOUT_ENGINES", ("builtin",))
+    with pytest.raises(ConfigError, match=r"needs actor_rollout.engine in \('builtin',\) \(got 'vllm'\)") as e:
+        load_config(CONFIG, over)
+    assert "algorithm.async_rl.partial_rollouts" in {p.key for p in e.value.problems}
 
 
 def test_the_same_values_load_without_async():
