@@ -328,16 +328,12 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
                        dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     collector: Collector = build_collector(cfg, prompts=prompts, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
     if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
-        if par.world_size != par.dp:
-            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
-                             f"rank); tensor_model_parallel_size = {par.tp}, pipeline_model_parallel_size = {par.pp} "
-                             f"at WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
-                             f"built yet (docs/async.md, Limits)")
         from pfppo_mega.trainer.asynchronous import build_async
         behaviour, collector = build_async(cfg, sync=gen.sync, model_dir=model_dir, hf_cfg=hf_cfg,
                                            next_batch=prompts.next_batch, state=state, rng=state.rng,
                                            tokenizer=tokenizer, device=par.device, log=log, dp_rank=par.dp_rank,
-                                           dp_group=dp.group)
+                                           replica_group=parallel.model_parallel_group(), rank=par.rank,
+                                           first_rank_of_replica=par.tp_rank == 0 and par.pp_rank == 0)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
                                    name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Strategies(behaviour=behaviour, collector=collector, filtration=choose_filtration(a.filtration,

@@ -52,6 +52,11 @@ REFUSED = [
      "algorithm.async_rl.partial_rollouts", "needs sampling newest"),
     (["algorithm.async_rl.partial_rollouts=true", "actor_rollout.engine=vllm"],
      "algorithm.async_rl.partial_rollouts", "needs actor_rollout.engine in ('builtin',)"),
+    # rollout TP (one engine over several ranks) in the generator: not built (the trainer's TP / PP are)
+    (["actor_rollout.tensor_model_parallel_size=2", "actor_rollout.engine=vllm"],
+     "actor_rollout.tensor_model_parallel_size", "one engine in one process"),
+    (["actor_rollout.tensor_model_parallel_size=4", "parallel.tensor_model_parallel_size=2",
+      "parallel.pipeline_model_parallel_size=2"], "actor_rollout.tensor_model_parallel_size", "must be 1"),
 ]
 
 
@@ -72,6 +77,11 @@ def test_the_same_values_load_without_async():
     assert cfg.algorithm.use_pf_ppo and not cfg.algorithm.async_rl.enable
     cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "algorithm.recompute_old_logp=false"])
     assert not cfg.algorithm.recompute_old_logp
+    cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "actor_rollout.tensor_model_parallel_size=2"])
+    assert cfg.actor_rollout.tensor_model_parallel_size == 2
+    # the trainer's own model parallelism loads with the asynchronous mode (tests/test_async_tp.py runs it)
+    cfg = load_config(CONFIG, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+    assert cfg.algorithm.async_rl.enable and cfg.parallel.tensor_model_parallel_size == 2
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,124 @@
+"""Run under torchrun (2 processes, gloo): the asynchronous mode with a tensor- and a
+pipeline-parallel trainer (docs/async.md, "Data, tensor and pipeline parallel"). Each rank prints
+one `RESULT <json>` line for tests/test_async_tp.py.
+
+In one launch: a TP2 run of 3 steps that checkpoints at step 3 with requests in flight, its resume
+at TP2 for step 4, then a PP2 run of 2 steps. Each rank records, per run: its generator's pid (only
+the replica leader, rank 0, has one), the weight files announced and whether each holds exactly
+the full weights the synchronous refit stream gathers from the shards (checked on every rank), a
+digest of every step's trained batch (every rank of the replica must train the same rows), and
+rank 0 the step records.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/async_tp.py CONFIG OUT SFT
+
+``watch`` and ``batch_digest`` are also used in the test's own process for the TP1 reference.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from pfppo_mega.config import load_config
+from pfppo_mega.parallel import destroy_parallel
+from pfppo_mega.trainer.asynchronous import weightfile
+from pfppo_mega.trainer.loop import PPOTrainer
+
+
+def batch_digest(scored) -> str:
+    """The trained rows: prompts, responses, mask, behaviour log-probs and versions."""
+    r = scored.rollout
+    h = hashlib.sha256(json.dumps(r.prompt_ids).encode())
+    for t in (r.responses, r.response_mask, r.behav_logp, r.versions):
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _file_matches_refit(sync, version: int, path: str) -> bool:
+    """Every rank (collective): the file's buckets equal the ones the synchronous refit stream
+    gathers from this layout's shards (rollout.refit.broadcast_stream over LiveWeights)."""
+    theirs = {b.spec.index: b for b in weightfile.read(path, version)}
+    live = sync.live(version)
+    return all(torch.equal(b.flat, theirs[b.spec.index].flat) and b.checksum == theirs[b.spec.index].checksum
+               for b in live.buckets(sync.plan, sync.groups.world))
+
+
+def watch(tr, record: dict) -> None:
+    """Record the run's pushes (the files, checked) and the digest of every trained batch."""
+    col, sync = tr.run.strategies.collector, tr.run.colocation.sync
+    push, collect = col.push, col.collect
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+
+    def pushed(version):
+        push(version)
+        record["pids"].append(col.proc.pid if col.proc is not None else None)
+        box = [col.proc.pool.held[version] if col.proc is not None else None]
+        if multi:
+            dist.broadcast_object_list(box, src=0)  # rank 0's path (every generator is told it)
+        record["files"].append([version, box[0], _file_matches_refit(sync, version, box[0])])
+
+    def collected(samples, **kw):
+        scored, stats = collect(samples, **kw)
+        record["digests"].append(batch_digest(scored))
+        return scored, stats
+
+    col.push, col.collect = pushed, collected
+
+
+def _new_record() -> dict:
+    return {"pids": [], "files": [], "digests": []}
+
+
+def _finish(tr, result, record: dict, rank: int) -> dict:
+    record["steps"] = result.steps
+    record["pid_after_fit"] = tr.run.strategies.collector.proc.pid if tr.run.strategies.collector.proc else None
+    record["metrics"] = [json.loads(line) for line in open(result.metrics_path)] if rank == 0 else []
+    return record
+
+
+def _alive(pids: list) -> list[int]:
+    return [p for p in pids if p is not None and os.path.exists(f"/proc/{p}")
+            and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
+
+
+def main(config: str, out: str, sft: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # owned here: destroy_parallel between the layouts keeps it
+    rank = dist.get_rank()
+    base = [f"actor_rollout.model_path={sft}", "checkpoint.save_interval=3", "algorithm.async_rl.request_prompts=4"]
+    tp2 = base + ["parallel.tensor_model_parallel_size=2", f"logging.output_dir={out}/tp2"]
+    runs: dict[str, dict] = {}
+    lines: list[str] = []
+    with PPOTrainer(load_config(config, tp2 + ["training.total_training_steps=3"]), log=lines.append) as tr:
+        rec = _new_record()
+        watch(tr, rec)
+        runs["tp2"] = _finish(tr, tr.fit(), rec, rank)
+    with PPOTrainer(load_config(config, tp2 + ["checkpoint.resume=true", "training.total_training_steps=4"]),
+                    log=lines.append) as tr:
+        rec = _new_record()
+        rec["resumed_at"] = tr.step
+        rec["restored_requests"] = len(tr.run.strategies.collector.restored or [])  # the leader's file, every rank
+        watch(tr, rec)
+        runs["tp2_resumed"] = _finish(tr, tr.fit(), rec, rank)
+    destroy_parallel()  # the TP2 layout's groups (the world group stays)
+    pp2 = base + ["parallel.pipeline_model_parallel_size=2", f"logging.output_dir={out}/pp2",
+                  "training.total_training_steps=2"]
+    with PPOTrainer(load_config(config, pp2), log=lines.append) as tr:
+        rec = _new_record()
+        watch(tr, rec)
+        runs["pp2"] = _finish(tr, tr.fit(), rec, rank)
+    destroy_parallel()
+    for r in runs.values():
+        r["pids_alive_after"] = _alive(r["pids"])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": rank, "runs": runs})
+    if rank == 0:
+        print("RESULT", json.dumps(everyone), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

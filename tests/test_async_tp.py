@@ -1,0 +1,72 @@
+"""The asynchronous mode with a tensor- and a pipeline-parallel trainer (one torchrun launch, 2
+trainer processes on gloo: TP2 3 steps + a resume at TP2, then PP2 2 steps; docs/async.md, "Data,
+tensor and pipeline parallel"), and the same first batch trained at TP1 in this process: equal
+losses."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from pfppo_mega.config import load_config
+from pfppo_mega.trainer.loop import PPOTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+import async_tp  # noqa: E402  (tests/multirank/async_tp.py: the launch's script; its watch for the TP1 run)
+from async_launch import CONFIG, sft_and_launch  # noqa: E402  (tests/multirank/async_launch.py)
+
+LOSSES = ("policy/pg_loss", "critic/value_loss", "policy/loss", "reward/mean", "critic/return_mean")
+
+
+def _tp1_reference(sft: Path, out: Path) -> tuple[dict, list[dict]]:
+    over = [f"actor_rollout.model_path={sft}", "algorithm.async_rl.request_prompts=4", f"logging.output_dir={out}",
+            "training.total_training_steps=2"]
+    record = {"pids": [], "files": [], "digests": []}
+    with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as tr:
+        async_tp.watch(tr, record)
+        result = tr.fit()
+    return record, [json.loads(line) for line in open(result.metrics_path)]
+
+
+def _step(metrics: list[dict], step: int) -> dict:
+    return next(m for m in metrics if m["step"] == step and "policy/pg_loss" in m)
+
+
+def test_async_tp2_and_pp2_train_checkpoint_resume_and_match_tp1(tmp_path):
+    sft, out, everyone = sft_and_launch("async_tp.py", tmp_path)
+    r0, r1 = (r["runs"] for r in everyone)
+    assert r0["tp2"]["steps"] == 3 and r0["tp2_resumed"]["steps"] == 4 and r0["pp2"]["steps"] == 2
+    for name in ("tp2", "tp2_resumed", "pp2"):
+        a, b = r0[name], r1[name]
+        # one generator, on the replica's leader (rank 0); none on the other rank, none left behind
+        assert a["pids"] and all(a["pids"]) and b["pids"] == [None] * len(b["pids"]), name
+        assert a["pid_after_fit"] is None and a["pids_alive_after"] == [], name
+        # rank 0 writes each version's file once; both ranks see it hold exactly the full weights the
+        # synchronous refit gathers from the shards
+        assert [f[:2] for f in a["files"]] == [f[:2] for f in b["files"]], name
+        assert all(f[2] for f in a["files"] + b["files"]), name
+        # every rank of the replica trains the leader's rows
+        assert a["digests"] == b["digests"] and len(a["digests"]) == (1 if name == "tp2_resumed" else a["steps"]), name
+        recs = [m for m in a["metrics"] if "async/staleness_max" in m]
+        assert all(m["async/staleness_max"] <= 2 for m in recs), name
+        first = recs[0]  # version 0's rows: the engine (weights from the file) and the TP / PP trainer agree
+        assert first["async/staleness_max"] == 0 and first["rollout/logp_gap_max"] < 1e-3, name
+    assert [f[0] for f in r0["tp2"]["files"]] == [0, 1, 2, 3] and [f[0] for f in r0["tp2_resumed"]["files"]] == [3, 4]
+    assert [f[0] for f in r0["pp2"]["files"]] == [0, 1, 2]
+    # the checkpoint with requests in flight: the leader's record (DP1: one file), read by both ranks
+    pend = out / "tp2" / "async_pending"
+    assert (pend / "step_00000003.json").is_file() and not (pend / "step_00000003.rank1.json").exists()
+    assert r0["tp2_resumed"]["resumed_at"] == r1["tp2_resumed"]["resumed_at"] == 3
+    assert r0["tp2_resumed"]["restored_requests"] == r1["tp2_resumed"]["restored_requests"] > 0
+    assert [m["step"] for m in r0["tp2_resumed"]["metrics"] if "async/staleness_max" in m] == [1, 2, 3, 4]
+
+    # the same first batch at TP1: the same rows, the same losses
+    ref, ref_metrics = _tp1_reference(sft, tmp_path / "tp1")
+    for name in ("tp2", "pp2"):
+        assert r0[name]["digests"][0] == ref["digests"][0], name
+        compared = [1] + [s for s in (2,) if r0[name]["digests"][s - 1] == ref["digests"][s - 1]]
+        for step in compared:
+            mine, theirs = _step(r0[name]["metrics"], step), _step(ref_metrics, step)
+            for key in LOSSES:
+                assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (name, step, key, mine[key],
+                                                                                            theirs[key])
