@@ -1,7 +1,7 @@
 """The asynchronous mode with a tensor- and a pipeline-parallel trainer (one torchrun launch, 2
 trainer processes on gloo: TP2 3 steps + a resume at TP2, then PP2 2 steps; docs/async.md, "Data,
 tensor and pipeline parallel"), and the same first batch trained at TP1 in this process: equal
-losses."""
+losses. A second launch of 4 ranks: TP2 x PP2 and DP2 x TP2 (two replicas), 2 steps each."""
 
 import json
 import math
@@ -70,3 +70,25 @@ def test_async_tp2_and_pp2_train_checkpoint_resume_and_match_tp1(tmp_path):
             for key in LOSSES:
                 assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (name, step, key, mine[key],
                                                                                             theirs[key])
+
+
+def test_async_tp2pp2_and_dp2tp2_one_generator_per_replica(tmp_path):
+    _, _, everyone = sft_and_launch("async_tp.py", tmp_path, nproc=4)
+    runs = [r["runs"] for r in everyone]
+    for name, leaders in (("tp2pp2", [0]), ("dp2tp2", [0, 2])):
+        recs = [r[name] for r in runs]
+        assert all(r["steps"] == 2 and r["pids_alive_after"] == [] for r in recs), name
+        # a generator on each replica's leader only, each its own process
+        assert [i for i, r in enumerate(recs) if any(r["pids"])] == leaders, name
+        assert len({r["pids"][0] for r in recs if r["pids"][0]}) == len(leaders), name
+        # one file per version, told to every rank, equal to what the refit stream gathers (every rank checks)
+        assert all([f[:2] for f in r["files"]] == [f[:2] for f in recs[0]["files"]] for r in recs), name
+        assert [f[0] for f in recs[0]["files"]] == [0, 1, 2] and all(f[2] for r in recs for f in r["files"]), name
+        # the ranks of a replica (tp-dp-pp order: replica of rank k is (k // 2) % dp) train the same rows
+        dp = len(leaders)
+        for k, r in enumerate(recs):
+            assert r["digests"] == recs[leaders[(k // 2) % dp]]["digests"], (name, k)
+        first = next(m for m in recs[0]["metrics"] if "async/staleness_max" in m)
+        assert first["async/staleness_max"] == 0 and first["rollout/logp_gap_max"] < 1e-3, name
+    # two replicas: their own prompts, their own rows
+    assert runs[0]["dp2tp2"]["digests"][0] != runs[2]["dp2tp2"]["digests"][0]

@@ -9,6 +9,8 @@ the full weights the synchronous refit stream gathers from the shards (checked o
 digest of every step's trained batch (every rank of the replica must train the same rows), and
 rank 0 the step records.
 
+With 4 processes instead: TP2 x PP2 and DP2 x TP2 (two replicas), 2 steps each, the same records.
+
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multirank/async_tp.py CONFIG OUT SFT
 
 ``watch`` and ``batch_digest`` are also used in the test's own process for the TP1 reference.
@@ -84,11 +86,30 @@ def _alive(pids: list) -> list[int]:
             and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
 
 
+def _short_runs(config: str, out: str, base: list[str], rank: int, lines: list[str]) -> dict[str, dict]:
+    """4 ranks: TP2 x PP2 (one replica: the TP gathers and the point-to-point sends together) and
+    DP2 x TP2 (two replicas, two generators: leaders ranks 0 and 2), 2 steps each."""
+    runs = {}
+    for name, layout in (("tp2pp2", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]),
+                         ("dp2tp2", ["parallel.tensor_model_parallel_size=2"])):
+        with PPOTrainer(load_config(config, base + layout + [f"logging.output_dir={out}/{name}",
+                                                            "training.total_training_steps=2"]), log=lines.append) as tr:
+            rec = _new_record()
+            watch(tr, rec)
+            runs[name] = _finish(tr, tr.fit(), rec, rank)
+        destroy_parallel()
+    return runs
+
+
 def main(config: str, out: str, sft: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # owned here: destroy_parallel between the layouts keeps it
     rank = dist.get_rank()
     base = [f"actor_rollout.model_path={sft}", "checkpoint.save_interval=3", "algorithm.async_rl.request_prompts=4"]
+    if dist.get_world_size() == 4:
+        lines4: list[str] = []
+        _report(_short_runs(config, out, base, rank, lines4), rank)
+        return
     tp2 = base + ["parallel.tensor_model_parallel_size=2", f"logging.output_dir={out}/tp2"]
     runs: dict[str, dict] = {}
     lines: list[str] = []
@@ -111,6 +132,10 @@ def main(config: str, out: str, sft: str) -> None:
         watch(tr, rec)
         runs["pp2"] = _finish(tr, tr.fit(), rec, rank)
     destroy_parallel()
+    _report(runs, rank)
+
+
+def _report(runs: dict[str, dict], rank: int) -> None:
     for r in runs.values():
         r["pids_alive_after"] = _alive(r["pids"])
     everyone: list = [None] * dist.get_world_size()
