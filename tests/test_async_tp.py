@@ -60,6 +60,15 @@ def test_async_tp2_and_pp2_train_checkpoint_resume_and_match_tp1(tmp_path):
     assert r0["tp2_resumed"]["restored_requests"] == r1["tp2_resumed"]["restored_requests"] > 0
     assert [m["step"] for m in r0["tp2_resumed"]["metrics"] if "async/staleness_max" in m] == [1, 2, 3, 4]
 
+    # a producer failing on either rank: a named error on both ranks at once, no file left, and the
+    # next version is written (PP2: rank 1 owns stage 1's buckets, rank 0 stage 0's and the file)
+    f0, f1 = r0["pp2"]["failures"], r1["pp2"]["failures"]
+    assert "rank 1 owns bucket" in f0["fail_on_1"] and "produced none" in f0["fail_on_1"], f0
+    assert "rank 1 failed" in f1["fail_on_1"] and "sabotaged producer on rank 1" in f1["fail_on_1"], f1
+    assert "rank 0" in f0["fail_on_0"] and "sabotaged producer on rank 0" in f0["fail_on_0"], f0
+    assert "was not written: rank 0" in f1["fail_on_0"] and "sabotaged producer on rank 0" in f1["fail_on_0"], f1
+    assert f0["after"] == f1["after"] == "v99.weights" and f0["left"] == ["v99.weights"]
+
     # the same first batch at TP1: the same rows, the same losses
     ref, ref_metrics = _tp1_reference(sft, tmp_path / "tp1")
     for name in ("tp2", "pp2"):

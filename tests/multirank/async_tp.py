@@ -3,7 +3,8 @@ pipeline-parallel trainer (docs/async.md, "Data, tensor and pipeline parallel").
 one `RESULT <json>` line for tests/test_async_tp.py.
 
 In one launch: a TP2 run of 3 steps that checkpoints at step 3 with requests in flight, its resume
-at TP2 for step 4, then a PP2 run of 2 steps. Each rank records, per run: its generator's pid (only
+at TP2 for step 4, then a PP2 run of 2 steps, after which a weight export fails on purpose on each
+rank in turn (``failures``). Each rank records, per run: its generator's pid (only
 the replica leader, rank 0, has one), the weight files announced and whether each holds exactly
 the full weights the synchronous refit stream gathers from the shards (checked on every rank), a
 digest of every step's trained batch (every rank of the replica must train the same rows), and
@@ -70,6 +71,48 @@ def watch(tr, record: dict) -> None:
     col.push, col.collect = pushed, collected
 
 
+def _sabotaged(real, rank: int, who: int):
+    """sync.live whose produce raises, on rank ``who`` only, for the buckets that rank owns."""
+    def live_of(version):
+        live = real(version)
+        if rank == who:
+            produce = live.produce
+
+            def failing(spec, wire=None):
+                if live.owner(spec) == rank:
+                    raise RuntimeError(f"sabotaged producer on rank {rank}")
+                return produce(spec, wire)
+            live.produce = failing
+        return live
+    return live_of
+
+
+def failures(tr, rank: int, out: str) -> dict:
+    """A producer failing on rank 1 (stage 1's owner: its buckets travel point to point), then on
+    rank 0 (stage 0, the writer): every rank raises WeightExportError, none waits; no file is left
+    behind, and a version written afterwards works (the ranks are still in step)."""
+    from pfppo_mega.trainer.asynchronous.export import WeightExportError, write_version
+    from pfppo_mega.trainer.asynchronous.weightfile import WeightFiles
+
+    sync, record = tr.run.colocation.sync, {}
+    files = WeightFiles(out) if rank == 0 else None
+    real = sync.live
+    for who in (1, 0):
+        sync.live = _sabotaged(real, rank, who)
+        try:
+            write_version(sync, files, 90 + who)
+            record[f"fail_on_{who}"] = "written"
+        except WeightExportError as e:
+            record[f"fail_on_{who}"] = str(e)
+    sync.live = real
+    path = write_version(sync, files, 99)
+    record["after"] = os.path.basename(path)
+    if rank == 0:
+        record["left"] = sorted(os.listdir(files.root))
+        files.close()
+    return record
+
+
 def _new_record() -> dict:
     return {"pids": [], "files": [], "digests": []}
 
@@ -131,6 +174,7 @@ def main(config: str, out: str, sft: str) -> None:
         rec = _new_record()
         watch(tr, rec)
         runs["pp2"] = _finish(tr, tr.fit(), rec, rank)
+        rec["failures"] = failures(tr, rank, out)
     destroy_parallel()
     _report(runs, rank)
 

@@ -17,7 +17,7 @@ model replica, on its leader (tp_rank = pp_rank = 0, the lowest rank of megatron
 group); the leader takes the step's groups and broadcasts them to the replica's other ranks, which
 draw the same prompts and seeds (the prompt stream stays in step) but ask nothing. Each version's
 file holds the full Hugging Face layout, gathered from the TP shards and pipeline stages into global
-rank 0 (write_version), the only writer; every rank makes the same calls.
+rank 0 (export.write_version), the only writer; every rank makes the same calls.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch.distributed as dist
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import oldest_versions
-from pfppo_mega.rollout.refit import recv_bucket, send_bucket
 from pfppo_mega.trainer.asynchronous import pending as pending_file
+from pfppo_mega.trainer.asynchronous.export import write_version
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     token_staleness_metrics, version_window
 from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
@@ -85,49 +85,6 @@ def _reask_rng(seed: int, dropped: list[Group]) -> random.Random:
     """The seeds of stale groups asked again: from their keys, not from the run's prompt stream, so
     how many groups a rank drops (timing) never moves the prompts every rank draws in step."""
     return random.Random(f"reask:{seed}:{','.join(str(g.key) for g in dropped)}")
-
-
-def write_version(sync, files, version: int) -> str:
-    """The actor's current weights as version ``version``'s file (weightfile.py), the full Hugging
-    Face layout in the engine's checksummed buckets; returns its path on every rank.
-
-    One process: packed straight into the file. Several: every rank makes the same calls. Global
-    rank 0 (``files``; tp = pp = dp rank 0) is the only writer: a bucket it owns (pipeline stage 0,
-    gathered from its TP group by LiveWeights) is packed straight into its place in the file; a bucket
-    of stage p > 0 is gathered on that stage's owner (tp 0 of dp replica 0) and sent point to point
-    into its place. Every rank walks the plan in order (the TP gathers), then the path is broadcast
-    from rank 0. Other data-parallel replicas produce nothing (their weights are equal)."""
-    live, group = sync.live(version), sync.groups.world
-    if group is None:  # one process
-        return files.pack(version, sync.plan, live.produce)
-    me = dist.get_rank()
-    if me == 0:
-        def produce(spec, wire):
-            src = live.owner(spec)
-            return live.produce(spec, wire) if src == 0 else recv_bucket(spec, src=src, group=group, out=wire)
-        path = files.pack(version, sync.plan, produce)
-    else:
-        path = None
-        for spec in sync.plan:
-            _produce_and_send(live, spec, me, group)
-    box = [path]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _produce_and_send(live, spec, me: int, group) -> None:
-    """A rank other than 0, one bucket of the plan: take part in its TP gather, and when this rank
-    owns it send it to rank 0 (a failed produce still sends, flagged, then raises: rank 0 never waits)."""
-    src = live.owner(spec)
-    bucket, error = None, None
-    try:
-        bucket = live.produce(spec)
-    except Exception as e:
-        error = e
-    if me == src:
-        send_bucket(bucket, spec, dst=0, group=group, error=error)
-    if error is not None:
-        raise error
 
 
 ROWS_PER_RANK = 1 << 20  # a data-parallel rank's rows are seeded from row_offset dp_rank * this on
