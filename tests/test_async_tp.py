@@ -1,10 +1,12 @@
 """The asynchronous mode with a tensor- and a pipeline-parallel trainer (one torchrun launch, 2
 trainer processes on gloo: TP2 3 steps + a resume at TP2, then PP2 2 steps; docs/async.md, "Data,
 tensor and pipeline parallel"), and the same first batch trained at TP1 in this process: equal
+losses; TP2's checkpoint with requests in flight resumed at TP1 trains the TP2 resume's rows to its
 losses. A second launch of 4 ranks: TP2 x PP2 and DP2 x TP2 (two replicas), 2 steps each."""
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +28,28 @@ def _tp1_reference(sft: Path, out: Path) -> tuple[dict, list[dict]]:
         async_tp.watch(tr, record)
         result = tr.fit()
     return record, [json.loads(line) for line in open(result.metrics_path)]
+
+
+def _tp1_resume_of_step3(sft: Path, saved: Path, out: Path) -> tuple[dict, list[dict], int]:
+    """The TP2 run's step-3 checkpoint (its step-4 checkpoint and record removed from a copy) resumed
+    at TP1 for step 4: (its record, its metrics, the requests asked again)."""
+    shutil.copytree(saved, out)
+    shutil.rmtree(out / "checkpoints" / "step_000004")
+    (out / "async_pending" / "step_00000004.json").unlink()
+    (out / "checkpoints" / "latest").write_text("step_000003")
+    over = [f"actor_rollout.model_path={sft}", "algorithm.async_rl.request_prompts=4", f"logging.output_dir={out}",
+            "checkpoint.resume=true", "checkpoint.save_interval=3", "training.total_training_steps=4"]
+    record = {"pids": [], "files": [], "digests": []}
+    with PPOTrainer(load_config(CONFIG, over), log=lambda *_: None) as tr:
+        asked = len(tr.run.strategies.collector.restored or [])
+        async_tp.watch(tr, record)
+        result = tr.fit()
+    return record, [json.loads(line) for line in open(result.metrics_path)], asked
+
+
+def _close(mine: dict, theirs: dict, what) -> None:
+    for key in LOSSES:
+        assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (what, key, mine[key], theirs[key])
 
 
 def _step(metrics: list[dict], step: int) -> dict:
@@ -75,10 +99,14 @@ def test_async_tp2_and_pp2_train_checkpoint_resume_and_match_tp1(tmp_path):
         assert r0[name]["digests"][0] == ref["digests"][0], name
         compared = [1] + [s for s in (2,) if r0[name]["digests"][s - 1] == ref["digests"][s - 1]]
         for step in compared:
-            mine, theirs = _step(r0[name]["metrics"], step), _step(ref_metrics, step)
-            for key in LOSSES:
-                assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (name, step, key, mine[key],
-                                                                                            theirs[key])
+            _close(_step(r0[name]["metrics"], step), _step(ref_metrics, step), (name, step))
+
+    # exact resume across layouts: the TP2 checkpoint at step 3 (requests in flight) resumed at TP1
+    # asks the same requests again and trains the same step-4 rows as the TP2 resume, to the same losses
+    res, res_metrics, asked = _tp1_resume_of_step3(sft, out / "tp2", tmp_path / "tp1_resumed")
+    assert asked == r0["tp2_resumed"]["restored_requests"] and [f[0] for f in res["files"]] == [3, 4]
+    assert all(f[2] for f in res["files"]) and res["digests"] == r0["tp2_resumed"]["digests"]
+    _close(_step(res_metrics, 4), _step(r0["tp2_resumed"]["metrics"], 4), "tp1 resume of tp2's step 3")
 
 
 def test_async_tp2pp2_and_dp2tp2_one_generator_per_replica(tmp_path):
