@@ -309,3 +309,21 @@ def test_a_data_parallel_rank_without_its_pending_file_is_refused_by_name(tmp_pa
         pending.write(tmp_path, step, 2, [], keep=1, rank=1)
     names = sorted(p.name for p in (tmp_path / "async_pending").iterdir())
     assert names == ["step_00000003.json", "step_00000005.rank1.json"]
+
+
+@pytest.mark.parametrize("tp,dp,local,refused", [
+    (2, 2, 8, None),          # both leaders (ranks 0, 2) on node 0
+    (8, 1, 8, None),          # one replica spanning two nodes (PP2 over 16 ranks): only rank 0 generates
+    (8, 2, 8, [1]),           # replica 1's leader is rank 8, on node 1
+    (1, 16, 8, list(range(8, 16))),
+])
+def test_replica_leaders_off_rank_0s_node_are_refused_by_name(tp, dp, local, refused):
+    """The weight file lives in rank 0's node-local /dev/shm: a generator on another node could not map it."""
+    from pfppo_mega.trainer.build import SetupError, check_async_nodes
+
+    if refused is None:
+        check_async_nodes(tp=tp, dp=dp, local_world_size=local)
+        return
+    with pytest.raises(SetupError, match=r"replicas \[.*\] would run on another node") as e:
+        check_async_nodes(tp=tp, dp=dp, local_world_size=local)
+    assert str(refused) in str(e.value) and "/dev/shm" in str(e.value)
