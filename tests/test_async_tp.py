@@ -92,6 +92,9 @@ def test_async_tp2_and_pp2_train_checkpoint_resume_and_match_tp1(tmp_path):
     assert "rank 0" in f0["fail_on_0"] and "sabotaged producer on rank 0" in f0["fail_on_0"], f0
     assert "was not written: rank 0" in f1["fail_on_0"] and "sabotaged producer on rank 0" in f1["fail_on_0"], f1
     assert f0["after"] == f1["after"] == "v99.weights" and f0["left"] == ["v99.weights"]
+    # the leader's generator failing for good fails the whole replica at once (no rank left in the broadcast)
+    assert f0["generator_failed"] == "injected: died more than max_restarts times"
+    assert "replica (on rank 0) failed: injected" in f1["generator_failed"], f1
 
     # the same first batch at TP1: the same rows, the same losses
     ref, ref_metrics = _tp1_reference(sft, tmp_path / "tp1")

@@ -4,7 +4,7 @@ one `RESULT <json>` line for tests/test_async_tp.py.
 
 In one launch: a TP2 run of 3 steps that checkpoints at step 3 with requests in flight, its resume
 at TP2 for step 4, then a PP2 run of 2 steps, after which a weight export fails on purpose on each
-rank in turn (``failures``). Each rank records, per run: its generator's pid (only
+rank in turn, and the leader's generator "fails for good" (``failures``). Each rank records, per run: its generator's pid (only
 the replica leader, rank 0, has one), the weight files announced and whether each holds exactly
 the full weights the synchronous refit stream gathers from the shards (checked on every rank), a
 digest of every step's trained batch (every rank of the replica must train the same rows), and
@@ -105,12 +105,32 @@ def failures(tr, rank: int, out: str) -> dict:
         except WeightExportError as e:
             record[f"fail_on_{who}"] = str(e)
     sync.live = real
+    record["generator_failed"] = _generator_failure(tr.run.strategies.collector, rank)
     path = write_version(sync, files, 99)
     record["after"] = os.path.basename(path)
     if rank == 0:
         record["left"] = sorted(os.listdir(files.root))
         files.close()
     return record
+
+
+def _generator_failure(col, rank: int) -> str:
+    """The leader's generator failing for good (its _take raising GeneratorFailed, injected): every
+    rank of the replica raises GeneratorFailed at the rows' broadcast, none waits in it."""
+    from pfppo_mega.trainer.asynchronous.process import GeneratorFailed
+
+    def failed(*_):
+        raise GeneratorFailed("injected: died more than max_restarts times")
+
+    if col.leader:
+        col._take = failed
+    try:
+        col._replica_rows(0, 1, 0.0)
+        return "no error"
+    except GeneratorFailed as e:
+        return str(e)
+    finally:
+        col.__dict__.pop("_take", None)
 
 
 def _new_record() -> dict:

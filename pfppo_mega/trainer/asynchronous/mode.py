@@ -27,17 +27,16 @@ import time
 from typing import Callable, Optional
 
 import torch
-
 import torch.distributed as dist
 
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import oldest_versions
 from pfppo_mega.trainer.asynchronous import pending as pending_file
-from pfppo_mega.trainer.asynchronous.export import write_version
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     token_staleness_metrics, version_window
-from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
+from pfppo_mega.trainer.asynchronous.export import write_version
+from pfppo_mega.trainer.asynchronous.process import GeneratorFailed, GeneratorProcess
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
 from pfppo_mega.trainer.batch import RolloutBatch
 from pfppo_mega.trainer.behaviour import BehaviourPolicy
@@ -233,14 +232,7 @@ class AsyncCollector:
                 self.restored = None
         self._submit(samples, self.rng)
         with timer("rollout"):
-            if self.leader:
-                taken, gen_stats = self._take(step, need, t_enter)
-            else:
-                taken, gen_stats = None, None
-            if self.replica_group is not None:  # every rank of the replica trains on the leader's groups
-                box = [(taken, gen_stats)]
-                dist.broadcast_object_list(box, src=self.leader_rank, group=self.replica_group)
-                taken, gen_stats = box[0]
+            taken, gen_stats = self._replica_rows(step, need, t_enter)
         with timer("score"):
             scored = score(self._rollout(taken))
         stats = staleness_metrics(scored.rollout.versions, step, self.ac.max_staleness)
@@ -248,6 +240,26 @@ class AsyncCollector:
         if self.ac.partial_rollouts:
             stats.update(self._token_stats(taken, step))
         return scored, stats
+
+    def _replica_rows(self, step: int, need: int, t_enter: float) -> tuple[list[Group], dict[str, float]]:
+        """The leader's groups and generator metrics, on every rank of the replica (one broadcast on
+        its model-parallel group). A generator that failed for good fails every rank of the replica
+        at once (GeneratorFailed), none is left waiting in the broadcast."""
+        if self.replica_group is None:
+            return self._take(step, need, t_enter)
+        failure, rows = None, (None, None)
+        if self.leader:
+            try:
+                rows = self._take(step, need, t_enter)
+            except GeneratorFailed as e:
+                failure = e
+        box = [str(failure) if failure is not None else rows]
+        dist.broadcast_object_list(box, src=self.leader_rank, group=self.replica_group)
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], str):
+            raise GeneratorFailed(f"the generator of this rank's replica (on rank {self.leader_rank}) failed: {box[0]}")
+        return box[0]
 
     def _take(self, step: int, need: int, t_enter: float) -> tuple[list[Group], dict[str, float]]:
         """The leader: the step's groups from the buffer (waiting for the generator, dropping and
