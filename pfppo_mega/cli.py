@@ -44,6 +44,7 @@ def _load(config: str, overrides: list[str], *output_dirs: str):
 
 def _train(cfg) -> int:
     from pfppo_mega.rewards.custom import RunDirectoryWritten
+    from pfppo_mega.trainer.asynchronous.export import WeightExportError
     from pfppo_mega.trainer.asynchronous.process import GeneratorFailed
     from pfppo_mega.trainer.build import SetupError
     from pfppo_mega.trainer.collect import SamplingStalled
@@ -58,7 +59,7 @@ def _train(cfg) -> int:
     try:
         with trainer:  # closes the reward workers on every exit
             res = trainer.fit()
-    except (TrainingHalted, SamplingStalled, RunDirectoryWritten, GeneratorFailed) as e:
+    except (TrainingHalted, SamplingStalled, RunDirectoryWritten, GeneratorFailed, WeightExportError) as e:
         print(f"pfppo: training stopped: {e}", file=sys.stderr)
         return 3
     except RuntimeError as e:

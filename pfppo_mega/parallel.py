@@ -223,6 +223,18 @@ def data_parallel_group() -> Optional[dist.ProcessGroup]:
     return ps.get_data_parallel_group(with_context_parallel=False)
 
 
+def model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """megatron's model-parallel group: the ranks of this rank's model replica (its TP ranks and
+    pipeline stages, same dp_rank; the lowest global rank is tp_rank = pp_rank = 0), or None when
+    tp * pp == 1 or the parallel state is not initialised."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or \
+            ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return ps.get_model_parallel_group()
+
+
 def world_group() -> Optional[dist.ProcessGroup]:
     """The default (world) group, or None in a one-process world or before init."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -1,30 +1,15 @@
 """The asynchronous mode at DP2 (one torchrun launch, 2 trainer processes on gloo, each with its own
-generator process): docs/async.md, "Data-parallel"."""
+generator process): docs/async.md, "Data, tensor and pipeline parallel"."""
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from pfppo_mega.config import load_config
-from pfppo_mega.sft import run_sft
-
-HERE = Path(__file__).resolve().parent
-CONFIG = HERE.parent / "configs" / "async_tiny.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
+from async_launch import sft_and_launch  # noqa: E402  (tests/multirank/async_launch.py)
 
 
 def test_async_dp2_one_generator_per_rank_trains_checkpoints_and_resumes(tmp_path):
-    sft = tmp_path / "sft"
-    run_sft(load_config(CONFIG, [f"sft.output_dir={sft}", f"actor_rollout.model_path={sft}", "sft.steps=40"]),
-            log=lambda *_: None)
-    out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(HERE / "multirank" / "async_dp2.py"), str(CONFIG), str(out), str(sft)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    _, out, (r0, r1) = sft_and_launch("async_dp2.py", tmp_path)
     assert r0["dp"] == 2 and r0["steps"] == r1["steps"] == [3, 4] and r0["resumed_at"] == r1["resumed_at"] == 3
     # one generator process per rank, none left behind
     assert r0["pids"] and r1["pids"] and not set(r0["pids"]) & set(r1["pids"])
@@ -46,4 +31,3 @@ def test_async_dp2_one_generator_per_rank_trains_checkpoints_and_resumes(tmp_pat
     assert all(m["async/staleness_max"] <= 2 for m in recs)
     first = recs[0]  # version 0's rows on both ranks: engine and trainer log-probs agree (the same weights)
     assert first["async/staleness_max"] == 0 and first["rollout/logp_gap_max"] < 1e-3
-    assert "tensor_model_parallel_size = 2" in r0["tp2"] and "not built yet" in r0["tp2"]  # refused by name

@@ -66,7 +66,7 @@ def test_live_refit_capture_switch_and_checkpoint(setup):
     pool = sync.new_pool(2)
     sync.capture(pool, 2)
     copied = sync.new_pool(2)  # the copying capture of any stream keeps the same bytes and checksums
-    copied.capture(2, sync._live(2).buckets(sync.plan))
+    copied.capture(2, sync.live(2).buckets(sync.plan))
     assert copied._producer_checksums == pool._producer_checksums and copied.stream_checksums == pool.stream_checksums
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied.snapshots[0].tensors, pool.snapshots[0].tensors))
     params = SamplingParams(1.0, 1.0, 10, None, seed=3)
@@ -143,7 +143,7 @@ def test_the_refit_streams_buffers_are_freed_when_the_engine_sleeps(setup, monke
     ring = (max(1, min(refit.MAX_AHEAD, refit.AHEAD_BYTES // size)) + 1) * size  # the stream's own rule
 
     def streamed(version: int) -> float:  # refit_live, but through the broadcast stream (world of 1)
-        engine.update_weights(refit.broadcast_stream(sync._live(version), sync.plan, dist.group.WORLD), version)
+        engine.update_weights(refit.broadcast_stream(sync.live(version), sync.plan, dist.group.WORLD), version)
         return 0.0
 
     streamed(1)

@@ -1463,6 +1463,11 @@ class Config(Section):
                              f"(no carry reaches a higher digit)"))
         self._check_multi_turn(p)
         ar = self.algorithm.async_rl
+        if ar.enable and self.actor_rollout.tensor_model_parallel_size > 1:
+            p.append(Problem("actor_rollout.tensor_model_parallel_size", self.actor_rollout.tensor_model_parallel_size,
+                             "must be 1 with algorithm.async_rl.enable: not built yet, each model replica's generator "
+                             "is one engine in one process (the trainer's own parallel.tensor_model_parallel_size and "
+                             "pipeline_model_parallel_size are supported; docs/async.md)"))
         if ar.enable and ar.partial_rollouts and self.actor_rollout.engine not in C.PARTIAL_ROLLOUT_ENGINES:
             p.append(Problem("algorithm.async_rl.partial_rollouts", True,
                              f"needs actor_rollout.engine in {C.PARTIAL_ROLLOUT_ENGINES} (got "

@@ -68,6 +68,30 @@ def broadcast_bucket(bucket: Optional[Bucket], spec: BucketSpec, version: int, *
     return _received(wire, spec, src, bucket, me)
 
 
+def send_bucket(bucket: Optional[Bucket], spec: BucketSpec, *, dst: int, group: Optional[dist.ProcessGroup],
+                error: Optional[BaseException] = None) -> None:
+    """Point to point: the owner's bucket for ``spec`` to rank ``dst`` alone (recv_bucket there), as
+    one wire buffer. A bucket that is None, of another spec, or came with ``error`` goes as a 'none'
+    trailer, so the receiver raises instead of waiting for bytes that never come."""
+    device = comm_device(group)
+    slot = new_wire(spec.nbytes, device)
+    wire = _send_wire(None if error is not None else bucket, spec, slot, device)
+    dist.send(wire, dst=dst, group=group)
+
+
+def recv_bucket(spec: BucketSpec, *, src: int, group: Optional[dist.ProcessGroup], out: torch.Tensor) -> Bucket:
+    """Rank ``src``'s bucket for ``spec`` (send_bucket there) into ``out`` (a uint8 wire buffer of
+    wire_nbytes(spec.nbytes), e.g. its place in a weight file), checksum as the producer's. Received
+    straight into ``out`` where it is on the group's device, else through a buffer there (NCCL)."""
+    device = comm_device(group)
+    n = wire_nbytes(spec.nbytes)
+    wire = out[:n] if out.device == device else new_wire(spec.nbytes, device)
+    dist.recv(wire, src=src, group=group)
+    if wire.data_ptr() != out.data_ptr():
+        out[:n].copy_(wire)
+    return _received(out[:n], spec, src, None, dist.get_rank())
+
+
 def broadcast_stream(source, plan: list[BucketSpec], group: dist.ProcessGroup,
                      dest: Optional[Callable[[BucketSpec], Optional[torch.Tensor]]] = None) -> Iterator[Bucket]:
     """Every bucket of ``plan`` from its owner to every rank of ``group``, in plan order, one async

@@ -318,6 +318,21 @@ def rollout_correction(c) -> Optional[RolloutCorrection]:
                              criteria=tuple(c.criteria()), loss_type=c.loss_type)
 
 
+def check_async_nodes(*, tp: int, dp: int, local_world_size: int) -> None:
+    """The asynchronous mode's generators must share global rank 0's node: each version's weight
+    file is written once, in rank 0's node-local /dev/shm, and every replica leader's generator maps
+    it. Replica d's leader is global rank tp * d (megatron's tp-dp-pp order); one replica may span
+    nodes (its other ranks only learn the path). SetupError naming the replicas otherwise."""
+    far = [d for d in range(dp) if tp * d >= local_world_size]
+    if far:
+        raise SetupError(
+            f"algorithm.async_rl.enable: the generators of data-parallel replicas {far} would run on another node "
+            f"than rank 0 (their leaders are global ranks {[tp * d for d in far]}, {local_world_size} ranks a node): "
+            f"each version's weight file is written once, in rank 0's node-local /dev/shm, which they cannot map. "
+            f"Not built yet (a writer per node); run the replicas' leaders on one node (fewer data-parallel "
+            f"replicas: one replica may span nodes)")
+
+
 def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: ParallelInfo, dp: DataParallel,
                      estimator: AdvantageEstimator, kernels: KernelBackend, prompts: PromptSource, tokenizer: Tokenizer,
                      model_dir: Path, hf_cfg: dict, log: Callable[[str], None]) -> Strategies:
@@ -331,16 +346,14 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
                        dp_rank=par.dp_rank, log=log) if a.use_pf_ppo else CurrentPolicy(gen, n=n))
     collector: Collector = build_collector(cfg, prompts=prompts, log=log, pad_id=tokenizer.pad_id, dp=par.dp)
     if a.async_rl.enable:  # a generator process overlapped with training (trainer/asynchronous/)
-        if par.world_size != par.dp:
-            raise SetupError(f"algorithm.async_rl.enable trains data-parallel only (one generator process per "
-                             f"rank); tensor_model_parallel_size = {par.tp}, pipeline_model_parallel_size = {par.pp} "
-                             f"at WORLD_SIZE = {par.world_size}: asynchronous training with model parallelism is not "
-                             f"built yet (docs/async.md, Limits)")
+        check_async_nodes(tp=par.tp, dp=par.dp, local_world_size=len(gen.sync.node_ranks))
         from pfppo_mega.trainer.asynchronous import build_async
         behaviour, collector = build_async(cfg, sync=gen.sync, model_dir=model_dir, hf_cfg=hf_cfg,
                                            next_batch=prompts.next_batch, state=state, rng=state.rng,
                                            tokenizer=tokenizer, device=par.device, log=log, dp_rank=par.dp_rank,
-                                           dp_group=dp.group, kernels=kernels)
+                                           replica_group=parallel.model_parallel_group(), rank=par.rank,
+                                           first_rank_of_replica=par.tp_rank == 0 and par.pp_rank == 0,
+                                           kernels=kernels)
     loss_name = choose_policy_loss(use_pool=a.use_pf_ppo or a.async_rl.enable, is_mode=a.pool.is_mode,
                                    name=a.policy_loss, rollout_correction=a.rollout_correction.enabled)
     return Strategies(behaviour=behaviour, collector=collector, filtration=choose_filtration(a.filtration,

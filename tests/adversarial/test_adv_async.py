@@ -52,6 +52,11 @@ REFUSED = [
     (["algorithm.async_rl.partial_rollouts=yes please"], "algorithm.async_rl.partial_rollouts", "bool"),
     (["algorithm.async_rl.partial_rollouts=true", "algorithm.async_rl.sampling=uniform"],
      "algorithm.async_rl.partial_rollouts", "needs sampling newest"),
+    # rollout TP (one engine over several ranks) in the generator: not built (the trainer's TP / PP are)
+    (['actor_rollout.tensor_model_parallel_size=2', 'actor_rollout.engine=vllm'],
+     'actor_rollout.tensor_model_parallel_size', 'one engine in one process'),
+    (['actor_rollout.tensor_model_parallel_size=4', 'parallel.tensor_model_parallel_size=2',
+      'parallel.pipeline_model_parallel_size=2'], 'actor_rollout.tensor_model_parallel_size', 'must be 1'),
 ]
 
 
@@ -85,6 +90,11 @@ def test_the_same_values_load_without_async():
     assert cfg.algorithm.use_pf_ppo and not cfg.algorithm.async_rl.enable
     cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "algorithm.recompute_old_logp=false"])
     assert not cfg.algorithm.recompute_old_logp
+    cfg = load_config(CONFIG, ["algorithm.async_rl.enable=false", "actor_rollout.tensor_model_parallel_size=2"])
+    assert cfg.actor_rollout.tensor_model_parallel_size == 2
+    # the trainer's own model parallelism loads with the asynchronous mode (tests/test_async_tp.py runs it)
+    cfg = load_config(CONFIG, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+    assert cfg.algorithm.async_rl.enable and cfg.parallel.tensor_model_parallel_size == 2
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +338,21 @@ def test_a_data_parallel_rank_without_its_pending_file_is_refused_by_name(tmp_pa
         pending.write(tmp_path, step, 2, [], keep=1, rank=1)
     names = sorted(p.name for p in (tmp_path / "async_pending").iterdir())
     assert names == ["step_00000003.json", "step_00000005.rank1.json"]
+
+
+@pytest.mark.parametrize("tp,dp,local,refused", [
+    (2, 2, 8, None),          # both leaders (ranks 0, 2) on node 0
+    (8, 1, 8, None),          # one replica spanning two nodes (PP2 over 16 ranks): only rank 0 generates
+    (8, 2, 8, [1]),           # replica 1's leader is rank 8, on node 1
+    (1, 16, 8, list(range(8, 16))),
+])
+def test_replica_leaders_off_rank_0s_node_are_refused_by_name(tp, dp, local, refused):
+    """The weight file lives in rank 0's node-local /dev/shm: a generator on another node could not map it."""
+    from pfppo_mega.trainer.build import SetupError, check_async_nodes
+
+    if refused is None:
+        check_async_nodes(tp=tp, dp=dp, local_world_size=local)
+        return
+    with pytest.raises(SetupError, match=r"replicas \[.*\] would run on another node") as e:
+        check_async_nodes(tp=tp, dp=dp, local_world_size=local)
+    assert str(refused) in str(e.value) and "/dev/shm" in str(e.value)

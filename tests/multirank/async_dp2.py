@@ -1,5 +1,5 @@
 """Run under torchrun (2 processes, gloo): the asynchronous mode at DP2, one generator process per
-trainer rank (docs/async.md, "Data-parallel"). Each rank prints one `RESULT <json>` line for
+trainer rank (docs/async.md, "Data, tensor and pipeline parallel"). Each rank prints one `RESULT <json>` line for
 tests/test_async_dp.py.
 
 A run of 3 steps checkpoints at step 3 with requests in flight (each rank its own pending file);
@@ -23,7 +23,6 @@ from pfppo_mega.config import load_config
 from pfppo_mega.parallel import destroy_parallel
 from pfppo_mega.rollout.live import LiveWeights
 from pfppo_mega.trainer.asynchronous import weightfile
-from pfppo_mega.trainer.build import SetupError
 from pfppo_mega.trainer.loop import PPOTrainer
 
 
@@ -74,13 +73,6 @@ def main(config: str, out: str, sft: str) -> None:
         _watch(tr, record)
         second = tr.fit()
     destroy_parallel()  # the DP2 layout's groups (the world group stays)
-    try:  # model parallelism is refused by name (not built for the asynchronous mode)
-        PPOTrainer(load_config(config, over + ["parallel.tensor_model_parallel_size=2",
-                                               f"logging.output_dir={out}_tp2"]), log=lines.append).close()
-        record["tp2"] = "accepted"
-    except SetupError as e:
-        record["tp2"] = str(e)
-    destroy_parallel()
     record["pids_alive_after"] = [p for p in record["pids"] if p is not None and os.path.exists(f"/proc/{p}")
                                   and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
     record["steps"] = [first.steps, second.steps]

@@ -9,7 +9,10 @@
     pending.py    the requests in flight at a checkpoint, written beside it and asked again on resume
     weightfile.py a weight version as one shared-memory file (header + flat buckets): the trainer
                   packs into it, only its path goes through the pipe, the generator maps it
-    mode.py       the trainer's seams: AsyncCollector (the step's rows from the buffer) and
+    export.py     each version's file from a trainer of any layout (TP x PP x DP): the full HF layout
+                  gathered into rank 0, the one writer; every rank makes the same calls
+    mode.py       the trainer's seams: AsyncCollector (the step's rows from the buffer; one generator
+                  per model replica, on its leader, the rows broadcast to the replica) and
                   AsyncBehaviour (decoupled PPO's correction, the push after each update, metrics)
 
 Synchronous training is the special case max_staleness = 0 (the ordinary loop); this mode needs

@@ -11,6 +11,13 @@
 Checkpoints: each save writes the requests in flight beside it (pending.py); a resume asks them
 again first, same prompts and seeds, so the resumed run trains the same prompts in the same order.
 A checkpoint without that record is refused (AsyncResumeError).
+
+Parallel layouts (docs/async.md, "Data, tensor and pipeline parallel"): one generator process per
+model replica, on its leader (tp_rank = pp_rank = 0, the lowest rank of megatron's model-parallel
+group); the leader takes the step's groups and broadcasts them to the replica's other ranks, which
+draw the same prompts and seeds (the prompt stream stays in step) but ask nothing. Each version's
+file holds the full Hugging Face layout, gathered from the TP shards and pipeline stages into global
+rank 0 (export.write_version), the only writer; every rank makes the same calls.
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from pfppo_mega import parallel
 from pfppo_mega import pool as pfpool
 from pfppo_mega.rollout import SamplingParams
 from pfppo_mega.rollout.base import oldest_versions
@@ -29,7 +36,8 @@ from pfppo_mega.trainer.asynchronous import pending as pending_file
 from pfppo_mega.trainer.asynchronous.logp_check import VersionLogpCheck
 from pfppo_mega.trainer.asynchronous.buffer import Group, StalenessBuffer, busy_fraction, staleness_metrics, \
     token_staleness_metrics, version_window
-from pfppo_mega.trainer.asynchronous.process import GeneratorProcess
+from pfppo_mega.trainer.asynchronous.export import write_version
+from pfppo_mega.trainer.asynchronous.process import GeneratorFailed, GeneratorProcess
 from pfppo_mega.trainer.asynchronous.worker import Request, Result, WorkerSpec
 from pfppo_mega.trainer.batch import RolloutBatch
 from pfppo_mega.trainer.behaviour import BehaviourPolicy
@@ -60,9 +68,9 @@ def check_resume(run) -> None:
 
 
 def save_pending(run) -> None:
-    """After a checkpoint save: the requests in flight, beside it (every data-parallel rank its own
-    generator's: the asynchronous mode is data-parallel only, build.py)."""
-    if run.cfg.algorithm.async_rl.enable:
+    """After a checkpoint save: the requests in flight, beside it (each replica leader its own
+    generator's, named by its dp_rank; the replica's other ranks ask nothing and write nothing)."""
+    if run.cfg.algorithm.async_rl.enable and run.strategies.collector.leader:
         c = run.strategies.collector
         try:
             pending_file.write(run.out_dir, run.state.step, c._next_key, c.in_flight_requests(),
@@ -79,32 +87,37 @@ def _reask_rng(seed: int, dropped: list[Group]) -> random.Random:
     return random.Random(f"reask:{seed}:{','.join(str(g.key) for g in dropped)}")
 
 
-def write_live(sync, files, version: int) -> str:
-    """The actor's current weights as version ``version``'s file (weightfile.py): the engine's
-    checksummed buckets packed straight into it, on the host (one process: no collective)."""
-    from pfppo_mega.rollout.live import LiveWeights
-
-    return files.pack(version, sync.plan, LiveWeights(sync.actor, sync.model_cfg, sync.layout, version).produce)
-
-
 ROWS_PER_RANK = 1 << 20  # a data-parallel rank's rows are seeded from row_offset dp_rank * this on
+
+
+def replica_leader(replica_group, *, rank: int, first_rank_of_replica: bool) -> int:
+    """The global rank of this rank's replica leader: the lowest of megatron's model-parallel group
+    (tp_rank = pp_rank = 0 in its tp-dp-pp order), or ``rank`` itself when the replica is one rank."""
+    if replica_group is None:
+        return rank
+    leader = min(dist.get_process_group_ranks(replica_group))
+    if (leader == rank) != first_rank_of_replica:
+        raise RuntimeError(f"rank {rank}: the lowest rank of its model-parallel group is {leader}, but tp_rank = "
+                           f"pp_rank = 0 is {'' if first_rank_of_replica else 'not '}this rank: the asynchronous "
+                           f"mode assumes megatron's tp-dp-pp order")
+    return leader
 
 
 class AsyncCollector:
     def __init__(self, cfg, *, spec: WorkerSpec, sync, next_batch: Callable[[int], list[Sample]],
                  state, rng, tokenizer, device, log: Callable[[str], None], dp_rank: int = 0,
-                 dp_group=None) -> None:
+                 replica_group=None, leader_rank: int = 0, rank: int = 0) -> None:
         ac = cfg.algorithm.async_rl
-        # data-parallel (dp_group not None): every rank has its own generator process and its share of
-        # the prompts; rank 0 owns the weights (LiveWeights' owner) and writes each version's file, the
-        # others announce that file to their generators
-        self.dp_rank, self.dp_group = dp_rank, dp_group
+        # every data-parallel replica has its own generator process, on its leader, and its share of the
+        # prompts; global rank 0 writes each version's file (write_version), every leader announces it to
+        # its generator. The replica's other ranks (replica_group, TP x PP) get the leader's groups.
+        self.dp_rank, self.replica_group, self.leader_rank = dp_rank, replica_group, leader_rank
+        self.leader = rank == leader_rank
         self.cfg, self.ac, self.sync, self.next_batch, self.log = cfg, ac, sync, next_batch, log
         # the run's training state (its step), prompt-seed stream, tokenizer and device: shared, not copied
         self.state, self.rng, self.tokenizer, self.device = state, rng, tokenizer, device
         self.n = cfg.actor_rollout.n_samples_per_prompt
-        self.proc = GeneratorProcess(spec, max_restarts=ac.max_restarts, result_timeout_s=ac.result_timeout_s, log=log,
-                                     output_dir=cfg.logging.output_dir)
+        self.proc: Optional[GeneratorProcess] = self._new_process(spec) if self.leader else None
         self.buffer = StalenessBuffer(ac.max_staleness)
         self.started = False
         self.keys: dict[int, list[tuple[int, Sample]]] = {}  # request id -> its groups' (key, prompt), until answered
@@ -120,33 +133,40 @@ class AsyncCollector:
 
     # ------------------------------------------------------------------ the generator
 
+    def _new_process(self, spec: WorkerSpec) -> GeneratorProcess:
+        return GeneratorProcess(spec, max_restarts=self.ac.max_restarts, result_timeout_s=self.ac.result_timeout_s,
+                                log=self.log, output_dir=self.cfg.logging.output_dir)
+
     def push(self, version: int) -> None:
         """The actor's weights ``version`` into the pool and the generator (between its requests).
-        Data-parallel: rank 0 writes the file, every rank announces its path (one object gather)."""
-        if self.dp_group is None:
-            self.proc.push_file(version, write_live(self.sync, self.proc.files, version))
-            return
-        mine = write_live(self.sync, self.proc.files, version) if self.dp_rank == 0 else None
-        path = parallel.dp_gather_objects(mine, self.dp_group)[0]
-        self.proc.push_file(version, path)
+        Every rank calls it (write_version: rank 0 writes the file, every rank learns its path); each
+        replica leader announces it to its generator."""
+        path = write_version(self.sync, self.proc.files if self.proc is not None else None, version)
+        if self.proc is not None:
+            self.proc.push_file(version, path)
 
     def close(self) -> None:
         """Stop the generator process (idempotent). A later collect starts a new one afresh."""
-        self.proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
         if self.started:
-            self.proc = GeneratorProcess(self.proc.spec, max_restarts=self.ac.max_restarts,
-                                         result_timeout_s=self.ac.result_timeout_s, log=self.log,
-                                         output_dir=self.cfg.logging.output_dir)
+            if self.proc is not None:
+                self.proc = self._new_process(self.proc.spec)
             self.buffer, self.keys, self.started = StalenessBuffer(self.ac.max_staleness), {}, False
             self.asked, self.origin, self.discard = {}, {}, set()
 
     def _submit(self, samples: list[Sample], rng) -> None:
+        """Requests for ``samples`` (leader); a follower draws the same seeds and asks nothing, so
+        the run's prompt-seed stream stays in step on every rank of the replica."""
         size = self.ac.request_prompts
         for i in range(0, len(samples), size):
             chunk = samples[i:i + size]
+            seed = rng.randrange(1 << 31)
+            if not self.leader:
+                continue
             groups = [(self._next_key + j, s) for j, s in enumerate(chunk)]
             self._next_key += len(chunk)
-            self._ask(groups, rng.randrange(1 << 31), {k for k, _ in groups})
+            self._ask(groups, seed, {k for k, _ in groups})
 
     def _ask(self, groups: list[tuple[int, Sample]], seed: int, untrained: set[int]) -> None:
         """One request for ``groups`` with sampling seed ``seed``; its answers for keys outside
@@ -201,45 +221,73 @@ class AsyncCollector:
         t_enter = time.perf_counter()
         if not self.started:
             self._eos = self.tokenizer.eos_id
-            self.proc.start()
+            if self.proc is not None:
+                self.proc.start()
             self.push(step)
             self.started = True
             if self.restored is None:
                 samples = samples + [s for _ in range(self.ac.prefetch_steps) for s in self.next_batch(need)]
             else:  # a resume: the requests in flight at the checkpoint first, as they were asked
-                for r in self.restored:
+                for r in self.restored if self.leader else []:
                     self._ask(r.groups, r.seed, set(r.pending))
                 self.restored = None
         self._submit(samples, self.rng)
-        got: list[Result] = []
-        dropped_now = 0
         with timer("rollout"):
-            t0 = time.perf_counter()
-            taken: list[Group] = []
-            while True:
-                while (r := self.proc.next_result(block=False)) is not None:  # every result already here
-                    got.append(r)
-                    self._receive(r)
-                t = self.buffer.take(need - len(taken), step)
-                taken += t.groups
-                self._retire(t.groups + t.dropped)
-                if t.dropped:  # too stale to train on: counted, and their prompts are asked again
-                    dropped_now += len(t.dropped)
-                    self._submit([g.sample for g in t.dropped], _reask_rng(self.cfg.training.seed, t.dropped))
-                if len(taken) >= need:
-                    break
-                r = self.proc.next_result()  # wait for the generator
-                got.append(r)
-                self._receive(r)
-            waited = time.perf_counter() - t0
+            taken, gen_stats = self._replica_rows(step, need, t_enter)
         with timer("score"):
             scored = score(self._rollout(taken))
+        stats = staleness_metrics(scored.rollout.versions, step, self.ac.max_staleness)
+        stats.update(gen_stats)
+        if self.ac.partial_rollouts:
+            stats.update(self._token_stats(taken, step))
+        return scored, stats
+
+    def _replica_rows(self, step: int, need: int, t_enter: float) -> tuple[list[Group], dict[str, float]]:
+        """The leader's groups and generator metrics, on every rank of the replica (one broadcast on
+        its model-parallel group). A generator that failed for good fails every rank of the replica
+        at once (GeneratorFailed), none is left waiting in the broadcast."""
+        if self.replica_group is None:
+            return self._take(step, need, t_enter)
+        failure, rows = None, (None, None)
+        if self.leader:
+            try:
+                rows = self._take(step, need, t_enter)
+            except GeneratorFailed as e:
+                failure = e
+        box = [str(failure) if failure is not None else rows]
+        dist.broadcast_object_list(box, src=self.leader_rank, group=self.replica_group)
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], str):
+            raise GeneratorFailed(f"the generator of this rank's replica (on rank {self.leader_rank}) failed: {box[0]}")
+        return box[0]
+
+    def _take(self, step: int, need: int, t_enter: float) -> tuple[list[Group], dict[str, float]]:
+        """The leader: the step's groups from the buffer (waiting for the generator, dropping and
+        asking again what is too stale), and the generator's metrics of this step."""
+        got: list[Result] = []
+        dropped_now = 0
+        t0 = time.perf_counter()
+        taken: list[Group] = []
+        while True:
+            while (r := self.proc.next_result(block=False)) is not None:  # every result already here
+                got.append(r)
+                self._receive(r)
+            t = self.buffer.take(need - len(taken), step)
+            taken += t.groups
+            self._retire(t.groups + t.dropped)
+            if t.dropped:  # too stale to train on: counted, and their prompts are asked again
+                dropped_now += len(t.dropped)
+                self._submit([g.sample for g in t.dropped], _reask_rng(self.cfg.training.seed, t.dropped))
+            if len(taken) >= need:
+                break
+            r = self.proc.next_result()  # wait for the generator
+            got.append(r)
+            self._receive(r)
+        waited = time.perf_counter() - t0
         window = t_enter - self._last_collect if self._last_collect is not None else 0.0
         self._last_collect = t_enter
-        stats = self._stats(scored, step, got, waited, window, dropped_now)
-        if self.ac.partial_rollouts:
-            stats.update(self._token_stats(taken, step, got))
-        return scored, stats
+        return taken, self._generator_stats(got, waited, window, dropped_now)
 
     def _rollout(self, groups: list[Group]) -> RolloutBatch:
         n, pad = self.n, self.tokenizer.pad_id
@@ -260,11 +308,10 @@ class AsyncCollector:
                             texts=texts, group_ids=torch.arange(len(groups)).repeat_interleave(n),
                             ).to(self.device)
 
-    def _stats(self, scored, step: int, got: list[Result], waited: float, window: float,
-               dropped: int) -> dict[str, float]:
-        out = staleness_metrics(scored.rollout.versions, step, self.ac.max_staleness)
+    def _generator_stats(self, got: list[Result], waited: float, window: float, dropped: int) -> dict[str, float]:
+        """The leader's: its generator, buffer and waits this step (the replica's other ranks log the same)."""
         gen_busy = sum(r.generate_s for r in got)
-        out.update({
+        out = {
             "async/dropped_stale": float(dropped * self.n),                  # rows, this step
             "async/dropped_stale_total": float(self.buffer.dropped_total * self.n),
             "async/trainer_wait_s": waited,                                  # the trainer waited for samples
@@ -275,22 +322,21 @@ class AsyncCollector:
             "async/pool_versions": float(len(self.proc.pool.held)),
             "async/buffer_groups": float(len(self.buffer)),
             "async/requests_in_flight": float(len(self.proc.in_flight)),
-        })
+        }
         if window > 0:  # since the previous step's collect: the previous step's wall time
             out["async/generator_busy_frac"] = busy_fraction(gen_busy, window)
             out["async/trainer_busy_frac"] = busy_fraction(window - self._prev_wait, window)
         self._prev_wait = waited
+        if self.ac.partial_rollouts:  # versions loaded inside requests, answers received this step
+            out["async/partial_switches"] = float(sum(r.switches for r in got))
         return out
 
-
-    def _token_stats(self, groups: list[Group], step: int, got: list[Result]) -> dict[str, float]:
-        """Partial rollouts: the share of tokens by age, rows with mixed versions, switches inside requests."""
+    def _token_stats(self, groups: list[Group], step: int) -> dict[str, float]:
+        """Partial rollouts: the share of tokens by age and rows with mixed versions."""
         T = max(g.responses.shape[1] for g in groups)
         tv = torch.cat([torch.nn.functional.pad(g.row_token_versions(), (0, T - g.responses.shape[1]), value=-1)
                         for g in groups])                                                         # [B, T]
-        out = token_staleness_metrics(tv, step, self.ac.max_staleness)
-        out["async/partial_switches"] = float(sum(r.switches for r in got))
-        return out
+        return token_staleness_metrics(tv, step, self.ac.max_staleness)
 
 
 class AsyncBehaviour(BehaviourPolicy):
@@ -331,15 +377,19 @@ class AsyncBehaviour(BehaviourPolicy):
 
 
 def build_async(cfg, *, sync, model_dir, hf_cfg: dict, next_batch, state, rng, tokenizer, device,
-                log, dp_rank: int = 0, dp_group=None, kernels=None) -> tuple[AsyncBehaviour, AsyncCollector]:
+                log, dp_rank: int = 0, replica_group=None, rank: int = 0, first_rank_of_replica: bool = True,
+                kernels=None) -> tuple[AsyncBehaviour, AsyncCollector]:
     ac = cfg.algorithm.async_rl
     spec = WorkerSpec(cfg=cfg, model_dir=str(model_dir), hf_cfg=hf_cfg, pad_token_id=tokenizer.pad_id,
                       window=version_window(ac.sampling, ac.max_staleness, ac.prefetch_steps), rule=ac.sampling,
                       temperature=ac.sampling_temperature, num_threads=cfg.training.num_threads,
                       partial=ac.partial_rollouts)
+    leader = replica_leader(replica_group, rank=rank, first_rank_of_replica=first_rank_of_replica)
     collector = AsyncCollector(cfg, spec=spec, sync=sync, next_batch=next_batch, state=state, rng=rng,
-                               tokenizer=tokenizer, device=device, log=log, dp_rank=dp_rank, dp_group=dp_group)
-    log(f"[pfppo] async: a generator process, max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
+                               tokenizer=tokenizer, device=device, log=log, dp_rank=dp_rank,
+                               replica_group=replica_group, leader_rank=leader, rank=rank)
+    log(f"[pfppo] async: a generator process {'on this rank' if collector.leader else f'on rank {leader}'}, "
+        f"max_staleness {ac.max_staleness}, prefetch {ac.prefetch_steps} "
         f"step(s), sampling {ac.sampling} over {spec.window + 1} version(s), {ac.request_prompts} prompts a request"
         + (", partial rollouts (new weights between decode steps)" if ac.partial_rollouts else ""))
     check = None if not ac.logp_check_interval else VersionLogpCheck(

@@ -254,7 +254,8 @@ class EngineSync:
         self.weights_s = 0.0  # seconds of every refit and switch so far (the step reads its share)
         self.received = {"refit": 0, "switch": 0}  # weight bytes this rank's engine took (take_received)
 
-    def _live(self, version: int):
+    def live(self, version: int):
+        """The actor's weights as ``version``'s buckets (LiveWeights), its TP gather on the refit's bounded group."""
         from pfppo_mega.rollout.live import LiveWeights
 
         live = LiveWeights(self.actor, self.model_cfg, self.layout, version)
@@ -265,7 +266,7 @@ class EngineSync:
     def refit_live(self, version: int) -> float:
         """The actor's current weights into the engine as ``version``; returns the seconds taken."""
         t0 = time.perf_counter()
-        update_everywhere(self.engine, self._live(version), self.plan, version, stream_group=self.groups.world,
+        update_everywhere(self.engine, self.live(version), self.plan, version, stream_group=self.groups.world,
                           groups=self.groups, what=f"refit to version {version}")
         self.received["refit"] += self.plan_bytes()
         self.last_refit_s = time.perf_counter() - t0
@@ -297,7 +298,7 @@ class EngineSync:
         """Snapshot the actor's current weights into ``pool`` (each rank keeps its share). It runs
         with the trainer on the device (after an update): the stream's buffers go when it ends."""
         try:
-            pool.capture_from(WatchedSource(self._live(version), f"pool capture of version {version}",
+            pool.capture_from(WatchedSource(self.live(version), f"pool capture of version {version}",
                                             self.groups.timeout_s), self.plan, self.groups.world)
         finally:
             self.release_buffers()
