@@ -108,10 +108,13 @@ def response_extent(response_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] mask -> [B] long: each row's tokens up to its last mask-1 token (0 for none). A single-turn
     row's mask is a prefix, so this is its mask's sum; a multi-turn row's mask has gaps (tool and user
     tokens, mask 0, inside the response), and the extent counts them too."""
-    T = response_mask.shape[1]
-    positions = torch.arange(1, T + 1, device=response_mask.device)                      # [T] 1-based
-    return (response_mask.bool() * positions).amax(dim=1).long() if T else \
-        torch.zeros(response_mask.shape[0], dtype=torch.long, device=response_mask.device)
+    B, T = response_mask.shape
+    if T == 0:
+        return torch.zeros(B, dtype=torch.long, device=response_mask.device)
+    m = response_mask.bool()                                                             # [B, T]
+    # no new tensor beside the mask (made here, it would sit on the host while the mask may be on the GPU)
+    last = T - m.flip(1).to(torch.int8).argmax(dim=1)                                    # [B] last 1, 1-based
+    return torch.where(m.any(dim=1), last, torch.zeros_like(last))
 
 
 def pack(prompt_ids: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor,
