@@ -315,7 +315,8 @@ class MultiTurnRollout:
     def _shared(self, work: Callable[[], None], active: Optional[list[_Row]]) -> None:
         """``work`` on this rank (the leader's part), then, with ``share``, the leader's outcome on every
         rank of its replica: the other ranks take the ``active`` rows' state and the counts from it, and
-        raise with it when it failed (no rank is left waiting in the next collective)."""
+        raise with it when it failed; ``share`` also reports another replica's failure, so every rank of
+        the job stops together (no rank is left waiting in the next collective)."""
         error: Optional[BaseException] = None
         try:
             work()
@@ -333,7 +334,8 @@ class MultiTurnRollout:
                     vars(row).update(state)
                 self.counts = Counter(got["counts"])
             if got["error"] is not None and error is None:
-                raise ToolSetupError(f"multi-turn: the rank that runs this replica's tools stopped: {got['error']}")
+                raise ToolSetupError(f"multi-turn: a rank that runs the tools stopped (this replica's leader, or "
+                                     f"the replica named): {got['error']}")
         if error is not None:
             raise error
 
@@ -342,6 +344,10 @@ class MultiTurnRollout:
         eos = self.tokenizer.eos_id
         for b, (row, rem) in enumerate(zip(active, remaining)):
             n = int(out.lengths[b])
+            if n < 1:  # asked for >= 1 token with budget left: asking again would loop for ever
+                raise RuntimeError(f"multi-turn row {row.index}: the engine returned no token for it with {rem} of "
+                                   f"its {self.budget}-token budget left (context {len(row.context)} tokens); an "
+                                   f"engine must generate at least one token per call")
             new = out.responses[b, :n].tolist()[:rem]
             lp = out.logprobs[b, :n].tolist()[:rem]
             row.tokens += new
