@@ -463,3 +463,29 @@ def test_a_response_that_tokenizes_otherwise_as_one_text_is_counted(tok, templat
     res = loop.run([s], PARAMS)
     assert res.stats.metrics()["rollout/tokenization_mismatches"] == counted and len(logs) == counted
     assert res.texts == ["The answer is 5."]
+
+
+def test_a_turns_parallel_calls_are_all_counted(tok, template):
+    """A turn's calls run in threads; their counts and rewards are added in the loop's thread (a
+    read-modify-write of a shared Counter from the workers loses updates when they interleave, which a
+    slow Counter here makes certain)."""
+    import time
+    from collections import Counter
+
+    class Slow(Counter):
+        def __getitem__(self, key):
+            value = super().__getitem__(key)
+            time.sleep(0.02)  # another worker thread reads the same count meanwhile
+            return value
+
+    calc = Calc(reward=0.25)
+    s = _sample(tok, template, "What is 2+3?")
+    engine = Scripted(tok, [s.prompt_ids], [[CALL * 4, "The answer is 5."]])
+    loop = MultiTurnRollout(generate=engine, tokenizer=tok, turn_tokens=TurnTokens(template, tok),
+                            toolset=ToolSet({"calc": calc}), limits=TurnLimits(max_parallel_calls=4),
+                            max_response_length=400, max_context=600, log=lambda *_: None)
+    loop.counts = Slow()
+    res = loop.run([s], PARAMS)
+    assert len(calc.calls) == 4
+    m = res.stats.metrics()
+    assert m["tool/calc/calls"] == 4 and m["tool/calc/ok"] == 1.0 and res.extra[0]["tool_rewards"] == 1.0

@@ -424,7 +424,8 @@ class MultiTurnRollout:
         keep = calls[: self.limits.max_parallel_calls]
         self.counts["tool_calls_dropped"] += len(calls) - len(keep)
         with ThreadPoolExecutor(max_workers=self.limits.max_parallel_calls) as pool:
-            answers = list(pool.map(lambda c: self._call(row, c), keep))
+            outcomes = list(pool.map(lambda c: self._call(row, c), keep))
+        answers = [self._account(row, name, text, res, bad) for name, text, res, bad in outcomes]  # this thread
         row.tool_calls += len(keep) + len(errors)
         row.tool_errors += len(errors)
         self.counts["tool_calls"] += len(keep) + len(errors)
@@ -433,32 +434,38 @@ class MultiTurnRollout:
         limit, side = self.limits.max_tool_response_length, self.limits.truncate_side
         return [{"role": "tool", "content": truncate_text(t, limit, side)} for t in texts]
 
-    def _call(self, row: _Row, call: ToolCall) -> str:
-        """One call's answer text; a failure is the policy's (an error message), counted."""
+    def _call(self, row: _Row, call: ToolCall) -> tuple[str, str, Optional[ToolResult], str]:
+        """One call, in a worker thread: (tool name, answer text, its ToolResult or None, why it is the
+        policy's error or ""). Touches no shared state: the counts and the row's sums are added by
+        _account in the loop's thread (a turn's calls run in parallel)."""
         tool = self.toolset.tools.get(call.name)
         if tool is None:
-            return self._error(row, call.name, f"Error: tool {call.name!r} does not exist (available: "
-                                               f"{', '.join(sorted(self.toolset.tools)) or 'none'})")
+            return call.name, f"Error: tool {call.name!r} does not exist (available: " \
+                              f"{', '.join(sorted(self.toolset.tools)) or 'none'})", None, "unknown"
         try:
             res = tool.execute(row.tool_ids[call.name], call.arguments)
         except Exception as e:  # the tool failed on the policy's arguments: the policy reads why
-            return self._error(row, call.name, f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}")
+            return call.name, f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", None, "raised"
         if not isinstance(res, ToolResult) or not isinstance(res.text, str):
-            self._log_once(f"bad-result-{call.name}", f"[pfppo] multi-turn: tool {call.name!r}.execute returned "
-                           f"{str(res)[:120]} (must be a ToolResult with text a str); the policy reads an error "
-                           f"message, counted in rollout/tool_call_errors")
-            return self._error(row, call.name, f"Error: tool {call.name!r} returned no text")
-        self.counts[f"tool/{call.name}/calls"] += 1
+            return call.name, f"Error: tool {call.name!r} returned no text", None, f"returned {str(res)[:120]}"
+        return call.name, res.text, res, ""
+
+    def _account(self, row: _Row, name: str, text: str, res: Optional[ToolResult], bad: str) -> str:
+        """One call's outcome into the counts and the row's sums; its answer text."""
+        if bad:
+            if bad.startswith("returned"):
+                self._log_once(f"bad-result-{name}", f"[pfppo] multi-turn: tool {name!r}.execute {bad} (must be a "
+                               f"ToolResult with text a str); the policy reads an error message, counted in "
+                               f"rollout/tool_call_errors")
+            row.tool_errors += 1
+            self.counts["tool_call_errors"] += 1
+            self.counts[f"tool/{name}/errors"] += 1
+            return text
+        self.counts[f"tool/{name}/calls"] += 1
         if res.reward is not None:
             row.tool_reward += float(res.reward)
         for k, v in res.metrics.items():
-            self.counts[f"tool/{call.name}/{k}"] += float(v)
-        return res.text
-
-    def _error(self, row: _Row, name: str, text: str) -> str:
-        row.tool_errors += 1
-        self.counts["tool_call_errors"] += 1
-        self.counts[f"tool/{name}/errors"] += 1
+            self.counts[f"tool/{name}/{k}"] += float(v)
         return text
 
     def _log_once(self, key: str, line: str) -> None:
