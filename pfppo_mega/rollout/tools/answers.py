@@ -6,7 +6,8 @@ verl.interactions.gsm8k_interaction.Gsm8kInteraction). Each row's ground truth a
 
 The tools' step reward is verl's: a call whose score does not beat the row's previous call's score
 costs -0.05, an improving call 0.0 (so the first correct call is free and repeating it costs). The
-score itself is logged as ``tool/<name>/score``.
+score itself is logged as ``tool/<name>/score``. An instance lasts the row here; verl 0.9.1 creates
+one per call, so there the previous score is always 0 (docs/multiturn_tools.md).
 
 GSM8K (verl's gsm8k reward with its exact rules, which differ from rewards/rules.py's gsm8k scorer):
     only the text's last 300 characters are read;
