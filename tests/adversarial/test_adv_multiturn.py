@@ -6,6 +6,7 @@ every tool instance released; bad config values are refused at load by key."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -237,3 +238,32 @@ def test_an_engine_that_returns_no_token_for_a_row_is_an_error_not_a_loop(tok, t
     with pytest.raises(RuntimeError, match="row 0: the engine returned no token"):
         loop.run([_sample(tok, template, "What is 2+3?")], PARAMS)
     assert len(calls) == 1 and calc.released == ["r0-calc"]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({}, "data row test:0: tool 'calc_gsm8k_reward' cannot start with it: tool 'calc_gsm8k_reward': create needs "
+         "ground_truth"),
+    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": ["72"]}}}}, "got ['72']"),
+    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+      "interaction_kwargs": {"name": "gsm8k"}}, "interaction 'gsm8k' cannot start with it: interaction 'gsm8k': "
+                                                 "start needs ground_truth"),
+])
+def test_a_row_the_built_in_tools_cannot_start_with_is_refused_at_start(tok, template, extra, fragment):
+    """verl's gsm8k tool / interaction need the row's ground truth in its kwargs: a row without it is named
+    when the run starts, not at the step that draws it (where its create would stop the run)."""
+    from types import SimpleNamespace
+
+    from pfppo_mega.rollout.multiturn import ToolSet
+    from pfppo_mega.rollout.tools.answers import Gsm8kInteraction, Gsm8kTool
+    from pfppo_mega.trainer.build import check_turn_rows
+
+    schema = {"type": "function", "function": {"name": "calc_gsm8k_reward", "description": "grade",
+                                               "parameters": {"type": "object", "properties": {}, "required": []}}}
+    turns = SimpleNamespace(toolset=ToolSet({"calc_gsm8k_reward": Gsm8kTool(config={}, tool_schema=schema)},
+                                            {"gsm8k": Gsm8kInteraction(config={"name": "gsm8k"})}))
+    good = _sample(tok, template, "What is 2+3?", {
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+        "interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}}, i=1)
+    check_turn_rows(turns, [good], log=lambda *_: None)
+    with pytest.raises(ToolSetupError, match=re.escape(fragment)):
+        check_turn_rows(turns, [_sample(tok, template, "What is 2+3?", extra), good], log=lambda *_: None)
