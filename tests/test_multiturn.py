@@ -489,3 +489,17 @@ def test_a_turns_parallel_calls_are_all_counted(tok, template):
     assert len(calc.calls) == 4
     m = res.stats.metrics()
     assert m["tool/calc/calls"] == 4 and m["tool/calc/ok"] == 1.0 and res.extra[0]["tool_rewards"] == 1.0
+
+
+def test_calls_are_read_when_the_tokenizer_makes_tool_call_a_special_token(tok, template):
+    """Some checkpoints' tokenizers mark <tool_call> / </tool_call> special; the turn's text for the
+    reward drops special tokens, so the calls are read from the text with them kept (as verl's parser)."""
+    import copy
+
+    special = copy.deepcopy(tok)
+    special.hf.add_special_tokens(["<tool_call>", "</tool_call>"])
+    assert special.decode(special.encode(CALL, add_bos=False)).startswith('{"name"')  # the markers are dropped
+    calc = Calc()
+    s = _sample(special, template, "What is 2+3?")
+    res, _ = _run(special, template, [s], [[CALL, "The answer is 5."]], tools={"calc": calc})
+    assert calc.calls == [("r0-calc", {"expr": "2+3"})] and res.extra[0]["turns"] == 2

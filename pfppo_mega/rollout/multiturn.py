@@ -18,7 +18,7 @@ One loop iteration is one engine call over the rows still generating. Every row'
 the largest remaining budget (``max_response_length`` counts every response token, tool tokens
 included, as verl's ``response_length``), capped so that no row's context passes
 ``max_context``; a row given fewer tokens than its budget continues its turn in the next call. A
-turn ends at EOS; then its tool calls (Hermes) run in a thread pool of ``max_parallel_calls``
+turn ends at EOS; then its tool calls (Hermes, read with special tokens kept) run in a thread pool of ``max_parallel_calls``
 (verl runs a turn's first ``max_parallel_calls`` calls; the rest are counted as dropped), their
 answers are rendered with the model's chat template and appended. A row ends when its turn has
 no tool call and no interaction wants to go on, at ``max_assistant_turns`` / ``max_user_turns``, or
@@ -372,6 +372,10 @@ class MultiTurnRollout:
 
     def _after_turn(self, row: _Row) -> None:
         text = self.tokenizer.decode(row.turn)  # stops at EOS, drops special tokens
+        # the calls are read with special tokens kept (as verl's parser decodes): a tokenizer that makes
+        # <tool_call> a special token would otherwise hide every call
+        written = row.turn[: row.turn.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row.turn else row.turn
+        calls_text = raw_text(self.tokenizer, written)
         row.texts.append(text)
         row.turn = []
         row.assistant_turns += 1
@@ -383,7 +387,7 @@ class MultiTurnRollout:
             return self._end(row, finished=True)
         if lim.max_user_turns and row.user_turns >= lim.max_user_turns:
             return self._end(row, finished=True)
-        calls, errors = parse_hermes(text)
+        calls, errors = parse_hermes(calls_text)
         if calls or errors:
             messages = self._run_tools(row, calls, errors)
         elif row.interaction is not None:
