@@ -18,11 +18,11 @@ One loop iteration is one engine call over the rows still generating. Every row'
 the largest remaining budget (``max_response_length`` counts every response token, tool tokens
 included, as verl's ``response_length``), capped so that no row's context passes
 ``max_context``; a row given fewer tokens than its budget continues its turn in the next call. A
-turn ends at EOS; then its tool calls (Hermes, read with special tokens kept) run in a thread pool of ``max_parallel_calls``
-(verl runs a turn's first ``max_parallel_calls`` calls; the rest are counted as dropped), their
-answers are rendered with the model's chat template and appended. A row ends when its turn has
-no tool call and no interaction wants to go on, at ``max_assistant_turns`` / ``max_user_turns``, or
-when its budget is spent (cut: finished False).
+turn ends at EOS; then its tool calls (Hermes, read with special tokens kept) run in a thread pool
+of ``max_parallel_calls`` (verl runs a turn's first ``max_parallel_calls`` calls; the rest are
+counted as dropped), their answers are rendered with the model's chat template and appended. A
+row ends when its turn has no tool call and no interaction wants to go on, at
+``max_assistant_turns`` / ``max_user_turns``, or when its budget is spent (cut: finished False).
 
 Tool answers are cut, as verl 0.9.1 cuts them, by characters: longer than
 ``max_tool_response_length`` characters keeps the first (left), the last (right) or both halves
