@@ -503,3 +503,20 @@ def test_calls_are_read_when_the_tokenizer_makes_tool_call_a_special_token(tok, 
     s = _sample(special, template, "What is 2+3?")
     res, _ = _run(special, template, [s], [[CALL, "The answer is 5."]], tools={"calc": calc})
     assert calc.calls == [("r0-calc", {"expr": "2+3"})] and res.extra[0]["turns"] == 2
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_returns_reach_the_turns_before_a_tool_answer(gamma):
+    """REINFORCE++'s discounted return skips the tool tokens as GAE does: the outcome reward on the
+    last policy token reaches the first turn (a reset at every mask-0 token gave it 0), discounted by
+    the policy's tokens only; a prefix mask keeps the plain recursion."""
+    from pfppo_mega.ppo.outcome import discounted_returns
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    rewards = torch.zeros(2, 9, dtype=torch.float64)
+    rewards[0, 6] = rewards[1, 3] = 1.0
+    rewards[0, 1] = -0.5  # a per-token term (a KL penalty) on the first turn
+    want = torch.zeros(2, 9, dtype=torch.float64)
+    want[0, [6, 5, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2 - 0.5, gamma ** 3 - 0.5 * gamma], dtype=torch.float64)
+    want[1, [3, 2, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2, gamma ** 3], dtype=torch.float64)
+    torch.testing.assert_close(discounted_returns(rewards, mask, gamma=gamma), want, rtol=0, atol=1e-12)

@@ -116,7 +116,9 @@ deepeyes' image-zoom tool is refused when its tool file is read at start.
   would leave no room for one more policy token ends the row, as verl does; a turn's first
   `max_parallel_calls` calls run, the rest are counted (`rollout/tool_calls_dropped`); tool answers
   are cut by characters with verl's marks; `max_assistant_turns` / `max_user_turns` 0 or null mean no
-  limit. GAE skips the mask-0 tokens as verl 0.9.1's `compute_gae_advantage_return` does. Differences:
+  limit. GAE skips the mask-0 tokens as verl 0.9.1's `compute_gae_advantage_return` does; REINFORCE++'s discounted
+  return skips them too (verl 0.9.1 resets it at every mask-0 token, so there the turns before a tool
+  answer get no outcome reward). Differences:
   tool and user turns are rendered with the checkpoint's template against a fixed two-message
   conversation (verl renders the new messages alone and strips the system prompt), plus the
   template's text after the assistant's EOS (Qwen's newline, which verl leaves out); every row's tools
