@@ -32,7 +32,7 @@ Bad calls are the policy's: malformed JSON, an unknown tool name, a tool that ra
 with something that is not a ToolResult of text -- each answers the policy with an error message
 and is counted (``rollout/tool_call_errors``). Setup faults stop the run with the row named: a
 row's ``tools_kwargs`` naming a tool that is not configured, an interaction name that is not
-configured, a tool whose ``create`` raises. Every row's tool instances are released when the row
+configured, a row without ``interaction_kwargs`` when interactions are configured (verl fails on it too), a tool whose ``create`` raises. Every row's tool instances are released when the row
 ends, and every one left when the loop raises.
 """
 
@@ -197,8 +197,12 @@ def row_kwargs(extra_info: dict[str, Any], toolset: ToolSet, where: str) -> tupl
                                  f"got {kw!r}")
         create[name] = kw
     ik = extra_info.get("interaction_kwargs")
-    if ik is None or not toolset.interactions:
-        return create, None
+    if not toolset.interactions:
+        return create, None  # verl reads interaction_kwargs only with an interaction config
+    if ik is None:  # verl's agent loop fails on such a row too (it reads kwargs["interaction_kwargs"])
+        raise ToolSetupError(f"{where}: extra_info.interaction_kwargs is missing: with interactions configured "
+                             f"({sorted(toolset.interactions)}; actor_rollout.multi_turn.interaction_config_path) "
+                             f"every row names its interaction ({{name: ..., <its kwargs>}})")
     if not isinstance(ik, dict) or not isinstance(ik.get("name"), str):
         raise ToolSetupError(f"{where}: extra_info.interaction_kwargs must be a mapping with a string 'name' "
                              f"(configured interactions: {sorted(toolset.interactions)}), got {str(ik)[:120]}")

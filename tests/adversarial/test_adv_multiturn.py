@@ -78,6 +78,8 @@ def test_create_kwargs_for_a_tool_not_configured_is_refused_naming_the_row(tok, 
     ({"tools_kwargs": {"calc": {"create_kwargs": 5}}}, "create_kwargs must be a mapping"),
     ({"interaction_kwargs": {"name": "judge"}}, "interaction_kwargs.name = 'judge' is not configured"),
     ({"interaction_kwargs": "teacher"}, "must be a mapping with a string 'name'"),
+    ({}, r"multi-turn row 0 .*: extra_info.interaction_kwargs is missing: with interactions configured "
+         r"\(\['teacher'\]"),
 ])
 def test_bad_row_kwargs_are_named(tok, template, extra, fragment):
     s = _sample(tok, template, "What is 2+3?", extra)
@@ -241,9 +243,11 @@ def test_an_engine_that_returns_no_token_for_a_row_is_an_error_not_a_loop(tok, t
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ({}, "data row test:0: tool 'calc_gsm8k_reward' cannot start with it: tool 'calc_gsm8k_reward': create needs "
-         "ground_truth"),
-    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": ["72"]}}}}, "got ['72']"),
+    ({"interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}},
+     "data row test:0: tool 'calc_gsm8k_reward' cannot start with it: tool 'calc_gsm8k_reward': create needs "
+     "ground_truth"),
+    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": ["72"]}}},
+      "interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}}, "got ['72']"),
     ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
       "interaction_kwargs": {"name": "gsm8k"}}, "interaction 'gsm8k' cannot start with it: interaction 'gsm8k': "
                                                  "start needs ground_truth"),
