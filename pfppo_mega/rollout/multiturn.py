@@ -32,8 +32,9 @@ Bad calls are the policy's: malformed JSON, an unknown tool name, a tool that ra
 with something that is not a ToolResult of text -- each answers the policy with an error message
 and is counted (``rollout/tool_call_errors``). Setup faults stop the run with the row named: a
 row's ``tools_kwargs`` naming a tool that is not configured, an interaction name that is not
-configured, a row without ``interaction_kwargs`` when interactions are configured (verl fails on it too), a tool whose ``create`` raises. Every row's tool instances are released when the row
-ends, and every one left when the loop raises.
+configured, a row without ``interaction_kwargs`` when interactions are configured (verl fails on it
+too), a tool whose ``create`` raises. Every row's tool instances are released when the row ends, and
+every one left when the loop raises.
 """
 
 from __future__ import annotations
