@@ -520,3 +520,30 @@ def test_reinforce_plus_plus_returns_reach_the_turns_before_a_tool_answer(gamma)
     want[0, [6, 5, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2 - 0.5, gamma ** 3 - 0.5 * gamma], dtype=torch.float64)
     want[1, [3, 2, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2, gamma ** 3], dtype=torch.float64)
     torch.testing.assert_close(discounted_returns(rewards, mask, gamma=gamma), want, rtol=0, atol=1e-12)
+
+
+def test_the_multi_turn_counts_are_summed_over_the_data_parallel_ranks():
+    """Each rank counts its own rows' tool calls, errors, cut rows...: the step's record holds the job's
+    count (their sum), while the means (turns, tool tokens) stay means and turns_max a maximum."""
+    from collections import Counter
+
+    from pfppo_mega.rollout.multiturn import TurnStats
+    from pfppo_mega.trainer.metrics import aggregate_rank_metrics
+
+    ranks = [TurnStats(rows=2, turns=4, turns_max=3, tokens=10, policy_tokens=6, mismatches=1,
+                       counts=Counter({"tool_calls": 3, "tool_call_errors": 1, "tool_calls_dropped": 2,
+                                       "cut_before_answer": 1, "interaction_turns": 2, "tool/calc/calls": 2,
+                                       "tool/calc/errors": 1, "tool/calc/ok": 2.0})),
+             TurnStats(rows=2, turns=2, turns_max=1, tokens=10, policy_tokens=8, mismatches=0,
+                       counts=Counter({"tool_calls": 1, "tool_call_errors": 0, "tool/calc/calls": 1,
+                                       "tool/calc/ok": 1.0}))]
+    out = aggregate_rank_metrics([r.metrics() for r in ranks])
+    both = TurnStats()
+    for r in ranks:
+        both.add(r)
+    one = both.metrics()  # the same rows counted on one rank
+    for k in ("rollout/tool_call_errors", "rollout/tokenization_mismatches", "rollout/tool_calls_dropped",
+              "rollout/cut_before_answer", "rollout/interaction_turns", "tool/calc/calls", "tool/calc/errors",
+              "rollout/turns_mean", "rollout/turns_max", "rollout/tool_calls_mean", "rollout/tool_tokens_frac",
+              "tool/calc/ok"):
+        assert out[k] == pytest.approx(one[k]), k
