@@ -463,3 +463,87 @@ def test_a_response_that_tokenizes_otherwise_as_one_text_is_counted(tok, templat
     res = loop.run([s], PARAMS)
     assert res.stats.metrics()["rollout/tokenization_mismatches"] == counted and len(logs) == counted
     assert res.texts == ["The answer is 5."]
+
+
+def test_a_turns_parallel_calls_are_all_counted(tok, template):
+    """A turn's calls run in threads; their counts and rewards are added in the loop's thread (a
+    read-modify-write of a shared Counter from the workers loses updates when they interleave, which a
+    slow Counter here makes certain)."""
+    import time
+    from collections import Counter
+
+    class Slow(Counter):
+        def __getitem__(self, key):
+            value = super().__getitem__(key)
+            time.sleep(0.02)  # another worker thread reads the same count meanwhile
+            return value
+
+    calc = Calc(reward=0.25)
+    s = _sample(tok, template, "What is 2+3?")
+    engine = Scripted(tok, [s.prompt_ids], [[CALL * 4, "The answer is 5."]])
+    loop = MultiTurnRollout(generate=engine, tokenizer=tok, turn_tokens=TurnTokens(template, tok),
+                            toolset=ToolSet({"calc": calc}), limits=TurnLimits(max_parallel_calls=4),
+                            max_response_length=400, max_context=600, log=lambda *_: None)
+    loop.counts = Slow()
+    res = loop.run([s], PARAMS)
+    assert len(calc.calls) == 4
+    m = res.stats.metrics()
+    assert m["tool/calc/calls"] == 4 and m["tool/calc/ok"] == 1.0 and res.extra[0]["tool_rewards"] == 1.0
+
+
+def test_calls_are_read_when_the_tokenizer_makes_tool_call_a_special_token(tok, template):
+    """Some checkpoints' tokenizers mark <tool_call> / </tool_call> special; the turn's text for the
+    reward drops special tokens, so the calls are read from the text with them kept (as verl's parser)."""
+    import copy
+
+    special = copy.deepcopy(tok)
+    special.hf.add_special_tokens(["<tool_call>", "</tool_call>"])
+    assert special.decode(special.encode(CALL, add_bos=False)).startswith('{"name"')  # the markers are dropped
+    calc = Calc()
+    s = _sample(special, template, "What is 2+3?")
+    res, _ = _run(special, template, [s], [[CALL, "The answer is 5."]], tools={"calc": calc})
+    assert calc.calls == [("r0-calc", {"expr": "2+3"})] and res.extra[0]["turns"] == 2
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_returns_reach_the_turns_before_a_tool_answer(gamma):
+    """REINFORCE++'s discounted return skips the tool tokens as GAE does: the outcome reward on the
+    last policy token reaches the first turn (a reset at every mask-0 token gave it 0), discounted by
+    the policy's tokens only; a prefix mask keeps the plain recursion."""
+    from pfppo_mega.ppo.outcome import discounted_returns
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    rewards = torch.zeros(2, 9, dtype=torch.float64)
+    rewards[0, 6] = rewards[1, 3] = 1.0
+    rewards[0, 1] = -0.5  # a per-token term (a KL penalty) on the first turn
+    want = torch.zeros(2, 9, dtype=torch.float64)
+    want[0, [6, 5, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2 - 0.5, gamma ** 3 - 0.5 * gamma], dtype=torch.float64)
+    want[1, [3, 2, 1, 0]] = torch.tensor([1.0, gamma, gamma ** 2, gamma ** 3], dtype=torch.float64)
+    torch.testing.assert_close(discounted_returns(rewards, mask, gamma=gamma), want, rtol=0, atol=1e-12)
+
+
+def test_the_multi_turn_counts_are_summed_over_the_data_parallel_ranks():
+    """Each rank counts its own rows' tool calls, errors, cut rows...: the step's record holds the job's
+    count (their sum), while the means (turns, tool tokens) stay means and turns_max a maximum."""
+    from collections import Counter
+
+    from pfppo_mega.rollout.multiturn import TurnStats
+    from pfppo_mega.trainer.metrics import aggregate_rank_metrics
+
+    ranks = [TurnStats(rows=2, turns=4, turns_max=3, tokens=10, policy_tokens=6, mismatches=1,
+                       counts=Counter({"tool_calls": 3, "tool_call_errors": 1, "tool_calls_dropped": 2,
+                                       "cut_before_answer": 1, "interaction_turns": 2, "tool/calc/calls": 2,
+                                       "tool/calc/errors": 1, "tool/calc/ok": 2.0})),
+             TurnStats(rows=2, turns=2, turns_max=1, tokens=10, policy_tokens=8, mismatches=0,
+                       counts=Counter({"tool_calls": 1, "tool_call_errors": 0, "tool/calc/calls": 1,
+                                       "tool/calc/ok": 1.0}))]
+    out = aggregate_rank_metrics([r.metrics() for r in ranks])
+    both = TurnStats()
+    for r in ranks:
+        both.add(r)
+    one = both.metrics()  # the same rows counted on one rank
+    for k in ("rollout/tool_call_errors", "rollout/tokenization_mismatches", "rollout/tool_calls_dropped",
+              "rollout/cut_before_answer", "rollout/interaction_turns", "tool/calc/calls", "tool/calc/errors",
+              "rollout/turns_mean", "rollout/turns_max", "rollout/tool_calls_mean", "rollout/tool_tokens_frac",
+              "tool/calc/ok"):
+        assert out[k] == pytest.approx(one[k]), k

@@ -175,15 +175,28 @@ def test_tools_from_verl_config_files(setup, tmp_path):
 
     from pfppo_mega.rollout.tools.answers import Gsm8kInteraction, Gsm8kTool
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     paths, ckpt, tok = setup
     data = ROOT / "tests" / "data" / "tools"
+    files = {}
+    for name in ("train.parquet", "test.parquet"):  # each row's ground truth in its tool's and user's kwargs,
+        rows = pq.read_table(paths[name]).to_pylist()  # as verl's gsm8k multi-turn preprocessing writes it
+        for r in rows:
+            gt = r["reward_model"]["ground_truth"]
+            r["extra_info"] = {**r["extra_info"],
+                               "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": gt}}},
+                               "interaction_kwargs": {"name": "gsm8k", "ground_truth": gt}}
+        files[name] = tmp_path / name
+        pq.write_table(pa.Table.from_pylist(rows), files[name])
     cfg = load_config_dict({
         "actor_rollout": {"model_path": str(ckpt), "n_samples_per_prompt": 1,
                           "multi_turn": {"enable": True, "max_assistant_turns": 3,
                                          "tool_config_path": str(data / "gsm8k_tool_config.yaml"),
                                          "interaction_config_path": str(data / "gsm8k_interaction_config.yaml")}},
-        "data": {"source": "files", "train_files": [str(paths["train.parquet"])],
-                 "val_files": [str(paths["test.parquet"])], "max_prompt_length": 160, "eval_size": 2},
+        "data": {"source": "files", "train_files": [str(files["train.parquet"])],
+                 "val_files": [str(files["test.parquet"])], "max_prompt_length": 160, "eval_size": 2},
         "algorithm": {"max_response_length": 320},
         "training": {"rollout_batch_size": 2, "batch_size": 2, "total_training_steps": 1, "seed": 3,
                      "num_threads": 1},

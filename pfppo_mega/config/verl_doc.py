@@ -116,12 +116,19 @@ deepeyes' image-zoom tool is refused when its tool file is read at start.
   would leave no room for one more policy token ends the row, as verl does; a turn's first
   `max_parallel_calls` calls run, the rest are counted (`rollout/tool_calls_dropped`); tool answers
   are cut by characters with verl's marks; `max_assistant_turns` / `max_user_turns` 0 or null mean no
-  limit. GAE skips the mask-0 tokens as verl 0.9.1's `compute_gae_advantage_return` does. Differences:
+  limit. GAE skips the mask-0 tokens as verl 0.9.1's `compute_gae_advantage_return` does; REINFORCE++'s discounted
+  return skips them too (verl 0.9.1 resets it at every mask-0 token, so there the turns before a tool
+  answer get no outcome reward). Differences:
   tool and user turns are rendered with the checkpoint's template against a fixed two-message
   conversation (verl renders the new messages alone and strips the system prompt), plus the
   template's text after the assistant's EOS (Qwen's newline, which verl leaves out); every row's tools
   get `create` with its `create_kwargs` once at the row's start and `release` at its end (verl creates
-  and releases an instance per call); an interaction's final (terminating) reply is not appended;
+  and releases an instance per call), so a tool's state lasts the row: the gsm8k / geo3k tools' step
+  reward compares a call's score with the row's previous call's (a repeated right answer costs -0.05),
+  where verl's fresh instance starts from 0 at every call (a right answer 0.0, a wrong one -0.05); the
+  outcome reward sits on the row's last token, always a policy token here (verl's reward manager puts it
+  on the last response token, which is the terminating user reply when an interaction ends a row, a
+  mask-0 token its GAE then skips); an interaction's final (terminating) reply is not appended;
   `format` other than hermes and `use_inference_chat_template: true` are refused; `num_repeat_rollouts`
   is ignored (verl 0.9.1 reads it nowhere); `data.tool_config_path` must name the rollout's file or be
   unset. Evaluation runs the held-out rows as conversations with the same tools. Refused with it at load:

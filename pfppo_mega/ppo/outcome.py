@@ -125,15 +125,20 @@ def grpo_passk_advantages(token_rewards, mask, group_ids, *, norm_adv_by_std_in_
 
 
 def discounted_returns(token_rewards, mask, *, gamma: float):
-    """G_t = r_t + gamma G_{t+1} within each response (0 after its last token). [B, T] -> [B, T]."""
+    """G_t = r_t + gamma G_{t+1} within each response (0 after its last token). [B, T] -> [B, T].
+
+    A mask with gaps (a multi-turn response: tool and user tokens, mask 0, between the policy's turns)
+    is skipped as GAE skips it (ppo/advantages.py): "t+1" is the next mask-1 token, so the outcome
+    reward on the last policy token reaches every turn. (verl 0.9.1 resets the return at every mask-0
+    token, so there the turns before a tool answer get none of it.) Right padding carries the initial 0.
+    """
     r = zero_padding(token_rewards, mask)
-    m = mask.to(r.dtype)
+    real = mask.bool()
     returns = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(real[:, t], r[:, t] + gamma * running, running)  # a gap carries it unchanged
         returns[:, t] = running
-        running = running * m[:, t]                                        # reset past the response
     return zero_padding(returns, mask)
 
 

@@ -18,11 +18,11 @@ One loop iteration is one engine call over the rows still generating. Every row'
 the largest remaining budget (``max_response_length`` counts every response token, tool tokens
 included, as verl's ``response_length``), capped so that no row's context passes
 ``max_context``; a row given fewer tokens than its budget continues its turn in the next call. A
-turn ends at EOS; then its tool calls (Hermes) run in a thread pool of ``max_parallel_calls``
-(verl runs a turn's first ``max_parallel_calls`` calls; the rest are counted as dropped), their
-answers are rendered with the model's chat template and appended. A row ends when its turn has
-no tool call and no interaction wants to go on, at ``max_assistant_turns`` / ``max_user_turns``, or
-when its budget is spent (cut: finished False).
+turn ends at EOS; then its tool calls (Hermes, read with special tokens kept) run in a thread pool
+of ``max_parallel_calls`` (verl runs a turn's first ``max_parallel_calls`` calls; the rest are
+counted as dropped), their answers are rendered with the model's chat template and appended. A
+row ends when its turn has no tool call and no interaction wants to go on, at
+``max_assistant_turns`` / ``max_user_turns``, or when its budget is spent (cut: finished False).
 
 Tool answers are cut, as verl 0.9.1 cuts them, by characters: longer than
 ``max_tool_response_length`` characters keeps the first (left), the last (right) or both halves
@@ -32,8 +32,9 @@ Bad calls are the policy's: malformed JSON, an unknown tool name, a tool that ra
 with something that is not a ToolResult of text -- each answers the policy with an error message
 and is counted (``rollout/tool_call_errors``). Setup faults stop the run with the row named: a
 row's ``tools_kwargs`` naming a tool that is not configured, an interaction name that is not
-configured, a tool whose ``create`` raises. Every row's tool instances are released when the row
-ends, and every one left when the loop raises.
+configured, a row without ``interaction_kwargs`` when interactions are configured (verl fails on it
+too), a tool whose ``create`` raises. Every row's tool instances are released when the row ends, and
+every one left when the loop raises.
 """
 
 from __future__ import annotations
@@ -197,8 +198,12 @@ def row_kwargs(extra_info: dict[str, Any], toolset: ToolSet, where: str) -> tupl
                                  f"got {kw!r}")
         create[name] = kw
     ik = extra_info.get("interaction_kwargs")
-    if ik is None or not toolset.interactions:
-        return create, None
+    if not toolset.interactions:
+        return create, None  # verl reads interaction_kwargs only with an interaction config
+    if ik is None:  # verl's agent loop fails on such a row too (it reads kwargs["interaction_kwargs"])
+        raise ToolSetupError(f"{where}: extra_info.interaction_kwargs is missing: with interactions configured "
+                             f"({sorted(toolset.interactions)}; actor_rollout.multi_turn.interaction_config_path) "
+                             f"every row names its interaction ({{name: ..., <its kwargs>}})")
     if not isinstance(ik, dict) or not isinstance(ik.get("name"), str):
         raise ToolSetupError(f"{where}: extra_info.interaction_kwargs must be a mapping with a string 'name' "
                              f"(configured interactions: {sorted(toolset.interactions)}), got {str(ik)[:120]}")
@@ -315,7 +320,8 @@ class MultiTurnRollout:
     def _shared(self, work: Callable[[], None], active: Optional[list[_Row]]) -> None:
         """``work`` on this rank (the leader's part), then, with ``share``, the leader's outcome on every
         rank of its replica: the other ranks take the ``active`` rows' state and the counts from it, and
-        raise with it when it failed (no rank is left waiting in the next collective)."""
+        raise with it when it failed; ``share`` also reports another replica's failure, so every rank of
+        the job stops together (no rank is left waiting in the next collective)."""
         error: Optional[BaseException] = None
         try:
             work()
@@ -333,7 +339,8 @@ class MultiTurnRollout:
                     vars(row).update(state)
                 self.counts = Counter(got["counts"])
             if got["error"] is not None and error is None:
-                raise ToolSetupError(f"multi-turn: the rank that runs this replica's tools stopped: {got['error']}")
+                raise ToolSetupError(f"multi-turn: a rank that runs the tools stopped (this replica's leader, or "
+                                     f"the replica named): {got['error']}")
         if error is not None:
             raise error
 
@@ -342,6 +349,10 @@ class MultiTurnRollout:
         eos = self.tokenizer.eos_id
         for b, (row, rem) in enumerate(zip(active, remaining)):
             n = int(out.lengths[b])
+            if n < 1:  # asked for >= 1 token with budget left: asking again would loop for ever
+                raise RuntimeError(f"multi-turn row {row.index}: the engine returned no token for it with {rem} of "
+                                   f"its {self.budget}-token budget left (context {len(row.context)} tokens); an "
+                                   f"engine must generate at least one token per call")
             new = out.responses[b, :n].tolist()[:rem]
             lp = out.logprobs[b, :n].tolist()[:rem]
             row.tokens += new
@@ -366,6 +377,10 @@ class MultiTurnRollout:
 
     def _after_turn(self, row: _Row) -> None:
         text = self.tokenizer.decode(row.turn)  # stops at EOS, drops special tokens
+        # the calls are read with special tokens kept (as verl's parser decodes): a tokenizer that makes
+        # <tool_call> a special token would otherwise hide every call
+        written = row.turn[: row.turn.index(self.tokenizer.eos_id)] if self.tokenizer.eos_id in row.turn else row.turn
+        calls_text = raw_text(self.tokenizer, written)
         row.texts.append(text)
         row.turn = []
         row.assistant_turns += 1
@@ -377,7 +392,7 @@ class MultiTurnRollout:
             return self._end(row, finished=True)
         if lim.max_user_turns and row.user_turns >= lim.max_user_turns:
             return self._end(row, finished=True)
-        calls, errors = parse_hermes(text)
+        calls, errors = parse_hermes(calls_text)
         if calls or errors:
             messages = self._run_tools(row, calls, errors)
         elif row.interaction is not None:
@@ -418,7 +433,8 @@ class MultiTurnRollout:
         keep = calls[: self.limits.max_parallel_calls]
         self.counts["tool_calls_dropped"] += len(calls) - len(keep)
         with ThreadPoolExecutor(max_workers=self.limits.max_parallel_calls) as pool:
-            answers = list(pool.map(lambda c: self._call(row, c), keep))
+            outcomes = list(pool.map(lambda c: self._call(row, c), keep))
+        answers = [self._account(row, name, text, res, bad) for name, text, res, bad in outcomes]  # this thread
         row.tool_calls += len(keep) + len(errors)
         row.tool_errors += len(errors)
         self.counts["tool_calls"] += len(keep) + len(errors)
@@ -427,32 +443,38 @@ class MultiTurnRollout:
         limit, side = self.limits.max_tool_response_length, self.limits.truncate_side
         return [{"role": "tool", "content": truncate_text(t, limit, side)} for t in texts]
 
-    def _call(self, row: _Row, call: ToolCall) -> str:
-        """One call's answer text; a failure is the policy's (an error message), counted."""
+    def _call(self, row: _Row, call: ToolCall) -> tuple[str, str, Optional[ToolResult], str]:
+        """One call, in a worker thread: (tool name, answer text, its ToolResult or None, why it is the
+        policy's error or ""). Touches no shared state: the counts and the row's sums are added by
+        _account in the loop's thread (a turn's calls run in parallel)."""
         tool = self.toolset.tools.get(call.name)
         if tool is None:
-            return self._error(row, call.name, f"Error: tool {call.name!r} does not exist (available: "
-                                               f"{', '.join(sorted(self.toolset.tools)) or 'none'})")
+            return call.name, f"Error: tool {call.name!r} does not exist (available: " \
+                              f"{', '.join(sorted(self.toolset.tools)) or 'none'})", None, "unknown"
         try:
             res = tool.execute(row.tool_ids[call.name], call.arguments)
         except Exception as e:  # the tool failed on the policy's arguments: the policy reads why
-            return self._error(row, call.name, f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}")
+            return call.name, f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", None, "raised"
         if not isinstance(res, ToolResult) or not isinstance(res.text, str):
-            self._log_once(f"bad-result-{call.name}", f"[pfppo] multi-turn: tool {call.name!r}.execute returned "
-                           f"{str(res)[:120]} (must be a ToolResult with text a str); the policy reads an error "
-                           f"message, counted in rollout/tool_call_errors")
-            return self._error(row, call.name, f"Error: tool {call.name!r} returned no text")
-        self.counts[f"tool/{call.name}/calls"] += 1
+            return call.name, f"Error: tool {call.name!r} returned no text", None, f"returned {str(res)[:120]}"
+        return call.name, res.text, res, ""
+
+    def _account(self, row: _Row, name: str, text: str, res: Optional[ToolResult], bad: str) -> str:
+        """One call's outcome into the counts and the row's sums; its answer text."""
+        if bad:
+            if bad.startswith("returned"):
+                self._log_once(f"bad-result-{name}", f"[pfppo] multi-turn: tool {name!r}.execute {bad} (must be a "
+                               f"ToolResult with text a str); the policy reads an error message, counted in "
+                               f"rollout/tool_call_errors")
+            row.tool_errors += 1
+            self.counts["tool_call_errors"] += 1
+            self.counts[f"tool/{name}/errors"] += 1
+            return text
+        self.counts[f"tool/{name}/calls"] += 1
         if res.reward is not None:
             row.tool_reward += float(res.reward)
         for k, v in res.metrics.items():
-            self.counts[f"tool/{call.name}/{k}"] += float(v)
-        return res.text
-
-    def _error(self, row: _Row, name: str, text: str) -> str:
-        row.tool_errors += 1
-        self.counts["tool_call_errors"] += 1
-        self.counts[f"tool/{name}/errors"] += 1
+            self.counts[f"tool/{name}/{k}"] += float(v)
         return text
 
     def _log_once(self, key: str, line: str) -> None:

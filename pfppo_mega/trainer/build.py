@@ -363,10 +363,25 @@ def build_strategies(cfg: Config, *, gen: Generation, state: TrainState, par: Pa
 
 
 def check_turn_rows(turns: Turns, rows: list, *, log: Callable[[str], None]) -> None:
-    """Every row's extra_info.tools_kwargs / interaction_kwargs against the configured tools (named errors
-    at start, not at the step that draws the row)."""
+    """Every row's extra_info.tools_kwargs / interaction_kwargs against the configured tools, and against
+    what the built-in tools' ``create`` / the interaction's ``start`` would refuse (``check_create`` /
+    ``check_start``, e.g. a missing ground_truth): named errors at start, not at the step that draws the
+    row."""
     for i, s in enumerate(rows):
-        row_kwargs(s.extra_info or {}, turns.toolset, f"data row {s.row or i}")
+        where = f"data row {s.row or i}"
+        create, inter = row_kwargs(s.extra_info or {}, turns.toolset, where)
+        checks = [(f"tool {name!r}", getattr(turns.toolset.tools[name], "check_create", None), kw)
+                  for name, kw in create.items()]
+        if inter is not None:
+            checks.append((f"interaction {inter[0]!r}",
+                           getattr(turns.toolset.interactions[inter[0]], "check_start", None), inter[1]))
+        for what, check, kw in checks:
+            if check is None:
+                continue
+            try:
+                check(**kw)
+            except (ValueError, TypeError) as e:
+                raise ToolSetupError(f"{where}: {what} cannot start with it: {e}") from e
     log(f"[pfppo] multi-turn rollouts: tools {sorted(turns.toolset.tools) or 'none'}, interactions "
         f"{sorted(turns.toolset.interactions) or 'none'}"
         + ("" if turns.toolset.tools or turns.toolset.interactions else

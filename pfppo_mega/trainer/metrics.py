@@ -165,17 +165,25 @@ def quantiles(x: torch.Tensor, qs=(0.1, 0.5, 0.9)) -> dict[str, float]:
 # ----------------------------------------------------------------------------- data-parallel aggregation
 
 
+# rollout/multiturn.py's TurnStats.metrics counts (each rank's rows): the job's count is their sum
+MULTI_TURN_COUNTS = ("rollout/tool_call_errors", "rollout/tokenization_mismatches", "rollout/tool_calls_dropped",
+                     "rollout/cut_before_answer", "rollout/interaction_turns")
+
+
 def _rule(key: str) -> str:
     """How one metric combines over data-parallel ranks (each rank saw its own part of the batch).
 
     max:  maxima and the slowest rank's times        (*_max, */max, time/*, perf/step_s, perf/step_end_s)
-    sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count, rollout/logp_gap_*rows)
+    sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count, rollout/logp_gap_*rows,
+          the multi-turn counts: MULTI_TURN_COUNTS, tool/<name>/calls and tool/<name>/errors)
     same: counters that are already global            (guard/*: every rank holds the total; max)
     mean: everything else (means over equal-sized per-rank shares)
     """
     if key in ("perf/step_s", "perf/step_end_s") or key.startswith("time/") or key.endswith(("_max", "/max")):
         return "max"
     if key in ("perf/tokens_per_s", "rollout/logp_gap_rows", "rollout/logp_gap_check_rows") or key.endswith("/count"):
+        return "sum"
+    if key in MULTI_TURN_COUNTS or (key.startswith("tool/") and key.endswith(("/calls", "/errors"))):
         return "sum"
     if key.startswith("guard/"):
         return "same"

@@ -6,6 +6,7 @@ every tool instance released; bad config values are refused at load by key."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def test_create_kwargs_for_a_tool_not_configured_is_refused_naming_the_row(tok, 
     ({"tools_kwargs": {"calc": {"create_kwargs": 5}}}, "create_kwargs must be a mapping"),
     ({"interaction_kwargs": {"name": "judge"}}, "interaction_kwargs.name = 'judge' is not configured"),
     ({"interaction_kwargs": "teacher"}, "must be a mapping with a string 'name'"),
+    ({}, r"multi-turn row 0 .*: extra_info.interaction_kwargs is missing: with interactions configured "
+         r"\(\['teacher'\]"),
 ])
 def test_bad_row_kwargs_are_named(tok, template, extra, fragment):
     s = _sample(tok, template, "What is 2+3?", extra)
@@ -173,3 +176,98 @@ def test_verl_multi_turn_values_that_cannot_be_honoured_are_refused(override, fr
     with pytest.raises(ConfigError) as e:
         resolve_config_dict({}, base + [override])
     assert len(e.value.problems) == 1 and fragment in str(e.value), str(e.value)
+
+
+def test_another_replicas_tool_failure_stops_this_replica_too(tok, template, monkeypatch):
+    """With the rollout split the engine calls are world collectives: when replica 1's leader stops (its
+    interaction raised), replica 0's ranks must stop at the same share, not go on to the next call and
+    wait there for ranks that left. Replica 0's rows' tools are released."""
+    from types import SimpleNamespace
+
+    from pfppo_mega.rollout.multiturn import MultiTurnRollout, ToolSet, TurnTokens
+    from pfppo_mega.trainer.colocation import generation
+    from pfppo_mega.trainer.colocation.rollout_split import SplitLayout
+    from test_multiturn import PARAMS, Scripted
+
+    calls = []
+
+    def gather(out, mine, group=None):  # this rank (replica 0's leader) and replica 1's leader
+        calls.append(mine)
+        other = {"error": "ToolSetupError: interaction 'teacher'.respond raised" if len(calls) == 2 else None,
+                 "rows": [], "counts": {}}
+        out[0], out[1] = mine, (1, True, other)
+
+    monkeypatch.setattr(generation.dist, "all_gather_object", gather)
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda group=None: 2)
+    gen = SimpleNamespace(split=SplitLayout(world=2, rank=0, rollout_tp=1, dp_rank=0, replica_leader=True),
+                          sync=SimpleNamespace(world=None))
+    gen._runs_tools = lambda replicated: generation.Generation._runs_tools(gen, replicated)
+    share = generation.Generation._share_of(gen, False)
+    calc = Calc()
+    samples = [_sample(tok, template, "What is 2+3?", i=0)]
+    loop = MultiTurnRollout(generate=Scripted(tok, [s.prompt_ids for s in samples], [[CALL, "done"]]),
+                            tokenizer=tok, turn_tokens=TurnTokens(template, tok), toolset=ToolSet({"calc": calc}),
+                            limits=TurnLimits(), max_response_length=300, max_context=400, share=share,
+                            log=lambda *_: None)
+    with pytest.raises(ToolSetupError, match="replica 1: ToolSetupError: interaction 'teacher'"):
+        loop.run(samples, PARAMS)
+    assert len(calls) == 2 and calc.released == ["r0-calc"]
+
+
+def test_an_engine_that_returns_no_token_for_a_row_is_an_error_not_a_loop(tok, template):
+    """A row given no token (no EOS, budget left) would be asked again forever: stopped, the row named."""
+    from pfppo_mega.rollout.base import RolloutOutput
+    from pfppo_mega.rollout.multiturn import MultiTurnRollout, ToolSet, TurnTokens
+    from test_multiturn import PARAMS
+    import torch
+
+    calls = []
+
+    def empty(prompts, params):
+        calls.append(len(prompts))
+        if len(calls) > 20:
+            raise AssertionError("the loop asked for the same row again and again")
+        B = len(prompts)
+        return RolloutOutput(prompts=prompts, responses=torch.zeros(B, 0, dtype=torch.long),
+                             response_mask=torch.zeros(B, 0), logprobs=torch.zeros(B, 0),
+                             lengths=torch.zeros(B, dtype=torch.long), finished=torch.zeros(B, dtype=torch.bool),
+                             weight_version=1)
+
+    calc = Calc()
+    loop = MultiTurnRollout(generate=empty, tokenizer=tok, turn_tokens=TurnTokens(template, tok),
+                            toolset=ToolSet({"calc": calc}), limits=TurnLimits(), max_response_length=30,
+                            max_context=400, log=lambda *_: None)
+    with pytest.raises(RuntimeError, match="row 0: the engine returned no token"):
+        loop.run([_sample(tok, template, "What is 2+3?")], PARAMS)
+    assert len(calls) == 1 and calc.released == ["r0-calc"]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}},
+     "data row test:0: tool 'calc_gsm8k_reward' cannot start with it: tool 'calc_gsm8k_reward': create needs "
+     "ground_truth"),
+    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": ["72"]}}},
+      "interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}}, "got ['72']"),
+    ({"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+      "interaction_kwargs": {"name": "gsm8k"}}, "interaction 'gsm8k' cannot start with it: interaction 'gsm8k': "
+                                                 "start needs ground_truth"),
+])
+def test_a_row_the_built_in_tools_cannot_start_with_is_refused_at_start(tok, template, extra, fragment):
+    """verl's gsm8k tool / interaction need the row's ground truth in its kwargs: a row without it is named
+    when the run starts, not at the step that draws it (where its create would stop the run)."""
+    from types import SimpleNamespace
+
+    from pfppo_mega.rollout.multiturn import ToolSet
+    from pfppo_mega.rollout.tools.answers import Gsm8kInteraction, Gsm8kTool
+    from pfppo_mega.trainer.build import check_turn_rows
+
+    schema = {"type": "function", "function": {"name": "calc_gsm8k_reward", "description": "grade",
+                                               "parameters": {"type": "object", "properties": {}, "required": []}}}
+    turns = SimpleNamespace(toolset=ToolSet({"calc_gsm8k_reward": Gsm8kTool(config={}, tool_schema=schema)},
+                                            {"gsm8k": Gsm8kInteraction(config={"name": "gsm8k"})}))
+    good = _sample(tok, template, "What is 2+3?", {
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+        "interaction_kwargs": {"name": "gsm8k", "ground_truth": "72"}}, i=1)
+    check_turn_rows(turns, [good], log=lambda *_: None)
+    with pytest.raises(ToolSetupError, match=re.escape(fragment)):
+        check_turn_rows(turns, [_sample(tok, template, "What is 2+3?", extra), good], log=lambda *_: None)

@@ -6,7 +6,8 @@ verl.interactions.gsm8k_interaction.Gsm8kInteraction). Each row's ground truth a
 
 The tools' step reward is verl's: a call whose score does not beat the row's previous call's score
 costs -0.05, an improving call 0.0 (so the first correct call is free and repeating it costs). The
-score itself is logged as ``tool/<name>/score``.
+score itself is logged as ``tool/<name>/score``. An instance lasts the row here; verl 0.9.1 creates
+one per call, so there the previous score is always 0 (docs/multiturn_tools.md).
 
 GSM8K (verl's gsm8k reward with its exact rules, which differ from rewards/rules.py's gsm8k scorer):
     only the text's last 300 characters are read;
@@ -180,12 +181,16 @@ class _AnswerTool:
         self.schema, self.name = tool_schema, _schema_name(tool_schema)
         self._rows: dict[str, dict[str, Any]] = {}
 
-    def create(self, instance_id: str, **create_kwargs: Any) -> None:
+    def check_create(self, **create_kwargs: Any) -> None:
+        """What ``create`` would refuse in a row's create_kwargs (checked for every row at start)."""
         gt = create_kwargs.get("ground_truth")
         if gt is None or isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
             raise ValueError(f"tool {self.name!r}: create needs ground_truth (a string or a number: the row's "
                              f"extra_info.tools_kwargs.{self.name}.create_kwargs.ground_truth); got {gt!r}")
-        self._rows[instance_id] = {"ground_truth": gt, "score": 0.0}
+
+    def create(self, instance_id: str, **create_kwargs: Any) -> None:
+        self.check_create(**create_kwargs)
+        self._rows[instance_id] = {"ground_truth": create_kwargs["ground_truth"], "score": 0.0}
 
     def _row(self, instance_id: str) -> dict[str, Any]:
         if instance_id not in self._rows:
@@ -243,12 +248,16 @@ class Gsm8kInteraction:
         self.name = config["name"]
         self._rows: dict[str, Any] = {}
 
-    def start(self, instance_id: str, **kwargs: Any) -> None:
+    def check_start(self, **kwargs: Any) -> None:
+        """What ``start`` would refuse in a row's interaction_kwargs (checked for every row at start)."""
         gt = kwargs.get("ground_truth")
         if gt is None or isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
             raise ValueError(f"interaction {self.name!r}: start needs ground_truth (a string or a number: the row's "
                              f"extra_info.interaction_kwargs.ground_truth); got {gt!r}")
-        self._rows[instance_id] = gt
+
+    def start(self, instance_id: str, **kwargs: Any) -> None:
+        self.check_start(**kwargs)
+        self._rows[instance_id] = kwargs["ground_truth"]
 
     def respond(self, instance_id: str, messages: list[dict[str, Any]]) -> InteractionTurn:
         if instance_id not in self._rows:

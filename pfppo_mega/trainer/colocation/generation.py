@@ -290,6 +290,22 @@ def build_turns(cfg, tokenizer: Tokenizer, template, toolset: ToolSet) -> Option
     return Turns(toolset, TurnTokens(template, tokenizer), TurnLimits.from_config(mt))
 
 
+def shared_payload(everyone: list[tuple[int, bool, dict[str, Any]]], key: int) -> dict[str, Any]:
+    """The payload of replica ``key``'s leader among every rank's (replica, leads, payload), with its
+    ``error`` set to another replica's when only that one failed: the next engine call and agreement are
+    world collectives, so when any replica's leader stops every rank must stop with it (else the ranks
+    of the other replicas wait in the next collective for ranks that left)."""
+    found = [p for k, lead, p in everyone if lead and k == key]
+    if len(found) != 1:
+        raise RuntimeError(f"multi-turn: {len(found)} ranks run the tools of replica {key} (expected 1)")
+    mine = found[0]
+    if mine["error"] is None:
+        failed = [(k, p["error"]) for k, lead, p in everyone if lead and k != key and p["error"] is not None]
+        if failed:
+            mine = {**mine, "error": f"replica {failed[0][0]}: {failed[0][1]}"}
+    return mine
+
+
 class Generation:
     def __init__(self, cfg, *, engine, sync: EngineSync, offload: TrainerOffload, tokenizer: Tokenizer,
                  rng: random.Random, device: torch.device, guards: dict[str, int],
@@ -466,10 +482,7 @@ class Generation:
         def share(payload: Any) -> Any:
             everyone: list = [None] * dist.get_world_size(self.sync.world)
             dist.all_gather_object(everyone, (key, leader, payload), group=self.sync.world)
-            found = [p for k, lead, p in everyone if lead and k == key]
-            if len(found) != 1:
-                raise RuntimeError(f"multi-turn: {len(found)} ranks run the tools of replica {key} (expected 1)")
-            return found[0]
+            return shared_payload(everyone, key)
         return share
 
     def take_turn_metrics(self) -> dict[str, float]:
