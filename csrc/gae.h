@@ -10,7 +10,8 @@
 //   whiten_scale             mean, 1/std and the value added back, per mode
 //   gae_delta, gae_advantage, gae_return, whiten_token   the per-token math of both devices
 //
-// Per token, over right-padded [B, T] with mask m:
+// Per token, over right-padded [B, T] with mask m (a mask with gaps, a multi-turn row, reaches the
+// kernels compacted: pfppo_mega/kernels/ops.py gae moves each row's real tokens to its front):
 //   delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t
 //   A_t     = m_t (delta_t + gamma lam A_{t+1}),   R_t = m_t (A_t + V_t),   A_T = 0
 // Whitening: A <- (A - mean) / sqrt(var + 1e-8) over real tokens (unbiased var), + mean again

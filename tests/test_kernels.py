@@ -351,7 +351,7 @@ def test_gae_fused_whitening(shift_mean, dtype):
 
 
 def test_gae_against_scalar_loop():
-    """An independent reference: the recursion written token by token in Python floats."""
+    """An independent reference: the recursion written token by token in Python floats (gaps skipped)."""
     inputs = gae_inputs(3, 12, seed=20, dtype=torch.float32)
     mask = ragged_mask(3, 12, seed=20, holes=True)
     gamma, lam = 0.9, 0.8
@@ -363,8 +363,8 @@ def test_gae_against_scalar_loop():
             if m[b][t]:
                 a = r[b][t] + gamma * next_value - v[b][t] + gamma * lam * next_adv
                 want_adv, want_ret, next_value, next_adv = a, a + v[b][t], v[b][t], a
-            else:
-                want_adv, want_ret, next_value, next_adv = 0.0, 0.0, 0.0, 0.0
+            else:  # a gap (tool tokens in a multi-turn row): 0 here, skipped by the recursion
+                want_adv, want_ret = 0.0, 0.0
             assert adv[b, t].item() == pytest.approx(want_adv, abs=1e-5), (b, t)
             assert ret[b, t].item() == pytest.approx(want_ret, abs=1e-5), (b, t)
 

@@ -329,7 +329,8 @@ def test_gae_skips_the_tool_tokens_as_verl_does(gamma, lam):
     assert not torch.allclose(compute_gae(rewards, values, cut.double(), gamma=gamma, lam=lam)[0][0, :3], adv[0, :3])
 
 
-def test_the_fused_gae_takes_the_reference_on_a_gapped_mask():
+def test_the_fused_gae_skips_the_gaps_of_a_mask():
+    """The kernel scans the compacted rows (ops.gae): equal to the gap-skipping reference."""
     from pfppo_mega.kernels.backends import FusedBackend, fused_available
 
     if not fused_available("cpu"):

@@ -139,7 +139,8 @@ def gae_chunked(rewards, values, mask, *, gamma, lam, chunk: int = 64):
     solved `chunk` steps at a time, last chunk first:
         A_t = sum_{k >= t} [no padding in [t, k)] (gamma lam)^(k - t) b_k
               + prod_{j >= t} c_j * A(start of the next chunk)
-    with a [B, chunk, chunk] weight tensor per chunk. [B, T] -> ([B, T], [B, T])."""
+    with a [B, chunk, chunk] weight tensor per chunk. [B, T] -> ([B, T], [B, T]). Right-padded masks
+    (a gap inside a row cuts the recursion there; compute_gae skips it)."""
     keep = mask.bool()
     m = mask.to(values.dtype)
     v = torch.where(keep, values, torch.zeros_like(values))

@@ -262,10 +262,7 @@ class FusedBackend:
     def gae(self, rewards, values, mask, *, gamma, lam, whiten=False):
         _check_bt("FusedBackend.gae", values=values, rewards=rewards, mask=mask)
         _kernel_dtype("gae", ("values", values))
-        # The kernel's scan assumes right-padded (prefix) masks; a multi-turn mask with gaps (tool tokens
-        # between the policy's turns) takes the reference, which skips the gaps as verl does. A host sync.
-        if bool(ppo.advantages.has_gaps(mask)):
-            return TorchBackend().gae(rewards, values, mask, gamma=gamma, lam=lam, whiten=whiten)
+        # a multi-turn mask with gaps is compacted inside ops.gae (the kernels scan prefix masks)
         rewards = rewards.to(values.dtype).contiguous()  # the reference computes in values.dtype
         return ops.gae(
             rewards.detach(), values.detach().contiguous(), _as_mask(mask),

@@ -22,6 +22,7 @@ from pfppo_mega.kernels.shard_math import (  # noqa: F401  (re-exported: the com
     finish_partials,
     rescale_partials,
 )
+from pfppo_mega.ppo.advantages import has_gaps
 
 try:
     from pfppo_mega import _C
@@ -333,6 +334,18 @@ def gae(
     whiten: advantages -> masked_whiten(advantages, mask, shift_mean) (returns unchanged).
     row_chunks: pieces per row of the chunked scan (0 = automatic; > 1 forces it, for tests).
     Not differentiable (backward raises).
+
+    The kernels scan right-padded (prefix) masks. A mask with gaps (a multi-turn response: tool and
+    user tokens, mask 0, between the policy's turns) means GAE over the real tokens alone, the gaps
+    skipped (compute_gae): that is GAE over each row's real tokens moved to its front, so such a
+    mask is compacted (a stable sort per row), scanned, and the outputs put back (0 in the gaps).
+    Checking for gaps is one host sync.
     """
     require_device(values, "values")
+    if mask.device.type != "meta" and mask.dim() == 2 and bool(has_gaps(mask)):
+        order = torch.sort((~mask.bool()).to(torch.uint8), dim=1, stable=True).indices     # [B, T] real first
+        adv, ret = torch.ops.pfppo.gae(rewards.gather(1, order).contiguous(), values.gather(1, order).contiguous(),
+                                       mask.gather(1, order).contiguous(), gamma, lam, whiten, shift_mean, row_chunks)
+        return torch.empty_like(adv).scatter_(1, order, adv), torch.empty_like(ret).scatter_(1, order, ret)
     return torch.ops.pfppo.gae(rewards, values, mask, gamma, lam, whiten, shift_mean, row_chunks)
+
