@@ -91,6 +91,7 @@ MAX_THREADS = 1024
 MAX_HEAD_CHUNK_TOKENS = 1 << 20  # training.fused_head_chunk_tokens (rows of one [chunk, V] logits block)
 MAX_REWARD_WORKERS = 256  # reward.num_workers (processes running a user reward function)
 MAX_REWARD_TIMEOUT_S = 3600.0  # reward.timeout_s, per sample
+MAX_TOOL_TIMEOUT_S = 86_400.0  # actor_rollout.multi_turn.tool_timeout_s: at most a day
 MAX_SANDBOX_CONCURRENT = 4096  # reward.sandbox_fusion.max_concurrent (requests in flight)
 MAX_SANDBOX_MEMORY_MB = 1 << 20  # reward.sandbox_fusion.memory_limit_mb (1 TiB)
 COLLECTIVE_TIMEOUT_S = 1800.0  # parallel.collective_timeout_s default (torch's own for gloo and NCCL)

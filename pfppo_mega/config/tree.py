@@ -410,6 +410,10 @@ class MultiTurnConfig(Section):
                                                        "class_name, config}]); null: no simulated user.")
     max_parallel_calls: int = opt(1, "Tool calls of one turn that run (at once, in a thread pool); the calls "
                                      "past it in a turn are not run, as in verl (rollout/tool_calls_dropped).")
+    tool_timeout_s: Optional[float] = opt(300.0, "Seconds a tool call may take; a call still running then answers "
+                                                 "the policy with a timeout error (counted in "
+                                                 "tool/<name>/timeouts and rollout/tool_call_errors) and the "
+                                                 "rollout goes on. null: wait for ever (verl has no such limit).")
     max_tool_response_length: int = opt(256, "Longest tool answer in characters, as verl 0.9.1 counts it; longer "
                                              "ones are cut on tool_response_truncate_side.")
     tool_response_truncate_side: str = opt("middle", "Which part of a long tool answer is kept: left (the first "
@@ -431,6 +435,7 @@ class MultiTurnConfig(Section):
         _range(p, "max_user_turns", self.max_user_turns, ge=0, le=C.MAX_COUNT, optional=True)
         _range(p, "max_parallel_calls", self.max_parallel_calls, ge=1, le=C.MAX_COUNT)
         _range(p, "max_tool_response_length", self.max_tool_response_length, ge=1, le=C.MAX_TOKENS)
+        _range(p, "tool_timeout_s", self.tool_timeout_s, gt=0, le=C.MAX_TOOL_TIMEOUT_S, optional=True)
         for key in ("tool_config_path", "interaction_config_path"):
             value = getattr(self, key)
             if value is not None and not str(value).strip():

@@ -40,8 +40,9 @@ every one left when the loop raises.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -72,11 +73,12 @@ class TurnLimits:
     max_tool_response_length: int = 256
     truncate_side: str = "middle"
     sanity_check: str = "strict"
+    tool_timeout_s: Optional[float] = 300.0
 
     @classmethod
     def from_config(cls, mt) -> "TurnLimits":
         return cls(mt.max_assistant_turns, mt.max_user_turns, mt.max_parallel_calls, mt.max_tool_response_length,
-                   mt.tool_response_truncate_side, mt.tokenization_sanity_check_mode)
+                   mt.tool_response_truncate_side, mt.tokenization_sanity_check_mode, mt.tool_timeout_s)
 
 
 @dataclass
@@ -432,8 +434,7 @@ class MultiTurnRollout:
     def _run_tools(self, row: _Row, calls: list[ToolCall], errors: list[str]) -> list[dict[str, Any]]:
         keep = calls[: self.limits.max_parallel_calls]
         self.counts["tool_calls_dropped"] += len(calls) - len(keep)
-        with ThreadPoolExecutor(max_workers=self.limits.max_parallel_calls) as pool:
-            outcomes = list(pool.map(lambda c: self._call(row, c), keep))
+        outcomes = self._calls_in_threads(row, keep)
         answers = [self._account(row, name, text, res, bad) for name, text, res, bad in outcomes]  # this thread
         row.tool_calls += len(keep) + len(errors)
         row.tool_errors += len(errors)
@@ -442,6 +443,28 @@ class MultiTurnRollout:
         texts = [f"Error: {e}" for e in errors] + answers
         limit, side = self.limits.max_tool_response_length, self.limits.truncate_side
         return [{"role": "tool", "content": truncate_text(t, limit, side)} for t in texts]
+
+    def _calls_in_threads(self, row: _Row, calls: list[ToolCall]) -> list[tuple[str, str, Optional[ToolResult], str]]:
+        """A turn's calls at once, one daemon thread each (a tool that never returns neither holds up
+        the rollout past tool_timeout_s nor the process's exit); a call still running at the deadline
+        is answered with a timeout error."""
+        outcomes: list = [None] * len(calls)
+
+        def run(i: int, call: ToolCall) -> None:
+            outcomes[i] = self._call(row, call)
+
+        threads = [threading.Thread(target=run, args=(i, c), daemon=True, name=f"pfppo-tool-{c.name}")
+                   for i, c in enumerate(calls)]
+        for th in threads:
+            th.start()
+        timeout = self.limits.tool_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, (th, call) in enumerate(zip(threads, calls)):
+            th.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if outcomes[i] is None:  # still running (a thread's outcome is set before it ends)
+                outcomes[i] = (call.name, f"Error: tool {call.name!r} did not answer within {timeout:g} s",
+                               None, "timeout")
+        return outcomes
 
     def _call(self, row: _Row, call: ToolCall) -> tuple[str, str, Optional[ToolResult], str]:
         """One call, in a worker thread: (tool name, answer text, its ToolResult or None, why it is the
@@ -462,6 +485,11 @@ class MultiTurnRollout:
     def _account(self, row: _Row, name: str, text: str, res: Optional[ToolResult], bad: str) -> str:
         """One call's outcome into the counts and the row's sums; its answer text."""
         if bad:
+            if bad == "timeout":
+                self.counts[f"tool/{name}/timeouts"] += 1
+                self._log_once(f"timeout-{name}", f"[pfppo] multi-turn: tool {name!r} did not answer within "
+                               f"actor_rollout.multi_turn.tool_timeout_s = {self.limits.tool_timeout_s:g} s; the "
+                               f"policy reads a timeout error, counted in tool/{name}/timeouts (logged once)")
             if bad.startswith("returned"):
                 self._log_once(f"bad-result-{name}", f"[pfppo] multi-turn: tool {name!r}.execute {bad} (must be a "
                                f"ToolResult with text a str); the policy reads an error message, counted in "

@@ -175,7 +175,7 @@ def _rule(key: str) -> str:
 
     max:  maxima and the slowest rank's times        (*_max, */max, time/*, perf/step_s, perf/step_end_s)
     sum:  rates and counts of the rank's own rows     (perf/tokens_per_s, */count, rollout/logp_gap_*rows,
-          the multi-turn counts: MULTI_TURN_COUNTS, tool/<name>/calls and tool/<name>/errors)
+          the multi-turn counts: MULTI_TURN_COUNTS, tool/<name>/calls, /errors and /timeouts)
     same: counters that are already global            (guard/*: every rank holds the total; max)
     mean: everything else (means over equal-sized per-rank shares)
     """
@@ -183,7 +183,7 @@ def _rule(key: str) -> str:
         return "max"
     if key in ("perf/tokens_per_s", "rollout/logp_gap_rows", "rollout/logp_gap_check_rows") or key.endswith("/count"):
         return "sum"
-    if key in MULTI_TURN_COUNTS or (key.startswith("tool/") and key.endswith(("/calls", "/errors"))):
+    if key in MULTI_TURN_COUNTS or (key.startswith("tool/") and key.endswith(("/calls", "/errors", "/timeouts"))):
         return "sum"
     if key.startswith("guard/"):
         return "same"

@@ -63,6 +63,36 @@ def test_a_tool_answering_without_text_is_an_error_message_and_logged(tok, templ
         assert len(logs) == 1 and "must be a ToolResult with text a str" in logs[0]
 
 
+def test_a_tool_that_never_answers_times_out_and_the_rollout_goes_on(tok, template):
+    """A call still running at tool_timeout_s answers the policy with a timeout error (counted, logged
+    once); the turn's other call answers normally and the row goes on to its next turn."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Hung(Calc):
+        def execute(self, instance_id, arguments):
+            if arguments.get("expr") == "hang":
+                release.wait(60)  # a service that never answers (freed at the test's end)
+            return super().execute(instance_id, arguments)
+
+    hang = CALL.replace("2+3", "hang")
+    logs = []
+    s = _sample(tok, template, "What is 2+3?")
+    t0 = time.monotonic()
+    try:
+        res, _ = _run(tok, template, [s], [[hang + CALL, "The answer is 5."]], tools={"calc": Hung()}, budget=400,
+                      context=600, limits=TurnLimits(max_parallel_calls=2, tool_timeout_s=0.5), log=logs.append)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 30
+    m = res.stats.metrics()
+    assert m["tool/calc/timeouts"] == 1 and m["rollout/tool_call_errors"] == 1 and m["tool/calc/calls"] == 1
+    assert "tool 'calc' did not answer within 0.5 s" in res.texts[0] and res.texts[0].endswith("The answer is 5.")
+    assert len(logs) == 1 and "tool_timeout_s = 0.5 s" in logs[0]
+
+
 def test_create_kwargs_for_a_tool_not_configured_is_refused_naming_the_row(tok, template):
     calc = Calc()
     good = _sample(tok, template, "What is 2+3?")
@@ -148,6 +178,7 @@ def test_the_budget_running_out_in_a_tool_answer_ends_the_row_cut(tok, template)
     (["actor_rollout.multi_turn.max_tool_response_length=0"], "actor_rollout.multi_turn.max_tool_response_length",
      ">= 1"),
     (["actor_rollout.multi_turn.max_assistant_turns=0"], "actor_rollout.multi_turn.max_assistant_turns", ">= 1"),
+    (["actor_rollout.multi_turn.tool_timeout_s=0"], "actor_rollout.multi_turn.tool_timeout_s", "> 0"),
     (["actor_rollout.multi_turn.tool_config_path=' '"], "actor_rollout.multi_turn.tool_config_path",
      "must name a file"),
     (["actor_rollout.multi_turn.enable=true"], "data.source", "needs prompt files rendered with the checkpoint's"),
